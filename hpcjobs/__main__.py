@@ -1,0 +1,3 @@
+from hpcjobs.cli import main
+
+raise SystemExit(main())

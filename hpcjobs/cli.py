@@ -1,0 +1,340 @@
+"""The `hpcjobs` command: one small add/run pair per subcommand and one error boundary (main).
+
+argparse, deliberately: it is in the standard library (nothing to import on a login node but what we use), it passes
+an entry's own arguments through untouched (REMAINDER), and its help is easy to extend with examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
+
+import yaml
+
+from hpcjobs import __version__
+from hpcjobs.errors import HpcjobsError, UsageError
+
+EXAMPLES = {
+    "submit": """examples:
+  hpcjobs submit --profile mycluster --nodes 2 --gpus 8 --time 4:00:00 trainers.tasks.lm --size small --steps 5000
+  hpcjobs submit --profile mycluster --nodes 2 --gpus 8 train.py --config configs/x.yaml   # your own script
+  hpcjobs submit --profile mycluster -m mypkg.train --lr 3e-4                               # python -m style
+  hpcjobs submit --profile local --gpus 2 trainers.tasks.lm --steps 50                     # this machine
+  hpcjobs submit --profile mycluster --nodes 2 --gpus 8 --dry-run trainers.tasks.lm        # show, submit nothing""",
+    "render": """examples:
+  hpcjobs render --profile mycluster --nodes 2 --gpus 8 -o train.sbatch trainers.tasks.lm --size small
+  sbatch train.sbatch""",
+    "profiles": """examples:
+  hpcjobs profiles              # names, where each came from
+  hpcjobs profiles show local   # the resolved profile with every key""",
+    "status": "examples:\n  hpcjobs status 1234\n  hpcjobs status 1234 --json",
+    "list": "examples:\n  hpcjobs list\n  hpcjobs list --state RUNNING --profile mycluster --json",
+    "logs": "examples:\n  hpcjobs logs 1234                 # rank 0, latest restart\n"
+            "  hpcjobs logs 1234 --rank 5 --restart 0\n  hpcjobs logs 1234 --follow",
+    "cancel": "examples:\n  hpcjobs cancel 1234 1235",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line with a hint, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}. HINT: {self.prog} --help shows the flags and examples.\n")
+
+
+def _parser(sub: Any, name: str, help_: str, **kw: Any) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES.get(name),
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
+def _positive(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _job_flags() -> argparse.ArgumentParser:
+    p = Parser(add_help=False)
+    p.add_argument("--profile", required=True, help="cluster profile: a name (`hpcjobs profiles`) or a .yaml path")
+    p.add_argument("--nodes", type=_positive, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus", type=_positive, default=None,
+                   help="GPUs per node, one rank per GPU (like torchrun's --nproc_per_node); ranks = nodes × gpus. "
+                        "Default: all of a node's GPUs per the profile")
+    p.add_argument("--time", help="time limit in Slurm notation, e.g. 4:00:00 or 1-00:00:00 (default: profile's)")
+    p.add_argument("--name", help="job name (default: from the entry)")
+    p.add_argument("--partition", help="override the profile's partition")
+    p.add_argument("--account", help="override the profile's account")
+    p.add_argument("--qos", help="override the profile's qos")
+    p.add_argument("--run-dir", help="run folder (checkpoints, metrics, logs); an existing one is resumed")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment (repeat)")
+    p.add_argument("-m", "--module", action="store_true", help="ENTRY is a module run like `python -m ENTRY`")
+    p.add_argument("entry", metavar="ENTRY", help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py "
+                                                   "script, or with -m a module")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")
+    return p
+
+
+def _spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False) -> Any:
+    from hpcjobs.profiles import load_profile
+    from hpcjobs.spec import Request, build_spec
+
+    profile = load_profile(ns.profile)
+    req = Request(entry=ns.entry, args=tuple(ns.args), module=ns.module, nodes=ns.nodes, gpus=ns.gpus,
+                  time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
+                  run_dir=ns.run_dir, env=tuple(ns.env))
+    return build_spec(profile, req, job_id_in_run_dir=job_id_in_run_dir)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+# --- submit / render ----------------------------------------------------------------------------------------------
+
+def add_submit(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "submit", "Submit a training job (through submitit on Slurm; in the foreground for `local`).",
+                parents=[common])
+    p.add_argument("--dry-run", action="store_true", help="print the spec and the script; submit nothing")
+    p.add_argument("--json", action="store_true", help="print a machine-readable record")
+    p.set_defaults(run=run_submit)
+
+
+def run_submit(ns: argparse.Namespace) -> int:
+    from hpcjobs.render import render_sbatch
+
+    spec = _spec(ns)
+    if ns.dry_run:
+        script = render_sbatch(spec) if spec.profile.scheduler == "slurm" else None
+        if ns.json:
+            _print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "script": script})
+        else:
+            print(f"# dry run: {spec.world()}; nothing submitted")
+            print(yaml.safe_dump(spec.as_dict(), sort_keys=True).rstrip())
+            if script:
+                print("# --- the sbatch script hpcjobs render would write ---")
+                print(script, end="")
+        return 0
+    from hpcjobs.submit import submit
+
+    sub = submit(spec)
+    if ns.json:
+        _print_json({**sub.as_dict(), "world": spec.world(), "name": spec.name, "profile": spec.profile.name})
+    elif sub.returncode is None:
+        print(f"Submitted job {sub.job_id} ({spec.name}: {spec.world()})")
+        print(f"  run folder: {sub.run_dir}")
+        print(f"  follow:     hpcjobs status {sub.job_id}  |  hpcjobs logs {sub.job_id} --follow")
+    else:
+        print(f"Job {sub.job_id} ended with code {sub.returncode}; run folder {sub.run_dir}")
+    return sub.returncode or 0
+
+
+def add_render(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "render", "Write a standalone sbatch script for the same job (for people who run sbatch).",
+                parents=[common])
+    p.add_argument("-o", "--output", help="write the script here (default: print it)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing -o file")
+    p.set_defaults(run=run_render)
+
+
+def run_render(ns: argparse.Namespace) -> int:
+    from hpcjobs.render import render_sbatch
+
+    spec = _spec(ns, job_id_in_run_dir=True)
+    if spec.profile.scheduler != "slurm":
+        raise UsageError(f"profile {spec.profile.name} is {spec.profile.scheduler}: there is no sbatch script "
+                         "to render.", "use a Slurm profile, or `hpcjobs submit` to run locally.")
+    text = render_sbatch(spec)
+    if not ns.output:
+        print(text, end="")
+        return 0
+    from hpcjobs.submit import write_script
+
+    path = write_script(text, Path(ns.output), spec, ns.force)
+    print(f"Wrote {path} ({spec.world()}); submit it with: sbatch {path}", file=sys.stderr)
+    return 0
+
+
+# --- profiles ---------------------------------------------------------------------------------------------------
+
+def add_profiles(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "profiles", "List cluster profiles, or show one resolved.")
+    p.add_argument("action", nargs="?", choices=["list", "show"], default="list")
+    p.add_argument("name", nargs="?", help="with show: the profile name or path")
+    p.set_defaults(run=run_profiles)
+
+
+def run_profiles(ns: argparse.Namespace) -> int:
+    from hpcjobs.profiles import available_profiles, load_profile, profile_as_dict
+
+    if ns.action == "show":
+        if not ns.name:
+            raise UsageError("profiles show needs a NAME.", "e.g. hpcjobs profiles show local")
+        print(yaml.safe_dump(profile_as_dict(load_profile(ns.name)), sort_keys=False).rstrip())
+        return 0
+    rows = [(name, origin, str(path)) for name, origin, path in available_profiles()]
+    _table(["profile", "from", "path"], rows)
+    return 0
+
+
+# --- status / list / logs / cancel --------------------------------------------------------------------------------
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _table(header: list[str], rows: list[tuple[Any, ...]]) -> None:
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(*header)
+        for row in rows:
+            table.add_row(*(str(c) for c in row))
+        Console().print(table)
+        return
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in [tuple(header), *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def add_status(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "status", "A job's state (squeue, then sacct, then its run folder), restarts and last step.")
+    p.add_argument("job", nargs="?", help="job id (default: the newest job)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_status)
+
+
+def run_status(ns: argparse.Namespace) -> int:
+    from hpcjobs.jobs import find, status_of
+    from hpcjobs.store import JobStore
+
+    store = JobStore()
+    if ns.job is None:
+        recent = store.recent(1)
+        if not recent:
+            raise UsageError("no job was submitted with hpcjobs here yet.", "hpcjobs submit --help")
+        ns.job = recent[0].job_id
+    st = status_of(find(ns.job, store))
+    if ns.json:
+        _print_json(st.as_dict())
+        return 0
+    rows = [("job", f"{st.job_id} ({st.name}, profile {st.profile}, {st.nodes}×{st.gpus_per_node})"),
+            ("state", f"{st.state} (from {st.state_source})"), ("restarts", st.restarts),
+            ("last step", f"{st.last_step if st.last_step is not None else '-'} ({_age(st.last_step_age_s)} ago)"),
+            ("run folder", st.run_dir), ("logs", f"hpcjobs logs {st.job_id} [--rank R] [--restart N]")]
+    if st.final_reason:
+        rows.insert(2, ("ended", st.final_reason))
+    for key, value in rows:
+        print(f"{key + ':':12} {value}")
+    return 0
+
+
+def add_list(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "list", "Recent jobs submitted with hpcjobs.")
+    p.add_argument("--state", help="only jobs in this state (e.g. RUNNING, COMPLETED)")
+    p.add_argument("--profile", help="only jobs of this profile")
+    p.add_argument("--limit", type=_positive, default=20)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_list)
+
+
+def run_list(ns: argparse.Namespace) -> int:
+    from hpcjobs.jobs import status_of
+    from hpcjobs.store import JobStore
+
+    statuses = [status_of(r) for r in JobStore().recent(ns.limit, ns.profile)]
+    if ns.state:
+        statuses = [s for s in statuses if s.state.upper() == ns.state.upper()]
+    if ns.json:
+        _print_json([s.as_dict() for s in statuses])
+        return 0
+    now = time.time()
+    _table(["job", "name", "profile", "nodes×gpus", "state", "restarts", "step", "age"],
+           [(s.job_id, s.name, s.profile, f"{s.nodes}×{s.gpus_per_node}", s.state, s.restarts,
+             "-" if s.last_step is None else s.last_step, _age(now - s.submitted)) for s in statuses])
+    return 0
+
+
+def add_logs(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "logs", "Print a rank's log of a restart (rank 0 of the latest restart by default).")
+    p.add_argument("job")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--restart", type=int, default=None)
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.set_defaults(run=run_logs)
+
+
+def run_logs(ns: argparse.Namespace) -> int:
+    from hpcjobs.jobs import FINISHED_STATES, find, follow, log_path, status_of
+    from hpcjobs.store import JobStore
+
+    rec = find(ns.job, JobStore())
+    path = log_path(rec, ns.rank, ns.restart)
+    if not ns.follow:
+        sys.stdout.write(path.read_text(errors="replace"))
+        return 0
+    follow(path, lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+           lambda: status_of(rec).state in FINISHED_STATES)
+    return 0
+
+
+def add_cancel(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "cancel", "Cancel jobs (scancel) and record it.")
+    p.add_argument("jobs", nargs="+")
+    p.set_defaults(run=run_cancel)
+
+
+def run_cancel(ns: argparse.Namespace) -> int:
+    from hpcjobs.jobs import cancel, find
+    from hpcjobs.store import JobStore
+
+    store = JobStore()
+    records = [find(j, store) for j in ns.jobs]  # every id checked before anything is cancelled
+    for rec in records:
+        print(cancel(rec, store))
+    return 0
+
+
+COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
+    add_submit, add_render, add_profiles, add_status, add_list, add_logs, add_cancel]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="hpcjobs", description="Take a PyTorch training job from this machine to a multi-node Slurm "
+               "cluster; survive preemption; resume exactly.", epilog=EXAMPLES["submit"],
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"hpcjobs {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    common = _job_flags()
+    for add in COMMANDS:
+        add(sub, common)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(ns.run(ns))
+    except HpcjobsError as e:
+        print(f"hpcjobs {ns.command}: error: {e.one_line()}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

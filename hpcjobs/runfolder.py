@@ -1,0 +1,98 @@
+"""The run folder: one per job on a shared filesystem. Both sides use these names; nothing here imports torch.
+
+RUN/checkpoints/step-N/   finished checkpoints only (FINISHED marker written before the atomic rename)
+RUN/metrics.jsonl         rank 0, one line per logging interval
+RUN/heartbeat.json        last step and time, rewritten atomically (status without sacct)
+RUN/restarts.jsonl        one line per (re)start: when, restart count, why the previous one stopped
+RUN/final.json            finished | failed, with the reason
+RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+class RunFolder:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    heartbeat = property(lambda self: self.path / "heartbeat.json")
+    restarts = property(lambda self: self.path / "restarts.jsonl")
+    final = property(lambda self: self.path / "final.json")
+    spec = property(lambda self: self.path / "spec.json")
+    logs = property(lambda self: self.path / "logs")
+
+    def rank_log(self, restart: int, rank: int) -> Path:
+        return self.logs / f"restart-{restart}" / f"rank-{rank}.log"
+
+    def restart_dirs(self) -> list[int]:
+        if not self.logs.is_dir():
+            return []
+        return sorted(int(p.name.split("-", 1)[1]) for p in self.logs.glob("restart-*") if p.name[8:].isdigit())
+
+    # --- markers -----------------------------------------------------------------------------------------------
+
+    def write_heartbeat(self, step: int, **extra: Any) -> None:
+        write_json_atomic(self.heartbeat, {"step": step, "time": time.time(), **extra})
+
+    def record_start(self, restart: int, job_id: str, world_size: int, **extra: Any) -> None:
+        append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "job_id": job_id,
+                                     "world_size": world_size, **extra})
+
+    def record_stop(self, reason: str, step: int, restart: int) -> None:
+        """Why this (re)start ended without finishing: preemption, timeout, requeue, cap."""
+        append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "stopped": reason, "step": step})
+
+    def write_final(self, state: str, reason: str, step: int | None = None) -> None:
+        write_json_atomic(self.final, {"state": state, "reason": reason, "step": step, "time": time.time()})
+
+    def read(self, which: str) -> Any:
+        return read_json(getattr(self, which))
+
+    def read_restarts(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.restarts)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(obj, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)  # one write of a whole line: concurrent appenders never interleave within a line
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a killed writer
+    return out

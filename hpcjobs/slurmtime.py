@@ -1,0 +1,53 @@
+"""Slurm's time and memory notations, parsed and printed (pure)."""
+
+from __future__ import annotations
+
+import re
+
+from hpcjobs.errors import UsageError
+
+TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_MEM = re.compile(r"^(\d+)([KMGT]?)$", re.IGNORECASE)
+_MEM_FACTORS = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def parse_time(text: str | int, what: str = "time") -> int:
+    """Seconds in a Slurm time string; a bare number means minutes, as in Slurm."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    if not isinstance(text, str):
+        raise UsageError(f"{what} {text!r} is not a time; valid forms: {TIME_FORMS}.", "e.g. --time 4:00:00")
+    m = _TIME.match(text.strip())
+    if not m:
+        raise UsageError(f"{what} {text!r} is not a Slurm time; valid forms: {TIME_FORMS}.", "e.g. --time 4:00:00")
+    days, a, b, c = m.groups()
+    a_, b_, c_ = int(a), int(b or 0), int(c or 0)
+    if days is not None:  # D-HH[:MM[:SS]]
+        seconds = int(days) * 86400 + a_ * 3600 + b_ * 60 + c_
+    elif c is not None:  # HH:MM:SS
+        seconds = a_ * 3600 + b_ * 60 + c_
+    elif b is not None:  # MM:SS
+        seconds = a_ * 60 + b_
+    else:  # MM
+        seconds = a_ * 60
+    if seconds <= 0:
+        raise UsageError(f"{what} {text!r} is zero; it must be positive.", "e.g. --time 30 (minutes) or 1:00:00")
+    return seconds
+
+
+def format_time(seconds: int) -> str:
+    """Slurm's D-HH:MM:SS (or HH:MM:SS under a day)."""
+    days, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def parse_mem_mb(text: str | int, what: str = "memory") -> int:
+    """Megabytes in a Slurm memory string (500M, 64G, or a bare number of MB)."""
+    m = _MEM.match(str(text).strip())
+    if not m or int(m.group(1)) <= 0:
+        raise UsageError(f"{what} {text!r} is not a memory size; valid: a positive number with K, M, G or T.",
+                         "e.g. mem_per_gpu: 64G")
+    return max(1, int(int(m.group(1)) * _MEM_FACTORS[m.group(2).upper()]))

@@ -1,0 +1,194 @@
+"""A validated request (profile + flags) becomes one frozen JobSpec. Pure: no I/O beyond looking an entry up."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcjobs.errors import UsageError
+from hpcjobs.profiles import ClusterProfile
+from hpcjobs.slurmtime import format_time, parse_time
+
+ENTRY_KINDS = ("task", "script", "module")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What every rank runs."""
+
+    kind: str
+    """`task` (a module or module:callable for the shared trainer), `script` (a .py file) or `module` (-m)."""
+    target: str
+    """The task reference, the script path (absolute) or the module name."""
+    args: tuple[str, ...] = ()
+    """Arguments after the entry, passed through unchanged."""
+
+    def describe(self) -> str:
+        head = {"task": f"task {self.target}", "script": self.target, "module": f"-m {self.target}"}[self.kind]
+        return " ".join([head, *self.args])
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user typed, before validation against a profile."""
+
+    entry: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    nodes: int = 1
+    gpus: int | None = None
+    time: str | None = None
+    name: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    run_dir: str | None = None
+    env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything needed to render and submit one job. `run_dir` may hold `%j`, replaced by the Slurm job id."""
+
+    name: str
+    profile: ClusterProfile
+    nodes: int
+    gpus_per_node: int
+    time_seconds: int
+    entry: Entry
+    run_dir: str
+    workdir: str
+    python: str
+    partition: str | None
+    account: str | None
+    qos: str | None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def time(self) -> str:
+        return format_time(self.time_seconds)
+
+    def world(self) -> str:
+        unit = "GPU" if self.profile.gpu_request != "none" and self.profile.scheduler == "slurm" else "rank"
+        return (f"{self.nodes} node{'s' * (self.nodes != 1)} × {self.gpus_per_node} {unit}"
+                f"{'s' * (self.gpus_per_node != 1)} = {self.ranks} rank{'s' * (self.ranks != 1)}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name, "profile": self.profile.name, "profile_source": self.profile.source,
+            "scheduler": self.profile.scheduler, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+            "ranks": self.ranks, "time": self.time, "entry": {"kind": self.entry.kind, "target": self.entry.target,
+                                                              "args": list(self.entry.args)},
+            "run_dir": self.run_dir, "workdir": self.workdir, "python": self.python, "partition": self.partition,
+            "account": self.account, "qos": self.qos, "env": dict(self.env),
+            "preemption": {"signal": self.profile.preemption.signal,
+                           "seconds_before": self.profile.preemption.seconds_before,
+                           "max_restarts": self.profile.preemption.max_restarts},
+        }
+
+
+def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path) -> Entry:
+    """Decide what kind of entry this is and check it exists (finding, not importing, a module)."""
+    hint = ("e.g. `hpcjobs submit --profile local trainers.tasks.lm --steps 50`, `... train.py --config x.yaml` "
+            "or `... -m mypkg.train`.")
+    if not entry or entry.startswith("-"):
+        raise UsageError(f"entry {entry!r} is not an entry point; valid: a task module, a .py script or -m MODULE.",
+                         hint)
+    if module:
+        _require_module(entry, "module", hint)
+        return Entry("module", entry, args)
+    if entry.endswith(".py") or os.sep in entry:
+        path = (workdir / entry).resolve()
+        if not path.is_file():
+            raise UsageError(f"script {entry!r} does not exist (looked in {workdir}).", hint)
+        return Entry("script", str(path), args)
+    _require_module(entry.split(":", 1)[0], "task", hint)
+    return Entry("task", entry, args)
+
+
+def _require_module(name: str, what: str, hint: str) -> None:
+    if not re.match(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$", name):
+        raise UsageError(f"{what} {name!r} is not a Python module name; valid: dotted names like pkg.mod.", hint)
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise UsageError(f"{what} module {name!r} cannot be found from {os.getcwd()} (sys.path).", hint)
+
+
+def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        m = _ENV_ASSIGN.match(item)
+        if not m:
+            raise UsageError(f"--env {item!r} is not NAME=VALUE.", "e.g. --env WANDB_MODE=offline")
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def default_name(entry: Entry) -> str:
+    base = entry.target.split(":")[0]
+    base = Path(base).stem if entry.kind == "script" else base.rsplit(".", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", base)[:64] or "job"
+
+
+def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = None,
+               stamp: str | None = None, job_id_in_run_dir: bool = False) -> JobSpec:
+    """Validate the request against the profile and freeze it. `stamp` makes the run folder unique."""
+    workdir = workdir or Path.cwd()
+    where = f"profile {profile.name}"
+    if req.nodes < 1:
+        raise UsageError(f"--nodes {req.nodes}: valid: 1 or more.", "e.g. --nodes 2")
+    if profile.scheduler == "local" and req.nodes != 1:
+        raise UsageError(f"--nodes {req.nodes} with {where} (local): valid: 1.",
+                         "use a Slurm profile for more than one node.")
+    if profile.max_nodes and req.nodes > profile.max_nodes:
+        raise UsageError(f"--nodes {req.nodes}: {where} allows at most {profile.max_nodes}.",
+                         f"ask for --nodes {profile.max_nodes} or fewer.")
+    gpus = profile.gpus_per_node if req.gpus is None else req.gpus
+    if gpus < 1:
+        raise UsageError(f"--gpus {gpus}: valid: 1 to {profile.gpus_per_node} (GPUs per node).", "e.g. --gpus 8")
+    if gpus > profile.gpus_per_node:
+        raise UsageError(f"--gpus {gpus} per node: nodes of {where} have {profile.gpus_per_node}; valid: 1 to "
+                         f"{profile.gpus_per_node}.",
+                         f"--gpus is per node; for {gpus * req.nodes} GPUs in all ask for more nodes, e.g. --nodes "
+                         f"{-(-gpus * req.nodes // profile.gpus_per_node)} --gpus {profile.gpus_per_node}.")
+    time_s = parse_time(req.time if req.time is not None else profile.default_time, "--time")
+    if profile.max_time and time_s > parse_time(profile.max_time):
+        raise UsageError(f"--time {req.time}: {where} allows at most {profile.max_time}.",
+                         f"ask for --time {profile.max_time} or less; the job requeues itself to go on longer.")
+    if profile.scheduler == "slurm" and time_s <= profile.preemption.seconds_before:
+        raise UsageError(f"--time {format_time(time_s)} is not longer than the preemption warning "
+                         f"({profile.preemption.seconds_before} s) of {where}.", "ask for more time.")
+    entry = resolve_entry(req.entry, req.args, req.module, workdir)
+    name = req.name or default_name(entry)
+    if not _NAME.match(name):
+        raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
+                         "or digit.", "e.g. --name gpt-small")
+    env = {**profile.env, **profile.nccl, **_env_pairs(req.env)}
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
+    if req.run_dir:
+        run_dir = str((workdir / os.path.expanduser(req.run_dir)).resolve()) if "%j" not in req.run_dir \
+            else os.path.expanduser(req.run_dir)
+    else:
+        root = profile.runs_path()
+        root = root if root.is_absolute() else workdir / root
+        run_dir = str(root / f"{name}-{stamp}{'-%j' if job_id_in_run_dir else ''}")
+    return JobSpec(
+        name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
+        run_dir=run_dir, workdir=str(workdir), python=profile.python or sys.executable,
+        partition=req.partition or profile.partition, account=req.account or profile.account,
+        qos=req.qos or profile.qos, env=env,
+    )

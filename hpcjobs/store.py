@@ -1,0 +1,95 @@
+"""The local record of submitted jobs: stdlib sqlite in WAL mode, so several shells can submit and list at once
+without losing a record (sqlite serialises writers with a file lock; a busy timeout makes them wait, not fail)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id TEXT NOT NULL,
+  name TEXT NOT NULL,
+  profile TEXT NOT NULL,
+  scheduler TEXT NOT NULL,
+  nodes INTEGER NOT NULL,
+  gpus_per_node INTEGER NOT NULL,
+  run_dir TEXT NOT NULL,
+  logs TEXT NOT NULL,
+  spec TEXT NOT NULL,
+  submitted REAL NOT NULL,
+  cancelled REAL
+);
+CREATE INDEX IF NOT EXISTS jobs_job_id ON jobs(job_id);
+"""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: str
+    name: str
+    profile: str
+    scheduler: str
+    nodes: int
+    gpus_per_node: int
+    run_dir: str
+    logs: dict[str, Any]
+    spec: dict[str, Any]
+    submitted: float
+    cancelled: float | None = None
+
+
+def store_path() -> Path:
+    home = os.environ.get("HPCJOBS_HOME") or os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "hpcjobs")
+    return Path(home) / "jobs.sqlite"
+
+
+class JobStore:
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or store_path()
+
+    def _connect(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA busy_timeout=30000")
+        con.executescript(SCHEMA)
+        return con
+
+    def add(self, rec: JobRecord) -> None:
+        with closing(self._connect()) as con:
+            con.execute("INSERT INTO jobs (job_id, name, profile, scheduler, nodes, gpus_per_node, run_dir, logs, "
+                        "spec, submitted, cancelled) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        (rec.job_id, rec.name, rec.profile, rec.scheduler, rec.nodes, rec.gpus_per_node,
+                         rec.run_dir, json.dumps(rec.logs), json.dumps(rec.spec), rec.submitted, rec.cancelled))
+
+    def mark_cancelled(self, job_id: str) -> None:
+        with closing(self._connect()) as con:
+            con.execute("UPDATE jobs SET cancelled=? WHERE id=(SELECT MAX(id) FROM jobs WHERE job_id=?)",
+                        (time.time(), job_id))
+
+    def _rows(self, sql: str, args: tuple[Any, ...]) -> Iterator[JobRecord]:
+        with closing(self._connect()) as con:
+            for row in con.execute(sql, args).fetchall():
+                yield JobRecord(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]),
+                                json.loads(row[8]), row[9], row[10])
+
+    _COLS = "job_id, name, profile, scheduler, nodes, gpus_per_node, run_dir, logs, spec, submitted, cancelled"
+
+    def get(self, job_id: str) -> JobRecord | None:
+        """The newest record with this id (ids repeat when a cluster is rebuilt)."""
+        rows = list(self._rows(f"SELECT {self._COLS} FROM jobs WHERE job_id=? ORDER BY id DESC LIMIT 1",
+                               (job_id,)))
+        return rows[0] if rows else None
+
+    def recent(self, limit: int = 50, profile: str | None = None) -> list[JobRecord]:
+        where, args = ("WHERE profile=?", (profile,)) if profile else ("", ())
+        return list(self._rows(f"SELECT {self._COLS} FROM jobs {where} ORDER BY id DESC LIMIT ?", (*args, limit)))

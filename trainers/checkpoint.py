@@ -1,0 +1,120 @@
+"""Atomic checkpoints: RUN/checkpoints/step-N/, only finished ones count.
+
+Saving (every rank takes part, in this order):
+  1. rank 0 clears a stale `.step-N.tmp` left by a killed save, creates it; barrier
+  2. rank 0 writes shared.pt (model, optimizer, scheduler, scaler, progress, config); every rank writes
+     rank-R.pt (its RNG states); each file is fsynced; barrier
+  3. rank 0 writes meta.json and the FINISHED marker (fsynced), fsyncs the folder, renames it to step-N, fsyncs
+     the parent, then prunes older checkpoints beyond `keep` (never the newest finished one); barrier
+A process killed at any instant leaves either the previous finished checkpoints untouched or a `.tmp` folder that
+the loader ignores and the next save clears. Loading uses torch.load(weights_only=True): no arbitrary pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+FINISHED = "FINISHED"
+SHARED = "shared.pt"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    step: int
+    path: Path
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.path / "meta.json").read_text())
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_file(path)  # a directory opened read-only can be fsynced on Linux
+
+
+def _write(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def finished(root: Path) -> list[CheckpointRef]:
+    """Finished checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    refs = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / FINISHED).is_file():
+            refs.append(CheckpointRef(int(m.group(1)), p))
+    return sorted(refs, key=lambda r: r.step)
+
+
+def latest(root: Path) -> CheckpointRef | None:
+    refs = finished(root)
+    return refs[-1] if refs else None
+
+
+def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_rank: dict[str, Any], *,
+                    rank: int = 0, world_size: int = 1, barrier: Callable[[], None] = lambda: None,
+                    keep: int = 2, meta: dict[str, Any] | None = None) -> Path:
+    """Save atomically; call on every rank with the same step. `shared` is only read on rank 0."""
+    if keep < 2:
+        raise ValueError("keep must be at least 2: the newest finished checkpoint is never the only copy")
+    tmp = root / f".step-{step}.tmp"
+    final = root / f"step-{step}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    if rank == 0:
+        _write(shared, tmp / SHARED)
+    _write(per_rank, tmp / f"rank-{rank}.pt")
+    barrier()
+    if rank == 0:
+        info = {"step": step, "world_size": world_size, **(meta or {})}
+        (tmp / "meta.json").write_text(json.dumps(info, sort_keys=True, default=str))
+        _fsync_file(tmp / "meta.json")
+        (tmp / FINISHED).write_text(f"{step}\n")
+        _fsync_file(tmp / FINISHED)
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (a stop request right after a periodic save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep)
+    barrier()
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` finished checkpoints."""
+    for ref in finished(root)[:-keep]:
+        shutil.rmtree(ref.path, ignore_errors=True)
+
+
+def load_checkpoint(ref: CheckpointRef, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared state, this rank's state), loaded without executing pickled code."""
+    shared = torch.load(ref.path / SHARED, map_location="cpu", weights_only=True)
+    mine = ref.path / f"rank-{rank}.pt"
+    per_rank = torch.load(mine, map_location="cpu", weights_only=True) if mine.exists() else {}
+    return shared, per_rank

@@ -1,0 +1,93 @@
+"""Process group set-up and tear-down: NCCL + CUDA when GPUs are visible, gloo on the CPU otherwise."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from trainers.distenv import DistEnv, from_environ
+
+
+class RendezvousError(RuntimeError):
+    pass
+
+
+@dataclass
+class DistContext:
+    env: DistEnv
+    device: torch.device
+    backend: str
+    control_group: Any = None
+    """A gloo group for tiny CPU collectives (the stop flag) when the main backend is NCCL; None: the default."""
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier(group=self.control_group)
+
+
+def pick_backend(env: DistEnv) -> tuple[str, torch.device]:
+    forced = os.environ.get("HPCJOBS_BACKEND")
+    if forced == "gloo" or (forced is None and not torch.cuda.is_available()):
+        return "gloo", torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RendezvousError(f"HPCJOBS_BACKEND={forced} but no CUDA device is visible on rank {env.rank}")
+    count = torch.cuda.device_count()
+    return "nccl", torch.device("cuda", env.local_rank % count)
+
+
+def cpu_threads(env: DistEnv) -> int:
+    """Threads per rank: Slurm's CPUs per task, else the machine's CPUs shared among this node's ranks."""
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK")
+    if per_task and per_task.isdigit():
+        return max(1, int(per_task))
+    return max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+
+
+@contextlib.contextmanager
+def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
+    """Join the job's process group (if more than one rank) and always leave it, whatever happens inside."""
+    env = from_environ(os.environ)
+    backend, device = pick_backend(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(cpu_threads(env))
+    timeout_s = timeout_s or float(os.environ.get("HPCJOBS_INIT_TIMEOUT", "300"))
+    ctx = DistContext(env, device, backend)
+    if env.world_size > 1:
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                    rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+        except Exception as e:  # torch raises several types (DistStoreError, RuntimeError, TimeoutError)
+            raise RendezvousError(
+                f"rank {env.rank}/{env.world_size} could not join the rendezvous at {env.master_addr}:"
+                f"{env.master_port} within {timeout_s:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                "HINT: check that every rank started, that MASTER_ADDR resolves from this node and the port is "
+                "free; HPCJOBS_INIT_TIMEOUT sets the wait.") from None
+        if backend == "nccl":
+            ctx.control_group = dist.new_group(backend="gloo")
+    try:
+        yield ctx
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()

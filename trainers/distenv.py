@@ -1,0 +1,96 @@
+"""Environment mapping → who this rank is and where the rendezvous is. Pure: no I/O, no torch.
+
+Sources, first match wins: explicit RANK/WORLD_SIZE (torchrun, the local launcher), then Slurm's SLURM_PROCID /
+SLURM_NTASKS (one task per GPU under srun), else a single process. MASTER_ADDR/MASTER_PORT set in the environment
+win; otherwise the first host of SLURM_JOB_NODELIST (expanded by python-hostlist, a kept parser) and a port derived
+from the job id, which every rank computes alike without talking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import hostlist
+
+from hpcjobs.ports import port_for_job
+
+NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+
+
+class DistEnvError(ValueError):
+    """The environment describes an impossible rank layout."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    job_id: str
+    restart: int
+    source: str
+    """Where the layout came from: `torchrun`, `slurm` or `single`."""
+    nccl: dict[str, str] = field(default_factory=dict)
+
+    def as_env(self) -> dict[str, str]:
+        """The variables torch.distributed (env://) and user scripts expect."""
+        return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port), "HPCJOBS_JOB_ID": self.job_id,
+                "HPCJOBS_RESTART": str(self.restart), **self.nccl}
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    try:
+        hosts = hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as e:
+        raise DistEnvError(f"cannot expand node list {nodelist!r}: {e}") from None
+    if not hosts:
+        raise DistEnvError(f"node list {nodelist!r} names no host")
+    return hosts
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key].split("(")[0])  # SLURM_TASKS_PER_NODE-style "8(x2)" never reaches here, but be safe
+    except ValueError:
+        raise DistEnvError(f"{key}={env[key]!r} is not a whole number") from None
+
+
+def from_environ(env: Mapping[str, str]) -> DistEnv:
+    job_id = env.get("SLURM_JOB_ID") or env.get("HPCJOBS_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "0"
+    restart = int(env.get("SLURM_RESTART_COUNT") or env.get("HPCJOBS_RESTART") or 0)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        source = "torchrun"
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        source = "slurm"
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        nnodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else 1
+        local_world = world // nnodes if nnodes else world
+    else:
+        source, rank, world, local_rank, local_world = "single", 0, 1, 0, 1
+    if not 0 <= rank < world:
+        raise DistEnvError(f"rank {rank} is outside a world of {world} ({source})")
+    if not 0 <= local_rank < max(local_world, 1):
+        raise DistEnvError(f"local rank {local_rank} is outside {local_world} ranks per node ({source})")
+    if env.get("MASTER_ADDR"):
+        addr = env["MASTER_ADDR"]
+    elif source == "slurm" and env.get("SLURM_JOB_NODELIST"):
+        addr = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
+    else:
+        addr = "127.0.0.1"
+    if env.get("MASTER_PORT"):
+        port = _int(env, "MASTER_PORT")
+    else:
+        digits = "".join(c for c in job_id if c.isdigit())
+        port = port_for_job(int(digits) if digits else 0)
+    nccl = {k: v for k, v in env.items() if k.startswith(NCCL_PREFIXES)}
+    return DistEnv(rank, local_rank, world, local_world, addr, port, job_id, restart, source, nccl)

@@ -1,0 +1,157 @@
+"""Preemption: a signal only sets a flag; ranks agree at step boundaries; save, then one rank requeues.
+
+The protocol, the same for the shared trainer and for users' own scripts (see `StopGuard`):
+  1. Slurm sends the profile's signal (at preemption with preempt_send_user_signal, and `seconds_before` the time
+     limit) or SIGTERM (preemption with GraceTime, `scontrol requeue`, scancel). The handler records which signal
+     arrived and does nothing else: no I/O, no collectives, no logging.
+  2. At each step boundary the ranks combine their flags with one tiny all-reduce (MAX), on the CPU (a gloo group
+     when the training backend is NCCL), so all ranks stop at the same step without a host-device sync.
+  3. All ranks save a checkpoint (atomic), wait at a barrier, then rank 0 runs `scontrol requeue` for the job, and
+     every rank exits 0. A job past its restart cap ends failed instead.
+Under submitit, whose runner installs its own handler for USR2 and ignores SIGTERM, `install()` is called later and
+replaces both, so only this protocol acts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_requested: list[int] = []  # signal numbers, appended by the handler (a list append is the whole handler)
+
+
+def _handler(signum: int, frame: Any) -> None:
+    _requested.append(signum)
+
+
+def signal_number(name: str) -> int:
+    return int(getattr(signal, f"SIG{name.upper().removeprefix('SIG')}"))
+
+
+def install(signal_name: str = "USR2") -> list[int]:
+    """Handle the profile's signal and SIGTERM (and SIGINT for local runs) by setting the flag."""
+    nums = sorted({signal_number(signal_name), signal.SIGTERM, signal.SIGINT})
+    for num in nums:
+        signal.signal(num, _handler)
+    return nums
+
+
+def requested_locally() -> bool:
+    return bool(_requested)
+
+
+def request_stop(signum: int = signal.SIGUSR2) -> None:
+    """What the handler does, callable from code and tests."""
+    _requested.append(signum)
+
+
+def reset() -> None:
+    _requested.clear()
+
+
+def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float | None = None) -> str:
+    """Why we were asked to stop: `timeout` when the time limit is near, else `preemption` (or `interrupt`)."""
+    if not _requested:
+        return "none"
+    env = os.environ if env is None else env
+    end = env.get("SLURM_JOB_END_TIME")
+    warn = int(env.get("HPCJOBS_SIGNAL_SECONDS", "90"))
+    if end and end.isdigit() and (now or time.time()) >= int(end) - warn - 30:
+        return "timeout"
+    return "interrupt" if _requested[0] == signal.SIGINT and "SLURM_JOB_ID" not in env else "preemption"
+
+
+class Agreement:
+    """One tiny all-reduce per check so that every rank sees the same answer."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self._group = group
+        self._flag = torch.zeros(1, dtype=torch.int32)  # lives on the CPU: no device sync
+
+    def any_rank(self, local: bool) -> bool:
+        if self._dist is None or self._dist.get_world_size(self._group) == 1:
+            return local
+        self._flag.fill_(1 if local else 0)
+        self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self._group)
+        return bool(self._flag.item())
+
+
+def requeue_job(job_id: str, runner: Callable[..., Any] = subprocess.run) -> str:
+    """Ask Slurm to requeue this job (rank 0 only); returns Slurm's message, empty when it worked."""
+    if not job_id or not job_id.isdigit():
+        return f"no Slurm job id ({job_id!r}) to requeue"
+    try:
+        out = runner(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return "" if out.returncode == 0 else (out.stderr or out.stdout).strip()
+
+
+@dataclass
+class StopGuard:
+    """The public helper for a user's own training script (the submit side's script mode).
+
+        guard = StopGuard()                      # installs the handlers; reads the job's env
+        for step in range(start, steps):
+            train_step(...)
+            if guard.should_stop():              # collective: call it on every rank at the same steps
+                save_checkpoint(...)             # trainers.checkpoint.save_checkpoint: atomic
+                guard.requeue_and_exit(step)     # rank 0 requeues; every rank exits 0
+    """
+
+    signal_name: str = os.environ.get("HPCJOBS_SIGNAL", "USR2")
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        install(self.signal_name)
+        self._agreement: Agreement | None = None
+
+    def should_stop(self) -> bool:
+        if self._agreement is None:
+            self._agreement = Agreement(self.group)
+        return self._agreement.any_rank(requested_locally())
+
+    def requeue_and_exit(self, step: int | None = None) -> None:
+        outcome = finish_stop(step)
+        raise SystemExit(1 if outcome == "cap" else 0)
+
+
+def finish_stop(step: int | None) -> str:
+    """After the checkpoint is committed on all ranks: record why we stopped and requeue (rank 0). Returns the
+    outcome: `requeued`, `cap` (restart cap reached: the job must end failed) or `local` (no Slurm: just stop)."""
+    import torch.distributed as dist
+
+    from hpcjobs.runfolder import RunFolder
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    rank = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("HPCJOBS_RESTART", "0"))
+    cap = int(os.environ.get("HPCJOBS_MAX_RESTARTS", "10"))
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    reason = stop_reason()
+    outcome = "local" if not job_id else ("cap" if restart >= cap else "requeued")
+    if rank == 0:
+        run = RunFolder(os.environ["HPCJOBS_RUN_DIR"]) if os.environ.get("HPCJOBS_RUN_DIR") else None
+        if run:
+            run.record_stop(reason, step if step is not None else -1, restart)
+        if outcome == "requeued":
+            err = requeue_job(job_id)
+            print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "
+                  f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", flush=True)
+            if err:
+                outcome = "cap"
+        elif outcome == "cap":
+            print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; restart cap "
+                  f"{cap} reached, not requeuing. The job ends failed.", flush=True)
+        if run and outcome == "cap":
+            run.write_final("failed", f"restart cap {cap} reached ({reason})", step)
+    return outcome

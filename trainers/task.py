@@ -1,0 +1,60 @@
+"""The task API: what a user gives the shared trainer. Porting a script means moving three pieces in here.
+
+    # mytask.py
+    from trainers.task import Task
+
+    def make_task(args: list[str]) -> Task:
+        return Task(
+            name="mnist-mlp",
+            model=lambda: MyNet(),                               # an nn.Module, built on every rank
+            train_data=lambda: MyDataset("data/"),              # a map-style Dataset (sharded by the trainer)
+            loss=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
+            config={"hidden": 512},                              # what must match to resume from a checkpoint
+        )
+
+    hpcjobs submit --profile mycluster --nodes 2 --gpus 8 mytask --steps 1000 --batch-size 32
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+@dataclass
+class Task:
+    name: str
+    """Shown in logs and stored in checkpoints."""
+    model: Callable[[], nn.Module]
+    """Builds the model (on the CPU; the trainer moves it to the rank's device)."""
+    train_data: Callable[[], Dataset[Any]]
+    """Builds the training set: a map-style Dataset whose items the default collate can batch."""
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    """loss(model, batch) -> scalar tensor; batch is already on the device; runs under autocast."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The task's own settings; a checkpoint from different settings is refused."""
+    optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] | None = None
+    """optimizer(params, lr) -> Optimizer; default AdamW with decoupled weight decay on matrices only."""
+    tokens_per_sample: int = 0
+    """If > 0, logs report tokens/s as well as samples/s."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """Trainer settings this task suggests (e.g. lr); flags on the command line still win."""
+
+
+def load_task(ref: str, args: list[str]) -> Task:
+    """`module:callable` or `module` (which must define make_task(args) or a `task`)."""
+    module_name, _, attr = ref.partition(":")
+    module = importlib.import_module(module_name)
+    obj = getattr(module, attr) if attr else getattr(module, "make_task", None) or getattr(module, "task", None)
+    if obj is None:
+        raise ValueError(f"task module {module_name!r} defines neither make_task(args) nor task; "
+                         "HINT: add `def make_task(args): return Task(...)` (see trainers/task.py)")
+    task = obj(args) if callable(obj) and not isinstance(obj, Task) else obj
+    if not isinstance(task, Task):
+        raise ValueError(f"{ref} gave a {type(task).__name__}, not a trainers.task.Task")
+    return task

@@ -1,0 +1,41 @@
+"""A small MLP classifier on synthetic Gaussian blobs: the quickest task that still learns something.
+
+    hpcjobs submit --profile local trainers.tasks.classifier --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from trainers.task import Task
+
+
+def blobs(n: int, features: int, classes: int, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, features, generator=g) * 3
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = centers[y] + torch.randn(n, features, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_task(args: list[str]) -> Task:
+    p = argparse.ArgumentParser(prog="trainers.tasks.classifier")
+    p.add_argument("--features", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--samples", type=int, default=8192)
+    ns = p.parse_args(args)
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(ns.features, ns.hidden), nn.ReLU(), nn.Dropout(ns.dropout),
+                             nn.Linear(ns.hidden, ns.hidden), nn.ReLU(), nn.Linear(ns.hidden, ns.classes))
+
+    return Task(name="classifier", model=model, train_data=lambda: blobs(ns.samples, ns.features, ns.classes),
+                loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), config=vars(ns).copy(),
+                defaults={"lr": 1e-3, "batch_size": 32})

@@ -1,0 +1,136 @@
+"""A GPT-style causal language model at four sizes, on synthetic tokens or a text file (byte-level).
+
+    hpcjobs submit --profile local trainers.tasks.lm --size tiny --steps 200
+    ... trainers.tasks.lm --size small --text data/shakespeare.txt --seq-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainers.task import Task
+
+VOCAB = 256  # bytes: any text file works without a tokenizer
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    """Transformer blocks."""
+    n_head: int
+    """Attention heads per block."""
+    d_model: int
+    """Width of the residual stream."""
+    seq_len: int
+    """Context length in tokens."""
+    dropout: float = 0.0
+    """Dropout on attention output and MLP (0 for speed; > 0 exercises the RNG state on resume)."""
+
+
+SIZES = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=64),
+    "small": GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128),
+    "medium": GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=256),
+    "large": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=512),
+}
+
+
+class Block(nn.Module):
+    # Modules are registered in the order forward uses them: DDP's first (reverse-order) gradient buckets then
+    # match the order it rebuilds them in, so a resumed run reduces gradients exactly as the uninterrupted one.
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = c.n_head
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.fc = nn.Linear(c.d_model, 4 * c.d_model)
+        self.out = nn.Linear(4 * c.d_model, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_head, d // self.n_head).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, c.d_model)
+        self.pos = nn.Parameter(torch.zeros(c.seq_len, c.d_model))
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * c.n_layer) if name.endswith(("proj.weight",
+                                                                                           "out.weight")) else 1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.T  # tied output head
+
+
+class Sequences(Dataset[torch.Tensor]):
+    """Fixed windows of seq_len + 1 tokens (inputs and shifted targets)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1]
+
+
+def synthetic_tokens(n_seq: int, seq_len: int, seed: int = 1234) -> torch.Tensor:
+    """Arithmetic progressions mod 256 with a random start and stride per window: learnable in context."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (n_seq, 1), generator=g)
+    stride = torch.randint(1, 16, (n_seq, 1), generator=g)
+    rows = (start + stride * torch.arange(seq_len + 1)) % VOCAB
+    return torch.cat([rows[:, :seq_len].reshape(-1), rows[-1, seq_len:]])  # windows of seq_len+1 overlap by one
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+
+
+def make_task(args: list[str]) -> Task:
+    p = argparse.ArgumentParser(prog="trainers.tasks.lm")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--text", type=Path, help="train on this text file's bytes instead of synthetic tokens")
+    p.add_argument("--seq-len", type=int, help="context length (default: the size's)")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--samples", type=int, default=8192, help="synthetic windows in the dataset")
+    ns = p.parse_args(args)
+    base = SIZES[ns.size]
+    c = GPTConfig(base.n_layer, base.n_head, base.d_model, ns.seq_len or base.seq_len, ns.dropout)
+    if ns.text:
+        text = ns.text.expanduser()
+        if not text.is_file():
+            raise FileNotFoundError(f"--text {text} does not exist")
+        source = str(text.resolve())
+        data = lambda: Sequences(torch.frombuffer(bytearray(text.read_bytes()), dtype=torch.uint8).long(),  # noqa
+                                 c.seq_len)
+    else:
+        source = f"synthetic:{ns.samples}"
+        data = lambda: Sequences(synthetic_tokens(ns.samples, c.seq_len), c.seq_len)  # noqa: E731
+    return Task(name=f"lm-{ns.size}", model=lambda: GPT(c), train_data=data, loss=lm_loss,
+                config={**asdict(c), "data": source}, tokens_per_sample=c.seq_len, defaults={"lr": 1e-3})
