@@ -51,7 +51,7 @@ def _parser(sub: Any, name: str, help_: str, **kw: Any) -> argparse.ArgumentPars
                           formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
 
-def _positive(text: str) -> int:
+def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
@@ -61,8 +61,8 @@ def _positive(text: str) -> int:
 def _job_flags() -> argparse.ArgumentParser:
     p = Parser(add_help=False)
     p.add_argument("--profile", required=True, help="cluster profile: a name (`hpcjobs profiles`) or a .yaml path")
-    p.add_argument("--nodes", type=_positive, default=1, help="nodes (default 1)")
-    p.add_argument("--gpus", type=_positive, default=None,
+    p.add_argument("--nodes", type=_int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus", type=_int, default=None,
                    help="GPUs per node, one rank per GPU (like torchrun's --nproc_per_node); ranks = nodes × gpus. "
                         "Default: all of a node's GPUs per the profile")
     p.add_argument("--time", help="time limit in Slurm notation, e.g. 4:00:00 or 1-00:00:00 (default: profile's)")
@@ -243,7 +243,7 @@ def add_list(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _parser(sub, "list", "Recent jobs submitted with hpcjobs.")
     p.add_argument("--state", help="only jobs in this state (e.g. RUNNING, COMPLETED)")
     p.add_argument("--profile", help="only jobs of this profile")
-    p.add_argument("--limit", type=_positive, default=20)
+    p.add_argument("--limit", type=_int, default=20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_list)
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import yaml
 
-from hpcjobs.errors import ProfileError
+from hpcjobs.errors import ProfileError, UsageError
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
@@ -222,8 +222,8 @@ def _unknown_key(source: str, key: object, valid: list[str], where: str = "") ->
 def _check(source: str, key: str, check: Check, value: Any) -> Any:
     try:
         return check(value)
-    except (ValueError, ProfileError) as e:
-        valid = e.message if isinstance(e, ProfileError) else str(e)
+    except (ValueError, UsageError) as e:
+        valid = e.message if isinstance(e, UsageError) else str(e)
         raise ProfileError(f"profile {source}: {key} is {value!r}; valid: {valid}.",
                            f"fix {key} in {source}.") from None
 

@@ -1,0 +1,114 @@
+"""Shared fixtures. Tests marked `cluster` need the real Slurm test cluster: run them through
+`tests/run_all.sh` (or `tests/cluster/testcluster.sh up` and `tests/cluster/testcluster.sh exec pytest ...`).
+Where the cluster cannot run they skip with the reason; under CI=true they fail instead."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TESTCLUSTER = REPO / "tests" / "cluster" / "testcluster.sh"
+BIN = Path(sys.executable).parent
+
+
+def _cluster_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "the Slurm test cluster needs root (network namespaces, bind mounts)"
+    if not os.environ.get("HPCJOBS_TEST_CLUSTER"):
+        if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+            return "no apt-get to install Slurm and no slurmctld"
+        return ("not running inside the test cluster's login namespace: run `bash tests/run_all.sh`, or "
+                "`tests/cluster/testcluster.sh up` then `tests/cluster/testcluster.sh exec .venv/bin/pytest ...`")
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    if ping.returncode != 0 or "UP" not in ping.stdout:
+        return f"the test cluster does not answer scontrol ping: {ping.stdout.strip()} {ping.stderr.strip()}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    needs = [item for item in items if "cluster" in item.keywords]
+    if not needs:
+        return
+    problem = _cluster_problem()
+    if problem is None:
+        return
+    in_ci = os.environ.get("CI", "").lower() == "true"
+    for item in needs:
+        if in_ci:
+            item.add_marker(pytest.mark.usefixtures("_cluster_missing_in_ci"))
+        else:
+            item.add_marker(pytest.mark.skip(reason=problem))
+    config._cluster_problem = problem  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def _cluster_missing_in_ci(request: pytest.FixtureRequest) -> None:
+    pytest.fail(f"CI=true and the Slurm test cluster is missing: {request.config._cluster_problem}")  # type: ignore
+
+
+@pytest.fixture(autouse=True)
+def hpcjobs_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets its own job store."""
+    home = tmp_path / "hpcjobs-home"
+    monkeypatch.setenv("HPCJOBS_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def shared_tmp() -> Any:
+    """A fresh folder every node sees (the nodes share this machine's filesystem; pytest's tmp is 0700)."""
+    path = Path(f"/tmp/hpcjobs-test-{os.getpid()}-{time.monotonic_ns()}")
+    path.mkdir(parents=True)
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster_profile(shared_tmp: Path) -> Path:
+    """The test cluster's profile, with its run folders in this test's own folder."""
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    data["runs_dir"] = str(shared_tmp / "runs")
+    path = shared_tmp / "testcluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def hpcjobs(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the installed `hpcjobs` console script as a user would."""
+    return subprocess.run([str(BIN / "hpcjobs"), *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def slurm(*args: str, check: bool = True) -> str:
+    out = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed: {out.stderr}")
+    return out.stdout
+
+
+def wait_for_state(job_id: str, states: set[str], timeout: float = 300) -> str:
+    """Poll sacct/squeue until the job is in one of `states`; returns that state."""
+    deadline = time.time() + timeout
+    state = ""
+    while time.time() < deadline:
+        q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        state = q.stdout.strip()
+        if not state:
+            a = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
+                               text=True)
+            state = a.stdout.strip().split(" ")[0] if a.returncode == 0 else ""
+        if state in states:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not reach {states} within {timeout} s (last: {state!r})")

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine and run every test:
+#   the virtual environment (.venv), torch from the local CPU wheel first (pip install torch==2.13.0; otherwise pip
+#   would pull the multi-GB CUDA build), hpcjobs installed from a built wheel (not editable), the real Slurm test
+#   cluster (Debian's packages, installed if missing), then pytest on the cluster's login node. The cluster is torn
+#   down on exit, also when tests fail. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$SECONDS
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q --upgrade --force-reinstall --no-deps . >/dev/null
+.venv/bin/pip install -q . '.[dev]' >/dev/null   # the dependencies (torch is already satisfied)
+echo "[run_all] environment ready in $((SECONDS - t0)) s"
+
+trap 'tests/cluster/testcluster.sh down' EXIT
+t1=$SECONDS
+tests/cluster/testcluster.sh up
+echo "[run_all] cluster up in $((SECONDS - t1)) s (setup so far $((SECONDS - t0)) s)"
+
+# Tests run on the cluster's login node (the head namespace), where sbatch/squeue reach slurmctld.
+set +e
+tests/cluster/testcluster.sh exec env -C "$PWD" PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -p no:cacheprovider "$@"
+rc=$?
+set -e
+echo "[run_all] total $((SECONDS - t0)) s"
+exit $rc

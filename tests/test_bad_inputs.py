@@ -1,0 +1,154 @@
+"""Every bad input: one line naming what was given, what is valid and a HINT; exit code 2; nothing submitted.
+
+A recording `sbatch` shim stands first on PATH (an argument-handling edge case, where a fake is fine): it logs any
+call, so a test proves that hpcjobs never reached submission. On the real cluster the queue is checked too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, hpcjobs
+
+GOOD = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+
+BAD_PROFILES = [
+    ({"gpus_per_nod": 8}, "Did you mean 'gpus_per_node'"),
+    ({"gpus_per_node": 0}, "gpus_per_node is 0; valid: a whole number > 0"),
+    ({"gpus_per_node": "eight"}, "gpus_per_node is 'eight'"),
+    ({"gpu_request": "gpu"}, "valid: one of gpus-per-node, gres, none"),
+    ({"scheduler": "pbs"}, "scheduler is 'pbs'; valid: one of slurm, local"),
+    ({"default_time": "4 hours"}, "is not a Slurm time"),
+    ({"default_time": "3-00:00:00"}, "default_time 3-00:00:00 is above max_time"),
+    ({"mem_per_gpu": "lots"}, "is not a memory size"),
+    ({"nccl": {"SOCKET_IFNAME": "eth0"}}, "names starting with NCCL_"),
+    ({"preemption": {"signal": "KILL"}}, "preemption.signal is 'KILL'"),
+    ({"preemption": {"seconds_before": 5}}, "seconds_before is 5; valid: at least 10"),
+    ({"preemption": {"max_restart": 3}}, "unknown key preemption.'max_restart'. Did you mean 'max_restarts'"),
+    ({"setup": 42}, "setup is 42; valid: a list of strings"),
+    ({"exclusive": "yes"}, "exclusive is 'yes'; valid: true or false"),
+    ({"env": {"BAD-NAME": "x"}}, "environment names"),
+    ({"cpus_per_gpu": -1}, "cpus_per_gpu is -1"),
+    ({"setup": ["module load a\nrm -rf /"]}, "single-line strings"),
+]
+
+BAD_FLAGS = [
+    (["--gpus", "9"], "--gpus 9 per node: nodes of profile"),
+    (["--nodes", "3"], "allows at most 2"),
+    (["--nodes", "0"], "--nodes 0: valid: 1 or more"),
+    (["--time", "2-00:00:00"], "allows at most 1-00:00:00"),
+    (["--time", "abc"], "is not a Slurm time"),
+    (["--time", "0:30"], "is not longer than the preemption warning"),
+    (["--name", "bad name!"], "--name 'bad name!'"),
+    (["--env", "NOEQUALS"], "is not NAME=VALUE"),
+    (["--gpus", "abc"], "'abc' is not a whole number"),
+]
+
+
+@pytest.fixture
+def sbatch_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    log = tmp_path / "sbatch-calls.log"
+    (shim / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nexit 1\n")
+    (shim / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    return log
+
+
+def _queue() -> str:
+    if not os.environ.get("HPCJOBS_TEST_CLUSTER"):
+        return ""
+    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+
+
+def assert_refused(out: subprocess.CompletedProcess[str], fragment: str, sbatch_log: Path) -> None:
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert fragment in lines[0], lines[0]
+    assert "HINT:" in lines[0]
+    assert out.stdout == ""
+    assert not sbatch_log.exists(), "sbatch was called"
+
+
+@pytest.mark.parametrize("change,fragment", BAD_PROFILES, ids=[f"profile-{i}" for i in range(len(BAD_PROFILES))])
+def test_bad_profile_is_refused(change: dict, fragment: str, tmp_path: Path, sbatch_log: Path) -> None:
+    prof = tmp_path / "bad.yaml"
+    prof.write_text(yaml.safe_dump({**GOOD, **change}))
+    before = _queue()
+    out = hpcjobs("submit", "--profile", str(prof), "--nodes", "2", "--gpus", "8", "trainers.tasks.lm", cwd=tmp_path)
+    assert_refused(out, fragment, sbatch_log)
+    assert "bad.yaml" in out.stderr
+    assert _queue() == before
+
+
+@pytest.mark.parametrize("flags,fragment", BAD_FLAGS, ids=[f"flags-{i}" for i in range(len(BAD_FLAGS))])
+def test_impossible_request_is_refused(flags: list[str], fragment: str, sbatch_log: Path, tmp_path: Path) -> None:
+    before = _queue()
+    out = hpcjobs("submit", "--profile", "testcluster", *flags, "trainers.tasks.lm", "--steps", "5", cwd=REPO)
+    assert_refused(out, fragment, sbatch_log)
+    assert _queue() == before
+
+
+def test_not_yaml(tmp_path: Path, sbatch_log: Path) -> None:
+    prof = tmp_path / "broken.yaml"
+    prof.write_text("partition: [low\n")
+    out = hpcjobs("submit", "--profile", str(prof), "trainers.tasks.lm", cwd=tmp_path)
+    assert_refused(out, "is not valid YAML", sbatch_log)
+
+
+def test_top_level_list(tmp_path: Path, sbatch_log: Path) -> None:
+    prof = tmp_path / "list.yaml"
+    prof.write_text("- partition: low\n")
+    out = hpcjobs("submit", "--profile", str(prof), "trainers.tasks.lm", cwd=tmp_path)
+    assert_refused(out, "the top level is a list", sbatch_log)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--profile", "testcluster", "nope.py"], "script 'nope.py' does not exist"),
+    (["--profile", "testcluster", "no.such.module"], "task module 'no.such.module' cannot be found"),
+    (["--profile", "testcluster", "-m", "no_such_pkg.train"], "module module 'no_such_pkg.train' cannot be found"),
+    (["--profile", "testclustr", "trainers.tasks.lm"], "Did you mean 'testcluster'"),
+    (["--profile", "/nowhere/x.yaml", "trainers.tasks.lm"], "does not exist"),
+    (["--profile", "local", "--nodes", "2", "trainers.tasks.lm"], "with profile local (local): valid: 1"),
+], ids=["script", "task", "module", "profile-name", "profile-path", "local-nodes"])
+def test_bad_entry_or_profile_name(argv: list[str], fragment: str, sbatch_log: Path) -> None:
+    out = hpcjobs("submit", *argv, cwd=REPO)
+    assert_refused(out, fragment, sbatch_log)
+
+
+def test_render_refuses_to_overwrite(tmp_path: Path, sbatch_log: Path) -> None:
+    target = tmp_path / "job.sbatch"
+    target.write_text("precious\n")
+    out = hpcjobs("render", "--profile", "testcluster", "-o", str(target), "trainers.tasks.lm", cwd=REPO)
+    assert_refused(out, "already exists; nothing was written", sbatch_log)
+    assert target.read_text() == "precious\n"
+
+
+def test_render_with_local_profile(sbatch_log: Path) -> None:
+    out = hpcjobs("render", "--profile", "local", "trainers.tasks.lm", cwd=REPO)
+    assert_refused(out, "there is no sbatch script to render", sbatch_log)
+
+
+def test_sbatch_refusal_is_a_runtime_failure(tmp_path: Path, sbatch_log: Path) -> None:
+    """The shim refuses like Slurm would: exit 1 and nothing recorded."""
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({**GOOD, "runs_dir": str(tmp_path / "runs")}))
+    out = hpcjobs("submit", "--profile", str(prof), "trainers.tasks.lm", cwd=REPO)
+    assert out.returncode == 1, out.stderr
+    assert "sbatch refused the job" in out.stderr and "HINT:" in out.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    assert hpcjobs("list", "--json").stdout.strip() == "[]"
+
+
+def test_usage_error_is_one_line() -> None:
+    out = hpcjobs("submit", "--nodes", "2", "trainers.tasks.lm")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [textwrap.dedent(out.stderr.strip())]
+    assert "--profile" in out.stderr and "HINT:" in out.stderr

@@ -1,0 +1,76 @@
+"""trainers.distenv: environment mapping → rank layout and rendezvous (pure)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from hpcjobs.ports import port_for_job, shell_port_expr
+from trainers.distenv import DistEnvError, expand_nodelist, from_environ
+
+
+@pytest.mark.parametrize("nodelist,first,count", [
+    ("node[01-03,07]", "node01", 4),
+    ("a1,b[2-3]", "a1", 3),
+    ("gpu-[001-128]", "gpu-001", 128),
+    ("node[1-2]", "node1", 2),
+    ("node[8-11]", "node8", 4),
+    ("n[009-011]", "n009", 3),
+    ("single", "single", 1),
+    ("rack[1-2]-node[1-2]", "rack1-node1", 4),
+])
+def test_nodelist_forms(nodelist: str, first: str, count: int) -> None:
+    hosts = expand_nodelist(nodelist)
+    assert hosts[0] == first and len(hosts) == count
+    env = from_environ({"SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURM_NNODES": "2",
+                        "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": "4242"})
+    assert env.master_addr == first
+
+
+def test_padded_and_unpadded_ranges_expand_exactly() -> None:
+    assert expand_nodelist("node[08-11]") == ["node08", "node09", "node10", "node11"]
+    assert expand_nodelist("node[8-11]") == ["node8", "node9", "node10", "node11"]
+
+
+def test_slurm_layout() -> None:
+    env = from_environ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
+                        "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2",
+                        "NCCL_DEBUG": "WARN", "UNRELATED": "x"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (9, 1, 16, 8)
+    assert (env.master_addr, env.master_port, env.restart, env.source) == ("node1", port_for_job(77), 2, "slurm")
+    assert env.as_env()["RANK"] == "9" and env.as_env()["NCCL_DEBUG"] == "WARN" and "UNRELATED" not in env.as_env()
+
+
+def test_torchrun_variables_win_over_slurm() -> None:
+    env = from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1234",
+                        "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert (env.rank, env.world_size, env.master_addr, env.master_port, env.source) == (1, 2, "h", 1234, "torchrun")
+
+
+def test_single_process() -> None:
+    env = from_environ({})
+    assert (env.rank, env.world_size, env.master_addr, env.source) == (0, 1, "127.0.0.1", "single")
+
+
+@pytest.mark.parametrize("env", [
+    {"RANK": "2", "WORLD_SIZE": "2"},
+    {"SLURM_PROCID": "x", "SLURM_NTASKS": "2"},
+    {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[3-1"},
+])
+def test_impossible_layouts(env: dict[str, str]) -> None:
+    with pytest.raises(DistEnvError):
+        from_environ(env)
+
+
+@pytest.mark.parametrize("job_id", [1, 42, 14999, 15000, 123456789])
+def test_port_rule_same_in_shell_and_python(job_id: int) -> None:
+    shell = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job_id}; echo {shell_port_expr()}"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert int(shell) == port_for_job(job_id) == from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                                                               "SLURM_JOB_ID": str(job_id)}).master_port
+    assert 1024 < port_for_job(job_id) < 32768  # above well-known, below Linux's ephemeral range
+
+
+def test_two_jobs_on_one_node_get_different_ports() -> None:
+    assert len({port_for_job(j) for j in range(1000, 1100)}) == 100

@@ -1,0 +1,93 @@
+"""The pure renderers: golden scripts, shell quoting of hostile strings, bash -n, submitit parameters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from hpcjobs.profiles import load_profile
+from hpcjobs.render import launcher_argv, render_sbatch, submitit_parameters
+from hpcjobs.spec import Request, build_spec
+
+GOLDEN = REPO / "tests" / "golden"
+
+
+def fixed_spec(profile_name: str, **req: object):
+    profile = replace(load_profile(str(REPO / "cluster_profiles" / f"{profile_name}.yaml")),
+                      source=f"cluster_profiles/{profile_name}.yaml", python="/opt/venv/bin/python")
+    profile = replace(profile, runs_dir=profile.runs_dir.replace("$USER", "alice"))  # not this machine's user
+    request = Request(entry="trainers.tasks.lm", args=("--size", "small", "--steps", "5000"), nodes=2, gpus=8,
+                      time="4:00:00", **req)  # type: ignore[arg-type]
+    return build_spec(profile, request, workdir=Path("/work/proj"), stamp="20260101-000000-0001",
+                      job_id_in_run_dir=True)
+
+
+@pytest.mark.parametrize("profile", ["testcluster", "a100-ib", "h100"])
+def test_golden_script(profile: str) -> None:
+    text = render_sbatch(fixed_spec(profile))
+    golden = GOLDEN / f"{profile}-2x8.sbatch"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"rendered script differs from {golden}; UPDATE_GOLDEN=1 rewrites it"
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_gpu_request_forms() -> None:
+    assert "#SBATCH --gpus-per-node=8" in render_sbatch(fixed_spec("testcluster"))
+    assert "#SBATCH --gres=gpu:a100:8" in render_sbatch(fixed_spec("a100-ib"))
+    assert "#SBATCH --gpus-per-node=h100:8" in render_sbatch(fixed_spec("h100"))
+
+
+HOSTILE = "it's a \"run\"; rm -rf / $(reboot) `id`\nsecond line"
+
+
+def test_hostile_strings_reach_the_ranks_unchanged(tmp_path: Path) -> None:
+    """Run the rendered script in bash with srun/scontrol replaced by recorders: every word arrives intact."""
+    spec = fixed_spec("testcluster", run_dir=f"/tmp/{HOSTILE}-%j", env=(f"WEIRD={HOSTILE}",), name="q")
+    spec = replace(spec, entry=replace(spec.entry, args=("--note", HOSTILE, ";", "&&")))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(spec))
+    record = tmp_path / "argv"
+    stubs = (f'srun() {{ printf "%s\\0" "$@" > "{record}"; printf "%s" "$WEIRD" > "{record}.env"; }}\n'
+             'scontrol() { echo node7; }\n')
+    env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[7-8]"}
+    subprocess.run(["bash", "-c", stubs + f'source "{script}"'], check=True, env=env, cwd=tmp_path)
+    words = record.read_bytes().decode().split("\0")[:-1]
+    launcher = launcher_argv(spec)
+    srun_flags = words[: words.index(launcher[0])]
+    assert srun_flags == ["--kill-on-bad-exit=1"]
+    expected = [w.replace("%j", "42") if w == spec.run_dir else w for w in launcher]
+    assert words[len(srun_flags):] == expected
+    assert (tmp_path / "argv.env").read_text() == HOSTILE
+
+
+def test_rendezvous_lines_in_script() -> None:
+    text = render_sbatch(fixed_spec("testcluster"))
+    assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in text
+    assert "export MASTER_PORT=$(( 15000 + SLURM_JOB_ID % 15000 ))" in text
+    for flag in ("--requeue", "--signal=USR2@60", "--open-mode=append", "--ntasks-per-node=8", "--nodes=2"):
+        assert f"#SBATCH {flag}\n" in text
+    assert "srun --kill-on-bad-exit=1" in text
+
+
+def test_submitit_parameters_match_the_script() -> None:
+    spec = fixed_spec("a100-ib")
+    params = submitit_parameters(spec)
+    text = render_sbatch(spec)
+    assert params["nodes"] == 2 and params["ntasks_per_node"] == 8 and params["gres"] == "gpu:a100:8"
+    assert params["additional_parameters"]["signal"] == "USR2@180"
+    assert f"#SBATCH --signal={params['additional_parameters']['signal']}" in text
+    assert f"#SBATCH --time={params['additional_parameters']['time']}" in text
+    assert params["setup"][:2] == ["module load cuda/12.4 nccl/2.21", "source ~/venvs/train/bin/activate"]
+    assert all(line in text for line in params["setup"])
+    assert params["srun_args"] == ["--kill-on-bad-exit=1", "--cpu-bind=cores"]
+
+
+def test_world_size_is_spelled_out() -> None:
+    assert fixed_spec("testcluster").world() == "2 nodes × 8 GPUs = 16 ranks"
+    assert "# 2 nodes × 8 GPUs = 16 ranks" in render_sbatch(fixed_spec("testcluster"))
