@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from trainers.faults import maybe_die
+
 FINISHED = "FINISHED"
 SHARED = "shared.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -89,6 +91,7 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
     if rank == 0:
         _write(shared, tmp / SHARED)
     _write(per_rank, tmp / f"rank-{rank}.pt")
+    maybe_die("save-written", step)
     barrier()
     if rank == 0:
         info = {"step": step, "world_size": world_size, **(meta or {})}
@@ -97,10 +100,12 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
         (tmp / FINISHED).write_text(f"{step}\n")
         _fsync_file(tmp / FINISHED)
         _fsync_dir(tmp)
+        maybe_die("save-marked", step)
         if final.exists():  # the same step saved again (a stop request right after a periodic save)
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
+        maybe_die("save-renamed", step)
         prune(root, keep)
     barrier()
     return final

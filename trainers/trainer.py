@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hpcjobs.runfolder import RunFolder, append_jsonl
-from trainers import checkpoint, preemption
+from trainers import checkpoint, faults, preemption
 from trainers.config import TrainConfig
 from trainers.dist import DistContext
 from trainers.task import Task
@@ -186,6 +186,7 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
                                    world_size=world, barrier=ctx.barrier, keep=cfg.keep,
                                    meta={"config": cfg.as_dict(), "task": task.name, "task_config": task.config})
 
+    fault_armed = faults.armed()
     net.train()
     while pos.step < cfg.steps:
         for i in range(cfg.grad_accum):
@@ -204,6 +205,8 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         pos.step += 1
+        if fault_armed:
+            faults.maybe_die("step", pos.step)
 
         if pos.step % cfg.log_every == 0 or pos.step == cfg.steps:
             meter.flush(pos.step, scheduler.get_last_lr()[0])

@@ -1,0 +1,84 @@
+"""Exact resume (CPU, gloo, 1 and 2 ranks): N steps straight vs. K steps → SIGKILL → restart → N steps gives the
+same loss at every step and bit-identical final weights; also with the kill landing inside a checkpoint write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, hpcjobs
+from trainers import checkpoint
+
+STEPS = 12
+ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", str(STEPS), "--log-every", "1",
+        "--ckpt-every", "3", "--batch-size", "4", "--grad-accum", "2", "--warmup-steps", "2", "--seed", "7"]
+
+
+def train(run_dir: Path, ranks: int, fault: str | None = None) -> int:
+    env = {"HPCJOBS_FAULT_INJECT": fault} if fault else {"HPCJOBS_FAULT_INJECT": ""}
+    out = hpcjobs("submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(run_dir), *ARGS,
+                  cwd=REPO, env=env, timeout=300)
+    return out.returncode
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """The last logged loss of each step (a killed run logged some steps that the resumed run redid)."""
+    out: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    ref = checkpoint.latest(run_dir / "checkpoints")
+    assert ref is not None and ref.step == STEPS
+    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    runs = {}
+    for ranks in (1, 2):
+        run = tmp_path_factory.mktemp(f"straight{ranks}") / "run"
+        assert train(run, ranks) == 0
+        runs[ranks] = run
+    return runs
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("fault", ["step@7", "save-written@9", "save-marked@9", "save-renamed@9:0"])
+def test_kill_and_resume_is_exact(ranks: int, fault: str, straight: dict[int, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, ranks, fault) != 0, "the injected SIGKILL should have ended the first attempt"
+    killed_at = losses(run)
+    assert max(killed_at) < STEPS
+    assert train(run, ranks) == 0
+    log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert "resumed from" in log
+    expected, got = losses(straight[ranks]), losses(run)
+    assert got == expected  # identical floats at every step
+    a, b = final_weights(straight[ranks]), final_weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_different_world_size_is_refused(straight: dict[int, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 2, "step@5") != 0
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), *ARGS, cwd=REPO)
+    assert out.returncode != 0
+    log = "".join(p.read_text() for p in (run / "logs").rglob("rank-0.log"))
+    assert "was written by 2 ranks, this run has 1" in log
+
+
+def test_different_settings_are_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 1, "step@4") != 0
+    args = [a if a != "0.1" else "0.2" for a in ARGS]  # another dropout: another task config
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), *args, cwd=REPO)
+    assert out.returncode != 0
+    log = "".join(p.read_text() for p in (run / "logs").rglob("rank-0.log"))
+    assert "was written with other settings" in log and "dropout" in log
