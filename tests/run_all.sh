@@ -12,6 +12,14 @@ PY=${PYTHON:-python3}
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q --upgrade --force-reinstall --no-deps . >/dev/null
 .venv/bin/pip install -q . '.[dev]' >/dev/null   # the dependencies (torch is already satisfied)
+# The wheel, installed in a fresh virtual environment outside the repo (the cluster's namespaces reach no index,
+# so this happens here); tests/cluster/test_submit_cluster.py renders and submits from it.
+export HPCJOBS_WHEEL_VENV=${HPCJOBS_WHEEL_VENV:-/tmp/hpcjobs-wheel-venv}
+rm -rf "$HPCJOBS_WHEEL_VENV" /tmp/hpcjobs-wheel-dist
+.venv/bin/pip wheel -q --no-deps -w /tmp/hpcjobs-wheel-dist . >/dev/null
+"$PY" -m venv "$HPCJOBS_WHEEL_VENV"
+"$HPCJOBS_WHEEL_VENV/bin/pip" install -q torch==2.13.0
+"$HPCJOBS_WHEEL_VENV/bin/pip" install -q /tmp/hpcjobs-wheel-dist/hpcjobs-*.whl
 echo "[run_all] environment ready in $((SECONDS - t0)) s"
 
 trap 'tests/cluster/testcluster.sh down' EXIT
