@@ -46,9 +46,10 @@ class RunFolder:
         append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "job_id": job_id,
                                      "world_size": world_size, **extra})
 
-    def record_stop(self, reason: str, step: int, restart: int) -> None:
-        """Why this (re)start ended without finishing: preemption, timeout, requeue, cap."""
-        append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "stopped": reason, "step": step})
+    def record_stop(self, reason: str, step: int, restart: int, **extra: Any) -> None:
+        """Why this (re)start ended without finishing: preemption, timeout, interrupt, cap."""
+        append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "stopped": reason, "step": step,
+                                     **extra})
 
     def write_final(self, state: str, reason: str, step: int | None = None) -> None:
         write_json_atomic(self.final, {"state": state, "reason": reason, "step": step, "time": time.time()})

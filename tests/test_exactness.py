@@ -42,15 +42,18 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     runs = {}
-    for ranks in (1, 2):
+    for ranks in (1, 2, 4):
         run = tmp_path_factory.mktemp(f"straight{ranks}") / "run"
         assert train(run, ranks) == 0
         runs[ranks] = run
     return runs
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("fault", ["step@7", "save-written@9", "save-marked@9", "save-renamed@9:0"])
+CASES = [(r, f) for r in (1, 2) for f in ("step@7", "save-written@9", "save-marked@9", "save-renamed@9:0")]
+
+
+# 4 ranks: gloo's ring sums in an order that depends on DDP's bucket grouping (see settle_ddp_buckets).
+@pytest.mark.parametrize("ranks,fault", [*CASES, (4, "step@7")])
 def test_kill_and_resume_is_exact(ranks: int, fault: str, straight: dict[int, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert train(run, ranks, fault) != 0, "the injected SIGKILL should have ended the first attempt"

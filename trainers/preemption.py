@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-_requested: list[int] = []  # signal numbers, appended by the handler (a list append is the whole handler)
+_requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 
 
 def _handler(signum: int, frame: Any) -> None:
-    _requested.append(signum)
+    _requested.append((signum, time.time()))
 
 
 def signal_number(name: str) -> int:
@@ -46,7 +46,15 @@ def requested_locally() -> bool:
 
 def request_stop(signum: int = signal.SIGUSR2) -> None:
     """What the handler does, callable from code and tests."""
-    _requested.append(signum)
+    _requested.append((signum, time.time()))
+
+
+def first_request() -> tuple[str, float] | None:
+    """(signal name, time) of the first stop request, if any."""
+    if not _requested:
+        return None
+    signum, when = _requested[0]
+    return signal.Signals(signum).name, when
 
 
 def reset() -> None:
@@ -62,7 +70,7 @@ def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float
     warn = int(env.get("HPCJOBS_SIGNAL_SECONDS", "90"))
     if end and end.isdigit() and (now or time.time()) >= int(end) - warn - 30:
         return "timeout"
-    return "interrupt" if _requested[0] == signal.SIGINT and "SLURM_JOB_ID" not in env else "preemption"
+    return "interrupt" if _requested[0][0] == signal.SIGINT and "SLURM_JOB_ID" not in env else "preemption"
 
 
 class Agreement:
@@ -85,14 +93,21 @@ class Agreement:
 
 
 def requeue_job(job_id: str, runner: Callable[..., Any] = subprocess.run) -> str:
-    """Ask Slurm to requeue this job (rank 0 only); returns Slurm's message, empty when it worked."""
+    """Ask Slurm to requeue this job (rank 0 only); returns Slurm's message, empty when it worked or when Slurm is
+    already requeuing it (preemption, `scontrol requeue` from outside: the job is no longer RUNNING)."""
     if not job_id or not job_id.isdigit():
         return f"no Slurm job id ({job_id!r}) to requeue"
     try:
         out = runner(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return ""
+        show = runner(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
-    return "" if out.returncode == 0 else (out.stderr or out.stdout).strip()
+    state = next((w.split("=", 1)[1] for w in show.stdout.split() if w.startswith("JobState=")), "")
+    if state and state != "RUNNING":
+        return ""
+    return (out.stderr or out.stdout).strip() or f"scontrol requeue exited {out.returncode}"
 
 
 @dataclass
@@ -141,8 +156,10 @@ def finish_stop(step: int | None) -> str:
     outcome = "local" if not job_id else ("cap" if restart >= cap else "requeued")
     if rank == 0:
         run = RunFolder(os.environ["HPCJOBS_RUN_DIR"]) if os.environ.get("HPCJOBS_RUN_DIR") else None
+        first = first_request()
         if run:
-            run.record_stop(reason, step if step is not None else -1, restart)
+            extra = {"signal": first[0], "signal_to_commit_s": round(time.time() - first[1], 3)} if first else {}
+            run.record_stop(reason, step if step is not None else -1, restart, **extra)
         if outcome == "requeued":
             err = requeue_job(job_id)
             print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "

@@ -118,6 +118,24 @@ def micro_batches(dataset: Any, ctx: DistContext, cfg: TrainConfig, micro: int, 
         epoch, start = epoch + 1, 0
 
 
+def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, device: torch.device,
+                       autocast: Any, optimizer: torch.optim.Optimizer) -> None:
+    """DDP regroups its gradient buckets after the first backward, and the all-reduce sums each element in an
+    order that depends on that grouping (gloo's ring with more than two ranks). A run resumed at step k would
+    reduce step k+1 with the first grouping while the uninterrupted run used the regrouped one, and the weights
+    would drift by a few ULPs. So every run, fresh or resumed, does one throwaway backward first (RNG states
+    restored, gradients dropped): every real step then reduces with the settled grouping."""
+    saved = rng_state()
+    batch = to_device(next(iter(DataLoader(dataset, batch_size=micro))), device)
+    net.eval()  # no running-statistics updates; the graph (and so the bucket order) is the same
+    with autocast:
+        loss = task.loss(net, batch)
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    net.train()
+    set_rng_state(saved)
+
+
 def check_compatible(meta: dict[str, Any], cfg: TrainConfig, task: Task, world: int, where: str) -> None:
     saved_cfg = meta.get("config", {})
     diffs = [f"{k}: {saved_cfg.get(k)!r} → {getattr(cfg, k)!r}" for k in TrainConfig.RESUME_KEYS
@@ -172,9 +190,12 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
 
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
     agreement = preemption.Agreement(ctx.control_group)
-    data = micro_batches(task.train_data(), ctx, cfg, micro, pos)
+    dataset = task.train_data()
+    data = micro_batches(dataset, ctx, cfg, micro, pos)
     autocast = torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
                               enabled=precision in ("bf16", "fp16"))
+    if world > 1:
+        settle_ddp_buckets(net, task, dataset, micro, device, autocast, optimizer)
     meter = Meter(ctx, cfg, task, run, micro * cfg.grad_accum * world, pos.step)
     last_saved = pos.step if ref is not None else -1
 
