@@ -62,7 +62,8 @@ def reset() -> None:
 
 
 def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float | None = None) -> str:
-    """Why we were asked to stop: `timeout` when the time limit is near, else `preemption` (or `interrupt`)."""
+    """Why we were asked to stop: `timeout` when the time limit is near, `preemption` otherwise under Slurm,
+    `interrupt` for a local run (Ctrl-C)."""
     if not _requested:
         return "none"
     env = os.environ if env is None else env
@@ -70,7 +71,7 @@ def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float
     warn = int(env.get("HPCJOBS_SIGNAL_SECONDS", "90"))
     if end and end.isdigit() and (now or time.time()) >= int(end) - warn - 30:
         return "timeout"
-    return "interrupt" if _requested[0][0] == signal.SIGINT and "SLURM_JOB_ID" not in env else "preemption"
+    return "preemption" if "SLURM_JOB_ID" in env else "interrupt"  # local runs stop only when asked to
 
 
 class Agreement:

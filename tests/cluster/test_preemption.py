@@ -139,3 +139,67 @@ def test_interrupted_job_comes_back_and_ends_bit_identical(trigger: str, path: s
     assert "restart 1" in (run / "logs" / "restart-1" / "rank-0.log").read_text()
     if trigger != "time-limit":
         assert row["steps_lost"] == [0] * len(row["steps_lost"]), row
+
+
+def test_preemption_by_sigterm_without_the_user_signal(folder: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Slurm without preempt_send_user_signal sends SIGTERM at preemption (then SIGKILL after GraceTime)."""
+    env = {**os.environ, "HPCJOBS_CLUSTER_USER_SIGNAL": "0"}
+    subprocess.run([str(REPO / "tests" / "cluster" / "testcluster.sh"), "restart"], check=True, env=env,
+                   capture_output=True)
+    try:
+        run = folder / "preemption-sigterm"
+        job = start("submit", make_profile(folder), run, folder)
+        wait_for_step(run, 100)
+        trigger_now("preemption", job)
+        assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
+        row = report("preemption-sigterm", "submit", run, job)
+        assert row["signals"][0] == "SIGTERM" and row["steps_lost"] == [0], row
+        got = weights(run)
+        assert all(torch.equal(got[k], reference[k]) for k in got)
+    finally:
+        subprocess.run([str(REPO / "tests" / "cluster" / "testcluster.sh"), "restart"], check=True,
+                       capture_output=True, env={**os.environ, "HPCJOBS_CLUSTER_USER_SIGNAL": "1"})
+
+
+OWN = str(REPO / "trainers" / "examples" / "own_script.py")
+
+
+def own_weights(run: Path) -> dict[str, torch.Tensor]:
+    ref = checkpoint.latest(run / "checkpoints")
+    assert ref is not None
+    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+
+
+def wait_for_log(log: Path, text: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not (log.exists() and text in log.read_text()):
+        assert time.time() < deadline, f"{text!r} never appeared in {log}"
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("path", ["submit", "sbatch"])
+def test_own_script_with_stopguard_survives_a_signal(path: str, folder: Path) -> None:
+    profile = make_profile(folder)
+    common = ["--profile", str(profile), "--nodes", "2", "--gpus", "2"]
+    ref_run = folder / "own-reference"
+    if not (ref_run / "done").exists():
+        out = hpcjobs("submit", *common, "--json", "--run-dir", str(ref_run), OWN, "--steps", "6000", cwd=REPO)
+        assert wait_for_state(json.loads(out.stdout)["job_id"], DONE) == "COMPLETED"
+        (ref_run / "done").touch()
+    run = folder / f"own-{path}"
+    if path == "submit":
+        out = hpcjobs("submit", *common, "--json", "--run-dir", str(run), OWN, "--steps", "6000", cwd=REPO)
+        job = json.loads(out.stdout)["job_id"]
+    else:
+        script = folder / "own.sbatch"
+        assert hpcjobs("render", *common, "-o", str(script), "--run-dir", str(run), OWN, "--steps", "6000",
+                       cwd=REPO).returncode == 0
+        job = slurm("sbatch", "--parsable", str(script)).strip()
+    wait_for_log(run / "logs" / "restart-0" / "rank-0.log", "step 500 ")
+    slurm("scancel", "--signal=USR2", job)
+    assert wait_for_state(job, DONE, timeout=300) == "COMPLETED"
+    log1 = (run / "logs" / "restart-1" / "rank-0.log").read_text()
+    assert "resumed from" in log1 and "done at step 6000" in log1
+    # The same training up to gradient-sum order (this plain script does not settle DDP's buckets, see the README).
+    a, b = own_weights(ref_run), own_weights(run)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)

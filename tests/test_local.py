@@ -1,0 +1,48 @@
+"""The `local` profile: the README's main job on this machine, and Ctrl-C stopping at a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import BIN, hpcjobs
+from trainers import checkpoint
+
+
+def test_main_job_trains_checkpoints_and_reports_where(tmp_path: Path) -> None:
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "trainers.tasks.lm", "--size", "tiny", "--steps",
+                  "30", "--log-every", "10", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    run = next((tmp_path / "runs").glob("lm-*"))
+    assert checkpoint.latest(run / "checkpoints").step == 30
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [10, 20, 30]
+    assert f"checkpoints in {run / 'checkpoints'}" in out.stdout + out.stderr
+    rows = json.loads(hpcjobs("list", "--json").stdout)
+    assert rows[0]["state"] == "COMPLETED" and rows[0]["state_source"] == "run folder"
+
+
+def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run), "trainers.tasks.lm", "--size",
+            "tiny", "--steps", "100000", "--log-every", "5", "--ckpt-every", "0"]
+    proc = subprocess.Popen([str(BIN / "hpcjobs"), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    deadline = time.time() + 120
+    while not (run / "heartbeat.json").exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    stop = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in x][-1]
+    assert stop["stopped"] == "interrupt" and stop["signal"] == "SIGUSR2"
+    assert checkpoint.latest(run / "checkpoints").step == stop["step"]
+    assert not (run / "final.json").exists()
+    again = hpcjobs(*[a if a != "100000" else str(stop["step"] + 5) for a in args], cwd=tmp_path, timeout=300)
+    assert again.returncode == 0
+    assert f"(step {stop['step']}," in (run / "logs" / "restart-0" / "rank-0.log").read_text()

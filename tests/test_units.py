@@ -1,0 +1,149 @@
+"""Small pure parts: checkpoint folders, the job store under concurrency, the stop flag, config, Slurm notation."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcjobs.errors import UsageError
+from hpcjobs.slurmtime import format_time, parse_mem_mb, parse_time
+from hpcjobs.store import JobRecord, JobStore
+from trainers import checkpoint, preemption
+from trainers.config import TrainConfig
+
+
+def save(root: Path, step: int, keep: int = 2) -> Path:
+    return checkpoint.save_checkpoint(root, step, {"w": torch.full((3,), float(step))}, {"r": torch.tensor(step)},
+                                      keep=keep)
+
+
+def test_checkpoint_layout_and_retention(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        save(tmp_path, step)
+    assert [r.step for r in checkpoint.finished(tmp_path)] == [20, 30]
+    final = tmp_path / "step-30"
+    assert sorted(p.name for p in final.iterdir()) == ["FINISHED", "meta.json", "rank-0.pt", "shared.pt"]
+    shared, mine = checkpoint.load_checkpoint(checkpoint.latest(tmp_path), 0)
+    assert torch.equal(shared["w"], torch.full((3,), 30.0)) and int(mine["r"]) == 30
+
+
+def test_unfinished_folders_are_ignored_and_cleared(tmp_path: Path) -> None:
+    save(tmp_path, 10)
+    (tmp_path / ".step-20.tmp").mkdir()  # a save killed before it committed
+    (tmp_path / "step-30").mkdir()       # a folder without the FINISHED marker
+    assert checkpoint.latest(tmp_path).step == 10
+    save(tmp_path, 20)
+    assert not (tmp_path / ".step-20.tmp").exists() and checkpoint.latest(tmp_path).step == 20
+
+
+def test_keep_must_leave_a_spare(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        save(tmp_path, 1, keep=1)
+
+
+class Boom:
+    def __reduce__(self):  # noqa: ANN204 - a pickle that would run code when loaded
+        return (os.system, ("echo pwned",))
+
+
+def test_loading_never_runs_pickled_code(tmp_path: Path) -> None:
+    ref_dir = save(tmp_path, 5)
+    with open(ref_dir / "shared.pt", "wb") as f:
+        torch.save({"evil": Boom()}, f)
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint.load_checkpoint(checkpoint.latest(tmp_path), 0)
+
+
+def _add_many(path: str, who: int) -> None:
+    store = JobStore(Path(path))
+    for i in range(25):
+        store.add(JobRecord(f"{who}-{i}", "n", "p", "slurm", 1, 1, "/r", {}, {}, time.time()))
+
+
+def test_store_loses_nothing_under_concurrent_writers(tmp_path: Path) -> None:
+    path = str(tmp_path / "jobs.sqlite")
+    procs = [multiprocessing.Process(target=_add_many, args=(path, w)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert len(JobStore(Path(path)).recent(1000)) == 100
+
+
+def test_store_newest_record_wins_for_a_reused_id(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "s.sqlite")
+    store.add(JobRecord("7", "old", "p", "slurm", 1, 1, "/a", {}, {}, 1.0))
+    store.add(JobRecord("7", "new", "p", "slurm", 1, 1, "/b", {}, {}, 2.0))
+    assert store.get("7").name == "new" and store.get("8") is None
+
+
+def test_the_handler_only_sets_a_flag() -> None:
+    preemption.reset()
+    preemption.install("USR1")
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.requested_locally()
+        assert preemption.first_request()[0] == "SIGUSR1"
+        assert preemption.stop_reason({"SLURM_JOB_ID": "1"}) == "preemption"
+        now = time.time()
+        env = {"SLURM_JOB_ID": "1", "SLURM_JOB_END_TIME": str(int(now) + 60), "HPCJOBS_SIGNAL_SECONDS": "90"}
+        assert preemption.stop_reason(env, now) == "timeout"
+    finally:
+        preemption.reset()
+        for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+
+
+def test_requeue_tolerates_a_job_slurm_already_requeues() -> None:
+    class Out:
+        def __init__(self, rc: int, stdout: str = "", stderr: str = "") -> None:
+            self.returncode, self.stdout, self.stderr = rc, stdout, stderr
+
+    calls = []
+
+    def runner(argv, **kw):  # noqa: ANN001, ANN003
+        calls.append(argv)
+        if argv[1] == "requeue":
+            return Out(1, stderr="Job is pending execution for job 5")
+        return Out(0, stdout=f"JobId=5 JobState={state}")
+
+    state = "PENDING"
+    assert preemption.requeue_job("5", runner) == ""
+    state = "RUNNING"
+    assert "pending execution" in preemption.requeue_job("5", runner)
+    assert preemption.requeue_job("", runner).startswith("no Slurm job id")
+
+
+def test_config_batches_and_lr_scaling() -> None:
+    cfg = TrainConfig(global_batch_size=64, grad_accum=2, lr=1e-3, lr_scaling="sqrt")
+    assert cfg.per_rank_batch(8) == 8 and cfg.micro_batch(8) == 4 and cfg.lr_factor(16) == 4.0
+    assert TrainConfig(lr_scaling="linear").lr_factor(16) == 16.0 and TrainConfig().lr_factor(16) == 1.0
+    with pytest.raises(ValueError, match="does not divide by the world size"):
+        TrainConfig(global_batch_size=10).per_rank_batch(4)
+    with pytest.raises(ValueError, match="grad_accum"):
+        TrainConfig(batch_size=6, grad_accum=4).micro_batch(1)
+
+
+@pytest.mark.parametrize("text,seconds", [("30", 1800), ("1:30", 90), ("4:00:00", 14400), ("1-00", 86400),
+                                          ("2-03:04", 183840), ("1-00:00:05", 86405)])
+def test_slurm_times(text: str, seconds: int) -> None:
+    assert parse_time(text) == seconds and parse_time(format_time(seconds)) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "1:2:3:4", "0", "-5", "1-"])
+def test_bad_slurm_times(bad: str) -> None:
+    with pytest.raises(UsageError):
+        parse_time(bad)
+
+
+def test_memory() -> None:
+    assert parse_mem_mb("64G") == 65536 and parse_mem_mb("500M") == 500 and parse_mem_mb(2048) == 2048
+    with pytest.raises(UsageError):
+        parse_mem_mb("0G")
