@@ -19,7 +19,7 @@ from hpcjobs.store import JobRecord, JobStore
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-                   "DEADLINE", "PREEMPTED"}
+                   "DEADLINE", "STOPPED"}
 
 
 def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -92,9 +92,12 @@ def status_of(rec: JobRecord, run_cmd: Runner = run_command) -> JobStatus:
         state, source = fstate, "run folder"
     if state is None and rec.cancelled:
         state, source = "CANCELLED", "store"
+    if state is None and rec.scheduler == "local" and run.heartbeat.exists():
+        history = run.read_restarts()
+        stopped = bool(history) and "stopped" in history[-1]  # Ctrl-C: checkpointed and stopped, resumable
+        state, source = ("STOPPED" if stopped else "RUNNING"), "run folder"
     if state is None:
-        state = "RUNNING" if rec.scheduler == "local" and run.heartbeat.exists() else "UNKNOWN"
-        source = "run folder" if state == "RUNNING" else "none"
+        state = "UNKNOWN"
     beat = run.read("heartbeat") or {}
     step = beat.get("step")
     age = time.time() - beat["time"] if "time" in beat else None
@@ -145,8 +148,10 @@ def follow(path: Path, out: Callable[[str], None], done: Callable[[], bool], pol
 def cancel(rec: JobRecord, store: JobStore, run_cmd: Runner = run_command) -> str:
     """scancel the job (a no-op with a message when it already ended); record the cancel."""
     st = status_of(rec, run_cmd)
-    if st.state in FINISHED_STATES or (rec.scheduler == "local"):
+    if st.state in FINISHED_STATES:
         return f"job {rec.job_id} already ended ({st.state}); nothing to cancel"
+    if rec.scheduler == "local":
+        return f"job {rec.job_id} runs locally ({st.state}): stop it with Ctrl-C where it runs (it checkpoints first)"
     out = run_cmd(["scancel", rec.job_id])
     if out.returncode != 0:
         raise RuntimeFailure(f"scancel {rec.job_id} failed: {(out.stderr or out.stdout).strip()}",

@@ -26,7 +26,8 @@ def launcher_argv(spec: JobSpec) -> list[str]:
     """The command every rank runs, whichever way the job is started (sbatch, submitit, local)."""
     pre = spec.profile.preemption
     argv = [spec.python, "-u", "-m", LAUNCHER_MODULE, "--run-dir", spec.run_dir, "--signal", pre.signal,
-            "--signal-seconds", str(pre.seconds_before), "--max-restarts", str(pre.max_restarts), "--kind", spec.entry.kind, "--", spec.entry.target]
+            "--signal-seconds", str(pre.seconds_before), "--max-restarts", str(pre.max_restarts),
+            "--time-limit", str(spec.time_seconds), "--kind", spec.entry.kind, "--", spec.entry.target]
     return argv + list(spec.entry.args)
 
 

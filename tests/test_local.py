@@ -43,6 +43,38 @@ def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_pa
     assert stop["stopped"] == "interrupt" and stop["signal"] == "SIGUSR2"
     assert checkpoint.latest(run / "checkpoints").step == stop["step"]
     assert not (run / "final.json").exists()
+    assert json.loads(hpcjobs("status", "--json").stdout)["state"] == "STOPPED"
     again = hpcjobs(*[a if a != "100000" else str(stop["step"] + 5) for a in args], cwd=tmp_path, timeout=300)
     assert again.returncode == 0
     assert f"(step {stop['step']}," in (run / "logs" / "restart-0" / "rank-0.log").read_text()
+
+
+def test_same_trainer_under_torchrun_and_as_a_plain_process(tmp_path: Path) -> None:
+    base = ["trainers.tasks.classifier", "--steps", "6", "--log-every", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, cmd in (("torchrun", [str(BIN / "torchrun"), "--nproc_per_node", "2", "-m", "trainers"]),
+                      ("plain", [str(BIN / "python"), "-m", "trainers"])):
+        run = tmp_path / name
+        out = subprocess.run([*cmd, *base, "--run-dir", str(run)], capture_output=True, text=True, env=env,
+                             cwd=tmp_path, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
+        ranks = "2 rank(s)" if name == "torchrun" else "1 rank(s)"
+        assert ranks in log and "finished at step 6" in log
+        assert checkpoint.latest(run / "checkpoints").step == 6
+
+
+def test_rendezvous_timeout_names_the_rank_and_address(tmp_path: Path) -> None:
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens here once closed
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "HPCJOBS_INIT_TIMEOUT": "3"}
+    t = time.time()
+    out = subprocess.run([str(BIN / "python"), "-m", "trainers.launch", "--run-dir", str(tmp_path / "r"), "--",
+                          "trainers.tasks.classifier"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1
+    assert f"rank 1/2 could not join the rendezvous at 127.0.0.1:{port} within 3 s" in out.stdout + out.stderr
+    assert time.time() - t < 60
+    final = json.loads((tmp_path / "r" / "final.json").read_text())
+    assert final["state"] == "failed" and "RendezvousError" in final["reason"]

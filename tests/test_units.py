@@ -95,6 +95,10 @@ def test_the_handler_only_sets_a_flag() -> None:
         now = time.time()
         env = {"SLURM_JOB_ID": "1", "SLURM_JOB_END_TIME": str(int(now) + 60), "HPCJOBS_SIGNAL_SECONDS": "90"}
         assert preemption.stop_reason(env, now) == "timeout"
+        started = {"SLURM_JOB_ID": "1", "HPCJOBS_START_TIME": str(now - 40), "HPCJOBS_TIME_LIMIT": "120",
+                   "HPCJOBS_SIGNAL_SECONDS": "60"}  # Slurm 22.05 has no SLURM_JOB_END_TIME
+        assert preemption.stop_reason(started, now) == "timeout"
+        assert preemption.stop_reason({**started, "HPCJOBS_TIME_LIMIT": "3600"}, now) == "preemption"
     finally:
         preemption.reset()
         for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):

@@ -13,6 +13,7 @@ import argparse
 import os
 import runpy
 import sys
+import time
 import traceback
 from typing import Sequence
 
@@ -29,6 +30,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--signal", default="USR2", help="the preemption signal Slurm sends (the profile's)")
     p.add_argument("--signal-seconds", type=int, default=90, help="how long before the time limit it comes")
     p.add_argument("--max-restarts", type=int, default=10, help="requeues allowed before the job ends failed")
+    p.add_argument("--time-limit", type=int, default=0, help="the job's time limit in seconds (0: unknown)")
     p.add_argument("--kind", choices=("task", "script", "module"), default="task")
     p.add_argument("entry")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -59,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.update(env.as_env())
     os.environ.update({"HPCJOBS_RUN_DIR": str(run.path), "HPCJOBS_SIGNAL": ns.signal,
                        "HPCJOBS_SIGNAL_SECONDS": str(ns.signal_seconds),
-                       "HPCJOBS_MAX_RESTARTS": str(ns.max_restarts)})
+                       "HPCJOBS_MAX_RESTARTS": str(ns.max_restarts), "HPCJOBS_START_TIME": str(time.time()),
+                       "HPCJOBS_TIME_LIMIT": str(ns.time_limit)})
     preemption.install(ns.signal)  # after submitit's runner installed its own: ours replace them
     tee = Tee(run.rank_log(env.restart, env.rank))
     try:

@@ -67,9 +67,12 @@ def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float
     if not _requested:
         return "none"
     env = os.environ if env is None else env
-    end = env.get("SLURM_JOB_END_TIME")
+    end = env.get("SLURM_JOB_END_TIME")  # newer Slurm; else this start's time plus the limit, from the launcher
+    if not (end and end.isdigit()) and env.get("HPCJOBS_START_TIME") and env.get("HPCJOBS_TIME_LIMIT"):
+        end = str(int(float(env["HPCJOBS_START_TIME"])) + int(env["HPCJOBS_TIME_LIMIT"]))
     warn = int(env.get("HPCJOBS_SIGNAL_SECONDS", "90"))
-    if end and end.isdigit() and (now or time.time()) >= int(end) - warn - 30:
+    # The signal comes `warn` seconds before the end, up to a minute early (Slurm's event resolution).
+    if end and end.isdigit() and (now or time.time()) >= int(end) - warn - 75:
         return "timeout"
     return "preemption" if "SLURM_JOB_ID" in env else "interrupt"  # local runs stop only when asked to
 

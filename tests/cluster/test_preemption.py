@@ -122,7 +122,7 @@ def test_interrupted_job_comes_back_and_ends_bit_identical(trigger: str, path: s
     run = folder / f"{trigger}-{path}"
     if trigger == "time-limit":
         # USR2 90 s before a 2-minute limit: every start is cut short after ~30 s of its time.
-        job = start(path, make_profile(folder, seconds_before=90), run, folder, time_limit="2:00")
+        job = start(path, make_profile(folder, seconds_before=90, max_restarts=30), run, folder, time_limit="2:00")
     else:
         job = start(path, make_profile(folder), run, folder)
         wait_for_step(run, 100)
@@ -137,8 +137,9 @@ def test_interrupted_job_comes_back_and_ends_bit_identical(trigger: str, path: s
     # Logs of every restart are kept, none overwritten.
     assert sorted(p.name for p in (run / "logs").iterdir())[:2] == ["restart-0", "restart-1"]
     assert "restart 1" in (run / "logs" / "restart-1" / "rank-0.log").read_text()
-    if trigger != "time-limit":
-        assert row["steps_lost"] == [0] * len(row["steps_lost"]), row
+    assert row["steps_lost"] == [0] * len(row["steps_lost"]), row
+    expected = "timeout" if trigger == "time-limit" else "preemption"
+    assert set(row["reasons"]) == {expected}, row
 
 
 def test_preemption_by_sigterm_without_the_user_signal(folder: Path, reference: dict[str, torch.Tensor]) -> None:
