@@ -92,6 +92,7 @@ def test_the_handler_only_sets_a_flag() -> None:
         assert preemption.requested_locally()
         assert preemption.first_request()[0] == "SIGUSR1"
         assert preemption.stop_reason({"SLURM_JOB_ID": "1"}) == "preemption"
+        assert preemption.stop_reason({}) == "interrupt"
         now = time.time()
         env = {"SLURM_JOB_ID": "1", "SLURM_JOB_END_TIME": str(int(now) + 60), "HPCJOBS_SIGNAL_SECONDS": "90"}
         assert preemption.stop_reason(env, now) == "timeout"
@@ -99,6 +100,9 @@ def test_the_handler_only_sets_a_flag() -> None:
                    "HPCJOBS_SIGNAL_SECONDS": "60"}  # Slurm 22.05 has no SLURM_JOB_END_TIME
         assert preemption.stop_reason(started, now) == "timeout"
         assert preemption.stop_reason({**started, "HPCJOBS_TIME_LIMIT": "3600"}, now) == "preemption"
+        preemption.reset()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.stop_reason({"SLURM_JOB_ID": "1"}) == "terminated"
     finally:
         preemption.reset()
         for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):

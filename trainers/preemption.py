@@ -6,8 +6,11 @@ The protocol, the same for the shared trainer and for users' own scripts (see `S
      arrived and does nothing else: no I/O, no collectives, no logging.
   2. At each step boundary the ranks combine their flags with one tiny all-reduce (MAX), on the CPU (a gloo group
      when the training backend is NCCL), so all ranks stop at the same step without a host-device sync.
-  3. All ranks save a checkpoint (atomic), wait at a barrier, then rank 0 runs `scontrol requeue` for the job, and
-     every rank exits 0. A job past its restart cap ends failed instead.
+  3. All ranks save a checkpoint (atomic) and wait at a barrier. If the stop came from the profile's signal (the
+     time limit, a preemption with preempt_send_user_signal, `scancel --signal`), rank 0 runs `scontrol requeue`
+     (a job past its restart cap ends failed instead). If it came from SIGTERM, whoever sent it decides what
+     follows: Slurm requeues after a preemption or `scontrol requeue`, and a `scancel` ends the job. Every rank
+     exits 0.
 Under submitit, whose runner installs its own handler for USR2 and ignores SIGTERM, `install()` is called later and
 replaces both, so only this protocol acts.
 """
@@ -62,11 +65,13 @@ def reset() -> None:
 
 
 def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float | None = None) -> str:
-    """Why we were asked to stop: `timeout` when the time limit is near, `preemption` otherwise under Slurm,
-    `interrupt` for a local run (Ctrl-C)."""
+    """Why we were asked to stop: `terminated` (SIGTERM under Slurm), `timeout` when the time limit is near,
+    `preemption` for the profile's signal otherwise, `interrupt` for a local run (Ctrl-C)."""
     if not _requested:
         return "none"
     env = os.environ if env is None else env
+    if _requested[0][0] == signal.SIGTERM and "SLURM_JOB_ID" in env:
+        return "terminated"  # preemption without the user signal, scontrol requeue, or scancel: Slurm decides
     end = env.get("SLURM_JOB_END_TIME")  # newer Slurm; else this start's time plus the limit, from the launcher
     if not (end and end.isdigit()) and env.get("HPCJOBS_START_TIME") and env.get("HPCJOBS_TIME_LIMIT"):
         end = str(int(float(env["HPCJOBS_START_TIME"])) + int(env["HPCJOBS_TIME_LIMIT"]))
@@ -144,8 +149,9 @@ class StopGuard:
 
 
 def finish_stop(step: int | None) -> str:
-    """After the checkpoint is committed on all ranks: record why we stopped and requeue (rank 0). Returns the
-    outcome: `requeued`, `cap` (restart cap reached: the job must end failed) or `local` (no Slurm: just stop)."""
+    """After the checkpoint is committed on all ranks: record why we stopped and requeue (rank 0) when the stop
+    came from the profile's signal. Returns the outcome: `requeued`, `stopped` (SIGTERM: Slurm decides), `cap`
+    (restart cap reached: the job must end failed) or `local` (no Slurm: just stop)."""
     import torch.distributed as dist
 
     from hpcjobs.runfolder import RunFolder
@@ -157,7 +163,12 @@ def finish_stop(step: int | None) -> str:
     cap = int(os.environ.get("HPCJOBS_MAX_RESTARTS", "10"))
     job_id = os.environ.get("SLURM_JOB_ID", "")
     reason = stop_reason()
-    outcome = "local" if not job_id else ("cap" if restart >= cap else "requeued")
+    if not job_id:
+        outcome = "local"
+    elif reason == "terminated":
+        outcome = "stopped"  # Slurm requeues (preemption, scontrol requeue) or ends (scancel) the job itself
+    else:
+        outcome = "cap" if restart >= cap else "requeued"
     if rank == 0:
         run = RunFolder(os.environ["HPCJOBS_RUN_DIR"]) if os.environ.get("HPCJOBS_RUN_DIR") else None
         first = first_request()
@@ -170,6 +181,9 @@ def finish_stop(step: int | None) -> str:
                   f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", flush=True)
             if err:
                 outcome = "cap"
+        elif outcome == "stopped":
+            print(f"hpcjobs: stopped by SIGTERM at step {step}: checkpoint committed; Slurm decides whether the job "
+                  "comes back (preemption, requeue) or ends (scancel).", flush=True)
         elif outcome == "cap":
             print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; restart cap "
                   f"{cap} reached, not requeuing. The job ends failed.", flush=True)

@@ -138,7 +138,7 @@ def test_interrupted_job_comes_back_and_ends_bit_identical(trigger: str, path: s
     assert sorted(p.name for p in (run / "logs").iterdir())[:2] == ["restart-0", "restart-1"]
     assert "restart 1" in (run / "logs" / "restart-1" / "rank-0.log").read_text()
     assert row["steps_lost"] == [0] * len(row["steps_lost"]), row
-    expected = "timeout" if trigger == "time-limit" else "preemption"
+    expected = {"time-limit": "timeout", "scontrol-requeue": "terminated"}.get(trigger, "preemption")
     assert set(row["reasons"]) == {expected}, row
 
 
@@ -154,7 +154,7 @@ def test_preemption_by_sigterm_without_the_user_signal(folder: Path, reference: 
         trigger_now("preemption", job)
         assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
         row = report("preemption-sigterm", "submit", run, job)
-        assert row["signals"][0] == "SIGTERM" and row["steps_lost"] == [0], row
+        assert row["signals"][0] == "SIGTERM" and row["reasons"] == ["terminated"] and row["steps_lost"] == [0], row
         got = weights(run)
         assert all(torch.equal(got[k], reference[k]) for k in got)
     finally:
