@@ -54,7 +54,7 @@ class JobStatus:
 
 
 def squeue_state(job_id: str, run: Runner) -> str | None:
-    out = run(["squeue", "-h", "-j", job_id, "-o", "%T"])
+    out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"])  # finished ones too
     state = out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
     return state or None
 

@@ -102,7 +102,8 @@ def wait_for_state(job_id: str, states: set[str], timeout: float = 300) -> str:
     deadline = time.time() + timeout
     state = ""
     while time.time() < deadline:
-        q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        q = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], capture_output=True,
+                           text=True)
         state = q.stdout.strip()
         if not state:
             a = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,

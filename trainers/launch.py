@@ -50,7 +50,10 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder) -> int:
         else:
             runpy.run_module(entry, run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr, flush=True)  # as Python itself does for sys.exit("message")
+        return 1
     return 0
 
 

@@ -30,12 +30,11 @@ def restart_cluster(accounting: bool) -> None:
 def accounting(request: pytest.FixtureRequest) -> Iterator[bool]:
     on = request.param == "with-sacct"
     if not on:
+        request.addfinalizer(lambda: restart_cluster(True))  # also when the switch itself fails
         restart_cluster(False)
     sacct = subprocess.run(["sacct", "-n", "-X"], capture_output=True, text=True)
     assert (sacct.returncode == 0) == on, sacct.stderr
     yield on
-    if not on:
-        restart_cluster(True)
 
 
 @pytest.fixture(scope="module")

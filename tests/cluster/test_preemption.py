@@ -145,9 +145,9 @@ def test_interrupted_job_comes_back_and_ends_bit_identical(trigger: str, path: s
 def test_preemption_by_sigterm_without_the_user_signal(folder: Path, reference: dict[str, torch.Tensor]) -> None:
     """Slurm without preempt_send_user_signal sends SIGTERM at preemption (then SIGKILL after GraceTime)."""
     env = {**os.environ, "HPCJOBS_CLUSTER_USER_SIGNAL": "0"}
-    subprocess.run([str(REPO / "tests" / "cluster" / "testcluster.sh"), "restart"], check=True, env=env,
-                   capture_output=True)
     try:
+        subprocess.run([str(REPO / "tests" / "cluster" / "testcluster.sh"), "restart"], check=True, env=env,
+                       capture_output=True)
         run = folder / "preemption-sigterm"
         job = start("submit", make_profile(folder), run, folder)
         wait_for_step(run, 100)

@@ -201,13 +201,13 @@ start_slurm() {
     on_host "$n" slurmd -N "$n"
     wait_for 20 "slurmd on $n" pid_alive "$D/run/slurmd-$n.pid"
   done
-  wait_for 30 "nodes idle" nodes_idle
+  wait_for 30 "nodes up" nodes_up
 }
 
-nodes_idle() {
+nodes_up() {  # every node answers (idle, or busy with jobs kept across a restart)
   local states
-  states=$(on_host head sinfo -h -N -p low -o '%T' | sort -u)
-  [ "$states" = idle ]
+  states=$(on_host head sinfo -h -N -p low -o '%T')
+  [ -n "$states" ] && ! grep -qvE '^(idle|mixed|allocated|completing)$' <<<"$states"
 }
 
 start_accounting() {
