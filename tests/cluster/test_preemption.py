@@ -23,7 +23,7 @@ from conftest import REPO, hpcjobs, slurm, wait_for_state
 from trainers import checkpoint
 
 pytestmark = pytest.mark.cluster
-STEPS = 1500
+STEPS = 1000
 CONFIG = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--seed", "3", "--steps", str(STEPS),
           "--log-every", "10", "--ckpt-every", "200"]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
