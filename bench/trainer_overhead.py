@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "trainer_overhead.json"
-LM_ARGS = ["--size", "small"]
+LM_ARGS = ["--size", "tiny"]
 SEED, LR, BATCH = 0, 1e-3, 8
 
 

@@ -129,6 +129,29 @@ def test_requeue_tolerates_a_job_slurm_already_requeues() -> None:
     assert preemption.requeue_job("", runner).startswith("no Slurm job id")
 
 
+def test_sigterm_counts_as_preemption_only_while_running_with_a_preempt_time() -> None:
+    """Lines as `scontrol show job -o` printed them on the test cluster at each kind of SIGTERM."""
+    seen = {
+        "grace": "JobId=3 JobState=RUNNING Restarts=0 PreemptEligibleTime=2026-11-22T17:21:48 "
+                 "PreemptTime=2026-11-22T17:21:51 SuspendTime=None",
+        "scancel": "JobId=1 JobState=COMPLETING Restarts=1 PreemptTime=None SuspendTime=None",
+        "running": "JobId=4 JobState=RUNNING Restarts=0 PreemptTime=None",
+        "timeout": "JobId=5 JobState=TIMEOUT PreemptTime=None",
+    }
+
+    def answer(line: str):  # noqa: ANN202
+        return lambda argv, **kw: type("Out", (), {"returncode": 0, "stdout": line, "stderr": ""})()
+
+    assert preemption.preempted_with_sigterm("3", answer(seen["grace"]))
+    assert not any(preemption.preempted_with_sigterm("3", answer(seen[k])) for k in ("scancel", "running", "timeout"))
+    assert not preemption.preempted_with_sigterm("", answer(seen["grace"]))
+
+    def missing(argv, **kw):  # noqa: ANN001, ANN003, ANN202
+        raise FileNotFoundError("scontrol")
+
+    assert not preemption.preempted_with_sigterm("3", missing)
+
+
 def test_config_batches_and_lr_scaling() -> None:
     cfg = TrainConfig(global_batch_size=64, grad_accum=2, lr=1e-3, lr_scaling="sqrt")
     assert cfg.per_rank_batch(8) == 8 and cfg.micro_batch(8) == 4 and cfg.lr_factor(16) == 4.0

@@ -7,10 +7,10 @@ The protocol, the same for the shared trainer and for users' own scripts (see `S
   2. At each step boundary the ranks combine their flags with one tiny all-reduce (MAX), on the CPU (a gloo group
      when the training backend is NCCL), so all ranks stop at the same step without a host-device sync.
   3. All ranks save a checkpoint (atomic) and wait at a barrier. If the stop came from the profile's signal (the
-     time limit, a preemption with preempt_send_user_signal, `scancel --signal`), rank 0 runs `scontrol requeue`
-     (a job past its restart cap ends failed instead). If it came from SIGTERM, whoever sent it decides what
-     follows: Slurm requeues after a preemption or `scontrol requeue`, and a `scancel` ends the job. Every rank
-     exits 0.
+     time limit, a preemption with preempt_send_user_signal, `scancel --signal`) or from the SIGTERM of a
+     preemption's GraceTime (Slurm would not requeue a job that ended in time), rank 0 runs `scontrol requeue`
+     (a job past its restart cap ends failed instead). Any other SIGTERM leaves the decision to whoever sent it:
+     an outside `scontrol requeue` brings the job back, a `scancel` ends it. Every rank exits 0.
 Under submitit, whose runner installs its own handler for USR2 and ignores SIGTERM, `install()` is called later and
 replaces both, so only this protocol acts.
 """
@@ -101,6 +101,24 @@ class Agreement:
         return bool(self._flag.item())
 
 
+def job_fields(job_id: str, runner: Callable[..., Any] = subprocess.run) -> dict[str, str]:
+    """`scontrol show job -o ID` as a mapping (JobState, PreemptTime, ...); empty when Slurm cannot be asked."""
+    try:
+        out = runner(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(w.split("=", 1) for w in out.stdout.split() if "=" in w)
+
+
+def preempted_with_sigterm(job_id: str, runner: Callable[..., Any] = subprocess.run) -> bool:
+    """A SIGTERM while the job is still RUNNING with a PreemptTime is a preemption's GraceTime warning (measured on
+    22.05). Slurm requeues such a job only if it is still running when the grace ends: a job that saved and exited
+    0 in time would end COMPLETED and never come back, so it must requeue itself. A `scancel` (CANCELLED), the
+    time limit (TIMEOUT) or an outside `scontrol requeue` change the state before the signal is sent."""
+    fields = job_fields(job_id, runner) if job_id.isdigit() else {}
+    return fields.get("JobState") == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+
+
 def requeue_job(job_id: str, runner: Callable[..., Any] = subprocess.run) -> str:
     """Ask Slurm to requeue this job (rank 0 only); returns Slurm's message, empty when it worked or when Slurm is
     already requeuing it (preemption, `scontrol requeue` from outside: the job is no longer RUNNING)."""
@@ -108,12 +126,11 @@ def requeue_job(job_id: str, runner: Callable[..., Any] = subprocess.run) -> str
         return f"no Slurm job id ({job_id!r}) to requeue"
     try:
         out = runner(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-        if out.returncode == 0:
-            return ""
-        show = runner(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
-    state = next((w.split("=", 1)[1] for w in show.stdout.split() if w.startswith("JobState=")), "")
+    if out.returncode == 0:
+        return ""
+    state = job_fields(job_id, runner).get("JobState", "")
     if state and state != "RUNNING":
         return ""
     return (out.stderr or out.stdout).strip() or f"scontrol requeue exited {out.returncode}"
@@ -163,10 +180,12 @@ def finish_stop(step: int | None) -> str:
     cap = int(os.environ.get("HPCJOBS_MAX_RESTARTS", "10"))
     job_id = os.environ.get("SLURM_JOB_ID", "")
     reason = stop_reason()
+    if reason == "terminated" and rank == 0 and preempted_with_sigterm(job_id):
+        reason = "preemption"
     if not job_id:
         outcome = "local"
     elif reason == "terminated":
-        outcome = "stopped"  # Slurm requeues (preemption, scontrol requeue) or ends (scancel) the job itself
+        outcome = "stopped"  # an outside `scontrol requeue` brings the job back, a scancel ends it: Slurm decides
     else:
         outcome = "cap" if restart >= cap else "requeued"
     if rank == 0:
