@@ -1,7 +1,7 @@
 """The run folder: one per job on a shared filesystem. Both sides use these names; nothing here imports torch.
 
 RUN/checkpoints/step-N/   finished checkpoints only (FINISHED marker written before the atomic rename)
-RUN/metrics.jsonl         rank 0, one line per logging interval
+RUN/metrics.jsonl         rank 0, one line per logging interval (loss) and per evaluation (val_loss)
 RUN/heartbeat.json        last step and time, rewritten atomically (status without sacct)
 RUN/restarts.jsonl        one line per (re)start: when, restart count, why the previous one stopped
 RUN/final.json            finished | failed, with the reason

@@ -14,7 +14,8 @@ from trainers import checkpoint
 
 STEPS = 12
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", str(STEPS), "--log-every", "1",
-        "--ckpt-every", "3", "--batch-size", "4", "--grad-accum", "2", "--warmup-steps", "2", "--seed", "7"]
+        "--ckpt-every", "3", "--batch-size", "4", "--grad-accum", "2", "--warmup-steps", "2", "--seed", "7",
+        "--eval-every", "4", "--keep-best"]
 
 
 def train(run_dir: Path, ranks: int, fault: str | None = None) -> int:
@@ -24,12 +25,14 @@ def train(run_dir: Path, ranks: int, fault: str | None = None) -> int:
     return out.returncode
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """The last logged loss of each step (a killed run logged some steps that the resumed run redid)."""
-    out: dict[int, float] = {}
+def losses(run_dir: Path) -> dict[tuple[int, str], float]:
+    """The last logged loss and val_loss of each step (a killed run logged some steps that the resumed run redid).
+    Evaluating must change nothing a resumed run has to reproduce, so the val_loss values must match too."""
+    out: dict[tuple[int, str], float] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
+        kind = "val_loss" if "val_loss" in rec else "loss"
+        out[(rec["step"], kind)] = rec[kind]
     return out
 
 
@@ -58,7 +61,7 @@ def test_kill_and_resume_is_exact(ranks: int, fault: str, straight: dict[int, Pa
     run = tmp_path / "run"
     assert train(run, ranks, fault) != 0, "the injected SIGKILL should have ended the first attempt"
     killed_at = losses(run)
-    assert max(killed_at) < STEPS
+    assert max(step for step, _ in killed_at) < STEPS
     assert train(run, ranks) == 0
     log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
     assert "resumed from" in log

@@ -26,6 +26,34 @@ def test_main_job_trains_checkpoints_and_reports_where(tmp_path: Path) -> None:
     assert rows[0]["state"] == "COMPLETED" and rows[0]["state_source"] == "run folder"
 
 
+def test_evaluation_keeps_the_best_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run), "trainers.tasks.classifier",
+                  "--steps", "40", "--log-every", "5", "--eval-every", "5", "--ckpt-every", "5", "--keep-best",
+                  "--lr", "0.05", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    evals = {r["step"]: r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if "val_loss" in r}
+    assert sorted(evals) == [5, 10, 15, 20, 25, 30, 35, 40]
+    best = checkpoint.read_best(run / "checkpoints")
+    assert best["step"] == min(evals, key=evals.get) and best["value"] == evals[best["step"]]
+    kept = [r.step for r in checkpoint.finished(run / "checkpoints")]
+    assert best["step"] in kept and kept[-2:] == [35, 40] and len(kept) <= 3, kept
+    assert "val_loss" in out.stdout + out.stderr
+
+
+def test_task_without_a_validation_set_refuses_eval_every(tmp_path: Path) -> None:
+    own = tmp_path / "notask.py"
+    own.write_text("import torch\nfrom torch.utils.data import TensorDataset\nfrom trainers.task import Task\n"
+                   "task = Task(name='n', model=lambda: torch.nn.Linear(2, 1), train_data=lambda: TensorDataset("
+                   "torch.zeros(8, 2)), loss=lambda m, b: m(b[0]).sum())\n")
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(tmp_path / "run"), "notask",
+                  "--eval-every", "5", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=300)
+    assert out.returncode != 0
+    assert "has no validation set; HINT" in (out.stdout + out.stderr + "".join(
+        p.read_text() for p in (tmp_path / "run" / "logs").rglob("rank-0.log")))
+
+
 def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run), "trainers.tasks.lm", "--size",

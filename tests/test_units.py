@@ -43,6 +43,27 @@ def test_unfinished_folders_are_ignored_and_cleared(tmp_path: Path) -> None:
     assert not (tmp_path / ".step-20.tmp").exists() and checkpoint.latest(tmp_path).step == 20
 
 
+def test_the_best_checkpoint_outlives_retention(tmp_path: Path) -> None:
+    save(tmp_path, 10)
+    checkpoint.mark_best(tmp_path, 10, "val_loss", 0.5)
+    for step in (20, 30, 40):
+        save(tmp_path, step)
+    assert [r.step for r in checkpoint.finished(tmp_path)] == [10, 30, 40]
+    checkpoint.mark_best(tmp_path, 40, "val_loss", 0.4)
+    save(tmp_path, 50)
+    assert [r.step for r in checkpoint.finished(tmp_path)] == [40, 50]
+    assert checkpoint.read_best(tmp_path) == {"step": 40, "metric": "val_loss", "value": 0.4}
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_keep_best_needs_evaluations() -> None:
+    from trainers.run import parse_config
+
+    with pytest.raises(ValueError, match="--keep-best without --eval-every.*HINT"):
+        parse_config("t", ["--keep-best"])
+    assert parse_config("t", ["--keep-best", "--eval-every", "5"])[0].eval_every == 5
+
+
 def test_keep_must_leave_a_spare(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         save(tmp_path, 1, keep=1)

@@ -5,7 +5,8 @@ Saving (every rank takes part, in this order):
   2. rank 0 writes shared.pt (model, optimizer, scheduler, scaler, progress, config); every rank writes
      rank-R.pt (its RNG states); each file is fsynced; barrier
   3. rank 0 writes meta.json and the FINISHED marker (fsynced), fsyncs the folder, renames it to step-N, fsyncs
-     the parent, then prunes older checkpoints beyond `keep` (never the newest finished one); barrier
+     the parent, then prunes older checkpoints beyond `keep` (never the newest finished one, never the one
+     best.json names); barrier
 A process killed at any instant leaves either the previous finished checkpoints untouched or a `.tmp` folder that
 the loader ignores and the next save clears. Loading uses torch.load(weights_only=True): no arbitrary pickle.
 """
@@ -26,6 +27,7 @@ from trainers.faults import maybe_die
 
 FINISHED = "FINISHED"
 SHARED = "shared.pt"
+BEST = "best.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -120,9 +122,29 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` finished checkpoints."""
+    """Delete all but the newest `keep` finished checkpoints, and the best one (best.json) if any."""
+    best = read_best(root)
     for ref in finished(root)[:-keep]:
-        shutil.rmtree(ref.path, ignore_errors=True)
+        if best is None or ref.step != best["step"]:
+            shutil.rmtree(ref.path, ignore_errors=True)
+
+
+def read_best(root: Path) -> dict[str, Any] | None:
+    """{"step": N, "metric": name, "value": x} of the best finished checkpoint, or None."""
+    try:
+        return json.loads((root / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def mark_best(root: Path, step: int, metric: str, value: float) -> None:
+    """Name step-N as the best (rank 0, after it is committed): written aside, fsynced, renamed over best.json, so
+    a kill leaves the old or the new record, and the checkpoint it names is always a finished one."""
+    tmp = root / f".{BEST}.tmp"
+    tmp.write_text(json.dumps({"step": step, "metric": metric, "value": value}))
+    _fsync_file(tmp)
+    os.replace(tmp, root / BEST)
+    _fsync_dir(root)
 
 
 def load_checkpoint(ref: CheckpointRef, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:

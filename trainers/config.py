@@ -44,6 +44,10 @@ class TrainConfig:
     """Steps between periodic checkpoints (0: only at the end and on a stop request)."""
     keep: int = 2
     """Finished checkpoints to keep (at least 2)."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest val_loss (RUN/checkpoints/best.json names it; never pruned)."""
+    eval_every: int = 0
+    """Steps between evaluations of the task's validation set, all ranks' shards averaged (0: never)."""
     stop_check_every: int = 1
     """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int)."""
     num_workers: int = 0
@@ -112,4 +116,9 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: valid: 1 or more")
     if cfg.keep < 2:
         raise ValueError(f"--keep {cfg.keep}: valid: 2 or more (the newest checkpoint is never the only copy)")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every {cfg.eval_every}: valid: 0 (never) or more")
+    if cfg.keep_best and not cfg.eval_every:
+        raise ValueError("--keep-best without --eval-every: valid: --keep-best --eval-every N (best by val_loss); "
+                         "HINT: add --eval-every 100")
     return cfg

@@ -38,6 +38,8 @@ class Task:
     """loss(model, batch) -> scalar tensor; batch is already on the device; runs under autocast."""
     config: dict[str, Any] = field(default_factory=dict)
     """The task's own settings; a checkpoint from different settings is refused."""
+    val_data: Callable[[], Dataset[Any]] | None = None
+    """Builds the validation set (optional); with --eval-every N its mean loss is logged as val_loss."""
     optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] | None = None
     """optimizer(params, lr) -> Optimizer; default AdamW with decoupled weight decay on matrices only."""
     tokens_per_sample: int = 0

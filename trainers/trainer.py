@@ -136,6 +136,24 @@ def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, dev
     set_rng_state(saved)
 
 
+def evaluate(model: nn.Module, task: Task, dataset: Any, ctx: DistContext, micro: int, autocast: Any) -> float:
+    """The mean of the validation batches' losses over all ranks' shards. The training RNG streams are untouched
+    (no shuffling, the loader gets its own generator) and the raw module is used (no DDP hooks), so evaluating
+    changes nothing that a resumed run would have to reproduce."""
+    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=micro, sampler=sampler, generator=torch.Generator())
+    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, batches
+    model.eval()
+    with torch.no_grad(), autocast:
+        for batch in loader:
+            totals[0] += task.loss(model, to_device(batch, ctx.device)).double()
+            totals[1] += 1
+    model.train()
+    if ctx.world_size > 1:
+        torch.distributed.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
 def check_compatible(meta: dict[str, Any], cfg: TrainConfig, task: Task, world: int, where: str) -> None:
     saved_cfg = meta.get("config", {})
     diffs = [f"{k}: {saved_cfg.get(k)!r} → {getattr(cfg, k)!r}" for k in TrainConfig.RESUME_KEYS
@@ -188,6 +206,12 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
     else:
         log(ctx, f"no finished checkpoint in {run.checkpoints}: starting at step 0")
 
+    val_set = task.val_data() if cfg.eval_every and task.val_data else None
+    if cfg.eval_every and val_set is None:
+        raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name} has no validation set; HINT: give the "
+                         "Task a val_data, or drop --eval-every")
+    best = checkpoint.read_best(run.checkpoints) if cfg.keep_best else None
+
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
     agreement = preemption.Agreement(ctx.control_group)
     dataset = task.train_data()
@@ -231,6 +255,16 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
 
         if pos.step % cfg.log_every == 0 or pos.step == cfg.steps:
             meter.flush(pos.step, scheduler.get_last_lr()[0])
+        if val_set is not None and (pos.step % cfg.eval_every == 0 or pos.step == cfg.steps):
+            val_loss = evaluate(model, task, val_set, ctx, micro, autocast)
+            meter.record_eval(pos.step, val_loss)
+            if cfg.keep_best and (best is None or val_loss < best["value"]):
+                if last_saved != pos.step:
+                    save()
+                    last_saved = pos.step
+                if ctx.is_main:
+                    checkpoint.mark_best(run.checkpoints, pos.step, "val_loss", val_loss)
+                best = {"step": pos.step, "value": val_loss}
         if cfg.ckpt_every and pos.step % cfg.ckpt_every == 0 and pos.step < cfg.steps:
             save()
             last_saved = pos.step
@@ -312,6 +346,15 @@ class Meter:
             self.tb.add_scalar("lr", lr, step)
         if self.bar is not None:
             self.bar.update(self.task_id, completed=step)
+
+    def record_eval(self, step: int, val_loss: float) -> None:
+        if not self.ctx.is_main:
+            return
+        append_jsonl(self.run.metrics, {"step": step, "val_loss": val_loss, "time": time.time(),
+                                        "restart": self.restart})
+        print(f"[hpcjobs rank 0] step {step} | val_loss {val_loss:.4f}", flush=True)
+        if self.tb is not None:
+            self.tb.add_scalar("val_loss", val_loss, step)
 
     def close(self) -> None:
         if self.tb is not None:

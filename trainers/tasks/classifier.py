@@ -15,9 +15,12 @@ from torch.utils.data import TensorDataset
 from trainers.task import Task
 
 
-def blobs(n: int, features: int, classes: int, seed: int = 1234) -> TensorDataset:
+def blobs(n: int, features: int, classes: int, seed: int = 1234, split: int = 0) -> TensorDataset:
+    """`split` 0 is the training set; another split draws other samples around the same centers."""
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(classes, features, generator=g) * 3
+    if split:
+        g = torch.Generator().manual_seed(seed + split)
     y = torch.randint(0, classes, (n,), generator=g)
     x = centers[y] + torch.randn(n, features, generator=g)
     return TensorDataset(x, y)
@@ -37,5 +40,6 @@ def make_task(args: list[str]) -> Task:
                              nn.Linear(ns.hidden, ns.hidden), nn.ReLU(), nn.Linear(ns.hidden, ns.classes))
 
     return Task(name="classifier", model=model, train_data=lambda: blobs(ns.samples, ns.features, ns.classes),
+                val_data=lambda: blobs(max(64, ns.samples // 8), ns.features, ns.classes, split=1),
                 loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), config=vars(ns).copy(),
                 defaults={"lr": 1e-3, "batch_size": 32})

@@ -127,10 +127,17 @@ def make_task(args: list[str]) -> Task:
         if not text.is_file():
             raise FileNotFoundError(f"--text {text} does not exist")
         source = str(text.resolve())
-        data = lambda: Sequences(torch.frombuffer(bytearray(text.read_bytes()), dtype=torch.uint8).long(),  # noqa
-                                 c.seq_len)
+
+        def split(part: int) -> Sequences:  # the last 5% of the bytes are the validation set
+            tokens = torch.frombuffer(bytearray(text.read_bytes()), dtype=torch.uint8).long()
+            cut = len(tokens) * 19 // 20
+            return Sequences(tokens[:cut] if part == 0 else tokens[cut:], c.seq_len)
     else:
         source = f"synthetic:{ns.samples}"
-        data = lambda: Sequences(synthetic_tokens(ns.samples, c.seq_len), c.seq_len)  # noqa: E731
-    return Task(name=f"lm-{ns.size}", model=lambda: GPT(c), train_data=data, loss=lm_loss,
+
+        def split(part: int) -> Sequences:  # other windows of the same kind for validation
+            n = ns.samples if part == 0 else max(64, ns.samples // 16)
+            return Sequences(synthetic_tokens(n, c.seq_len, seed=1234 + part), c.seq_len)
+    return Task(name=f"lm-{ns.size}", model=lambda: GPT(c), train_data=lambda: split(0),
+                val_data=lambda: split(1), loss=lm_loss,
                 config={**asdict(c), "data": source}, tokens_per_sample=c.seq_len, defaults={"lr": 1e-3})
