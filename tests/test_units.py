@@ -130,6 +130,35 @@ def test_the_handler_only_sets_a_flag() -> None:
             signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
 
 
+def _agree(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    agreement = preemption.Agreement()
+    answers = [agreement.any_rank_pipelined(rank == 1 and call >= 3) for call in range(6)]
+    answers.append(agreement.close())
+    answers.append(agreement.any_rank(rank == 0))
+    Path(out, f"rank-{rank}.txt").write_text(repr(answers))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_a_stop_at_the_same_call(tmp_path: Path) -> None:
+    """Rank 1 alone is asked to stop at call 3: the pipelined check tells both ranks at call 4, not before."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_agree, args=(r, port, str(tmp_path))) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    expected = [False, False, False, False, True, True, True, True]
+    assert [eval((tmp_path / f"rank-{r}.txt").read_text()) for r in range(2)] == [expected, expected]
+
+
 def test_requeue_tolerates_a_job_slurm_already_requeues() -> None:
     class Out:
         def __init__(self, rc: int, stdout: str = "", stderr: str = "") -> None:

@@ -49,7 +49,8 @@ class TrainConfig:
     eval_every: int = 0
     """Steps between evaluations of the task's validation set, all ranks' shards averaged (0: never)."""
     stop_check_every: int = 1
-    """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int)."""
+    """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int, in the background:
+    a stop takes effect at the check after the one that saw it)."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     tensorboard: bool = False

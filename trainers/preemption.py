@@ -5,7 +5,8 @@ The protocol, the same for the shared trainer and for users' own scripts (see `S
      limit) or SIGTERM (preemption with GraceTime, `scontrol requeue`, scancel). The handler records which signal
      arrived and does nothing else: no I/O, no collectives, no logging.
   2. At each step boundary the ranks combine their flags with one tiny all-reduce (MAX), on the CPU (a gloo group
-     when the training backend is NCCL), so all ranks stop at the same step without a host-device sync.
+     when the training backend is NCCL), so all ranks stop at the same step without a host-device sync. The
+     trainer pipelines it (the answer of the reduce started one step earlier; it runs during the step).
   3. All ranks save a checkpoint (atomic) and wait at a barrier. If the stop came from the profile's signal (the
      time limit, a preemption with preempt_send_user_signal, `scancel --signal`) or from the SIGTERM of a
      preemption's GraceTime (Slurm would not requeue a job that ended in time), rank 0 runs `scontrol requeue`
@@ -83,7 +84,12 @@ def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float
 
 
 class Agreement:
-    """One tiny all-reduce per check so that every rank sees the same answer."""
+    """Every rank gets the same answer to "has any rank been asked to stop?" from a tiny all-reduce (MAX) on the CPU.
+
+    `any_rank` answers now and waits for the slowest rank. `any_rank_pipelined` answers with the reduce it started
+    on the previous call and starts the next one, so the collective runs in the background during a training step
+    instead of stalling every step (measured on 2 CPU ranks: a blocking check cost ~10% of a 15 ms step); the stop
+    comes one check later, the same check on every rank. Call `close()` before the group goes away."""
 
     def __init__(self, group: Any = None) -> None:
         import torch
@@ -92,12 +98,34 @@ class Agreement:
         self._dist = dist if dist.is_available() and dist.is_initialized() else None
         self._group = group
         self._flag = torch.zeros(1, dtype=torch.int32)  # lives on the CPU: no device sync
+        self._pending: Any = None
+
+    def _single(self) -> bool:
+        return self._dist is None or self._dist.get_world_size(self._group) == 1
 
     def any_rank(self, local: bool) -> bool:
-        if self._dist is None or self._dist.get_world_size(self._group) == 1:
+        if self._single():
             return local
+        self.close()
         self._flag.fill_(1 if local else 0)
         self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self._group)
+        return bool(self._flag.item())
+
+    def any_rank_pipelined(self, local: bool) -> bool:
+        if self._single():
+            return local
+        answer = self.close()
+        self._flag.fill_(1 if local else 0)
+        self._pending = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self._group,
+                                              async_op=True)
+        return answer
+
+    def close(self) -> bool:
+        """Wait for a reduce in flight; returns its answer (False if none)."""
+        if self._pending is None:
+            return False
+        self._pending.wait()
+        self._pending = None
         return bool(self._flag.item())
 
 

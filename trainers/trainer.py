@@ -268,13 +268,15 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
         if cfg.ckpt_every and pos.step % cfg.ckpt_every == 0 and pos.step < cfg.steps:
             save()
             last_saved = pos.step
-        if pos.step % cfg.stop_check_every == 0 and agreement.any_rank(preemption.requested_locally()):
+        if pos.step % cfg.stop_check_every == 0 and agreement.any_rank_pipelined(preemption.requested_locally()):
+            agreement.close()
             if last_saved != pos.step:
                 save()
             log(ctx, f"stop requested: checkpoint step-{pos.step} committed")
             meter.close()
             return 1 if preemption.finish_stop(pos.step) == "cap" else 0
 
+    agreement.close()
     if last_saved != pos.step:
         save()
     meter.close()
