@@ -1,12 +1,12 @@
 """bench/trainer_overhead: the shared trainer against a bare hand-written DDP loop on the same model, data, seed
 and ranks, runs interleaved (this machine drifts ±10% between runs).
 
-(a) The example LM (trainers.tasks.lm, size small) on 2 CPU ranks (gloo): median step-time ratio trainer / bare
+(a) The example LM (trainers.tasks.lm, size tiny) on 2 CPU ranks (gloo): median step-time ratio trainer / bare
     (target ≤ 1.02), and the final weights of both, which must be bit-identical.
 (b) The fixed per-step overhead in ms on a tiny model whose bare step takes ~2 ms, one process, both loops in the
     same process alternately (target ≤ 0.05 ms).
 
-    .venv/bin/python bench/trainer_overhead.py [--rounds 4] [--steps 200]
+    .venv/bin/python bench/trainer_overhead.py [--rounds 8] [--steps 200]
 Writes bench/results/trainer_overhead.json and prints a summary.
 """
 
@@ -191,7 +191,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", choices=["trainer", "bare"])
     p.add_argument("--out", type=Path)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--tiny-steps", type=int, default=2000)
