@@ -224,12 +224,17 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
     last_saved = pos.step if ref is not None else -1
 
     def save() -> None:
+        """Commit a checkpoint of this step, once: a stop or an end right after a periodic save reuses it."""
+        nonlocal last_saved
+        if last_saved == pos.step:
+            return
         shared_state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                         "position": vars(pos).copy()}
         checkpoint.save_checkpoint(run.checkpoints, pos.step, shared_state, {"rng": rng_state()}, rank=ctx.rank,
                                    world_size=world, barrier=ctx.barrier, keep=cfg.keep,
                                    meta={"config": cfg.as_dict(), "task": task.name, "task_config": task.config})
+        last_saved = pos.step
 
     fault_armed = faults.armed()
     net.train()
@@ -259,26 +264,21 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
             val_loss = evaluate(model, task, val_set, ctx, micro, autocast)
             meter.record_eval(pos.step, val_loss)
             if cfg.keep_best and (best is None or val_loss < best["value"]):
-                if last_saved != pos.step:
-                    save()
-                    last_saved = pos.step
+                save()
                 if ctx.is_main:
                     checkpoint.mark_best(run.checkpoints, pos.step, "val_loss", val_loss)
                 best = {"step": pos.step, "value": val_loss}
         if cfg.ckpt_every and pos.step % cfg.ckpt_every == 0 and pos.step < cfg.steps:
             save()
-            last_saved = pos.step
         if pos.step % cfg.stop_check_every == 0 and agreement.any_rank_pipelined(preemption.requested_locally()):
             agreement.close()
-            if last_saved != pos.step:
-                save()
+            save()
             log(ctx, f"stop requested: checkpoint step-{pos.step} committed")
             meter.close()
             return 1 if preemption.finish_stop(pos.step) == "cap" else 0
 
     agreement.close()
-    if last_saved != pos.step:
-        save()
+    save()
     meter.close()
     if ctx.is_main:
         run.write_final("finished", f"reached step {pos.step}", pos.step)
