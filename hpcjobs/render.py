@@ -22,13 +22,29 @@ def shell_path(pattern: str, job_id_var: str = "SLURM_JOB_ID") -> str:
     return f'"${job_id_var}"'.join(shlex.quote(part) if part else "" for part in pattern.split("%j")) or "''"
 
 
+def signal_guard(spec: JobSpec) -> list[str]:
+    """Words that start a rank with the stop signals ignored (an ignored signal stays ignored across exec) until
+    the launcher installs its handler. Slurm may send the time-limit signal at the first instant of a start (its
+    check runs every 30 s and the signal may come up to a minute early); a Python rank still starting would be
+    killed by it and the job would end FAILED (measured: `scancel --signal=USR2` 0.1 s into a start). Ignored
+    there, the signal is lost instead, and the launcher stops at the time it was due (`preemption.install`)."""
+    names = sorted({spec.profile.preemption.signal.upper().removeprefix("SIG"), "TERM"})
+    return ["/bin/sh", "-c", f'trap "" {" ".join(names)}; exec "$@"', "hpcjobs-rank"]
+
+
 def launcher_argv(spec: JobSpec) -> list[str]:
     """The command every rank runs, whichever way the job is started (sbatch, submitit, local)."""
     pre = spec.profile.preemption
-    argv = [spec.python, "-u", "-m", LAUNCHER_MODULE, "--run-dir", spec.run_dir, "--signal", pre.signal,
-            "--signal-seconds", str(pre.seconds_before), "--max-restarts", str(pre.max_restarts),
-            "--time-limit", str(spec.time_seconds), "--kind", spec.entry.kind, "--", spec.entry.target]
+    argv = [*signal_guard(spec), spec.python, "-u", "-m", LAUNCHER_MODULE, "--run-dir", spec.run_dir,
+            "--signal", pre.signal, "--signal-seconds", str(pre.seconds_before),
+            "--max-restarts", str(pre.max_restarts), "--time-limit", str(spec.time_seconds),
+            "--kind", spec.entry.kind, "--", spec.entry.target]
     return argv + list(spec.entry.args)
+
+
+def submitit_python(spec: JobSpec) -> str:
+    """submitit's `python` (a shell command prefix): the same signal guard and interpreter as the other paths."""
+    return " ".join(shlex.quote(w) for w in [*signal_guard(spec), spec.python])
 
 
 def gpu_flags(spec: JobSpec) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.errors import RuntimeFailure, UsageError
-from hpcjobs.render import launcher_argv, slurm_log_dir, submitit_parameters
+from hpcjobs.render import launcher_argv, slurm_log_dir, submitit_parameters, submitit_python
 from hpcjobs.runfolder import RunFolder
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord, JobStore
@@ -64,7 +64,8 @@ def submit_slurm(spec: JobSpec) -> Submitted:
 
     run, created = _prepare_run_dir(spec)
     argv = launcher_argv(spec)
-    executor = submitit.SlurmExecutor(folder=run.path / "submitit", python=spec.python, max_num_timeout=10**6)
+    executor = submitit.SlurmExecutor(folder=run.path / "submitit", python=submitit_python(spec),
+                                      max_num_timeout=10**6)
     executor.update_parameters(**submitit_parameters(spec))
     try:
         job = executor.submit(SubmititEntry(argv[argv.index("trainers.launch") + 1:]))

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +15,7 @@ import pytest
 
 from conftest import REPO
 from hpcjobs.profiles import load_profile
-from hpcjobs.render import launcher_argv, render_sbatch, submitit_parameters
+from hpcjobs.render import launcher_argv, render_sbatch, signal_guard, submitit_parameters, submitit_python
 from hpcjobs.spec import Request, build_spec
 
 GOLDEN = REPO / "tests" / "golden"
@@ -91,3 +95,35 @@ def test_submitit_parameters_match_the_script() -> None:
 def test_world_size_is_spelled_out() -> None:
     assert fixed_spec("testcluster").world() == "2 nodes × 8 GPUs = 16 ranks"
     assert "# 2 nodes × 8 GPUs = 16 ranks" in render_sbatch(fixed_spec("testcluster"))
+
+
+# A rank that takes a while to start (imports, a container): it must not die of a stop signal that comes before
+# its handler exists. The sleep stands for the startup; the handler is installed after it.
+SLOW_RANK = ("import signal, sys, time; time.sleep(1.5); got = []; "
+             "signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); time.sleep(0.3); sys.exit(0)")
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_signal_in_a_ranks_first_instant_does_not_kill_it(guarded: bool) -> None:
+    spec = fixed_spec("h100")  # its signal is USR1
+    assert spec.profile.preemption.signal == "USR1"
+    argv = [*(signal_guard(spec) if guarded else []), sys.executable, "-c", SLOW_RANK]
+    proc = subprocess.Popen(argv)
+    time.sleep(0.5)  # the guard (or the bare interpreter) is running, the rank's handler is not there yet
+    proc.send_signal(signal.SIGUSR1)
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    assert rc == (0 if guarded else -signal.SIGUSR1)
+
+
+def test_every_path_starts_ranks_through_the_guard() -> None:
+    spec = fixed_spec("testcluster")
+    guard = signal_guard(spec)
+    assert guard[:2] == ["/bin/sh", "-c"] and 'trap "" TERM USR2;' in guard[2]
+    assert launcher_argv(spec)[: len(guard) + 1] == [*guard, spec.python]
+    assert shlex.split(submitit_python(spec)) == [*guard, spec.python]
+
+
+def test_the_readme_shows_the_script_as_rendered_today() -> None:
+    golden = (GOLDEN / "testcluster-2x8.sbatch").read_text()
+    assert f"```bash\n{golden}```" in (REPO / "README.md").read_text(), "README's rendered script is stale"

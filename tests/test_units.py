@@ -130,6 +130,56 @@ def test_the_handler_only_sets_a_flag() -> None:
             signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
 
 
+def test_a_rank_stops_by_itself_when_the_time_limit_signal_never_came() -> None:
+    now = time.time()
+    job = {"SLURM_JOB_ID": "1", "HPCJOBS_TIME_LIMIT": "120", "HPCJOBS_SIGNAL_SECONDS": "90"}
+    preemption.reset()
+    try:
+        preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now)})  # signal due at now + 30
+        assert not preemption.requested_locally(now + 29)
+        assert preemption.requested_locally(now + 31)
+        assert preemption.first_request()[0] == "deadline"
+        assert preemption.stop_reason({**job, "HPCJOBS_START_TIME": str(now)}) == "timeout"
+        preemption.reset()
+        preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now - 300)})
+        os.kill(os.getpid(), signal.SIGUSR2)  # the signal came: it is the reason, not the deadline
+        assert preemption.requested_locally() and preemption.first_request()[0] == "SIGUSR2"
+        for no_limit in ({**job, "HPCJOBS_TIME_LIMIT": "0"}, {k: v for k, v in job.items() if k != "SLURM_JOB_ID"}):
+            preemption.reset()
+            preemption.install("USR2", {**no_limit, "HPCJOBS_START_TIME": str(now - 10**6)})
+            assert not preemption.requested_locally()  # local runs and unknown limits never stop by themselves
+    finally:
+        preemption.reset()
+        for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+
+
+EXITING_RANK = """import sys, time
+from trainers import preemption
+preemption.install("USR1")
+class Slow:  # stands for torch's teardown while the interpreter shuts down
+    def __del__(self):
+        time.sleep(1.5)
+slow = Slow()
+if sys.argv[1] == "ignore":
+    preemption.ignore_from_now("USR1")
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ignored", [True, False])
+def test_a_signal_while_a_finished_rank_shuts_down_does_not_kill_it(ignored: bool) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", EXITING_RANK, "ignore" if ignored else "keep"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "done"
+    time.sleep(0.7)  # the interpreter is shutting down (in Slow.__del__)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=30) == (0 if ignored else -signal.SIGUSR1)
+
+
 def _agree(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 

@@ -90,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run.write_final("failed", f"rank {env.rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return 1
     finally:
+        preemption.ignore_from_now(ns.signal)  # the work is over: a late signal must not turn it into a failure
         tee.close()
 
 

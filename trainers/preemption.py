@@ -3,7 +3,9 @@
 The protocol, the same for the shared trainer and for users' own scripts (see `StopGuard`):
   1. Slurm sends the profile's signal (at preemption with preempt_send_user_signal, and `seconds_before` the time
      limit) or SIGTERM (preemption with GraceTime, `scontrol requeue`, scancel). The handler records which signal
-     arrived and does nothing else: no I/O, no collectives, no logging.
+     arrived and does nothing else: no I/O, no collectives, no logging. A rank starts with these signals ignored
+     until the handler is in place (a signal in the first instant of a start would otherwise kill it and fail the
+     job), and stops by itself when the time-limit signal is due but never came.
   2. At each step boundary the ranks combine their flags with one tiny all-reduce (MAX), on the CPU (a gloo group
      when the training backend is NCCL), so all ranks stop at the same step without a host-device sync. The
      trainer pipelines it (the answer of the reduce started one step earlier; it runs during the step).
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
+DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
+_deadline: list[float] = []  # when to stop without a signal (set by install(); empty: no time limit known)
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -36,15 +40,29 @@ def signal_number(name: str) -> int:
     return int(getattr(signal, f"SIG{name.upper().removeprefix('SIG')}"))
 
 
-def install(signal_name: str = "USR2") -> list[int]:
-    """Handle the profile's signal and SIGTERM (and SIGINT for local runs) by setting the flag."""
+def install(signal_name: str = "USR2", env: dict[str, str] | os._Environ[str] | None = None) -> list[int]:
+    """Handle the profile's signal and SIGTERM (and SIGINT for local runs) by setting the flag, and arm the
+    deadline: the signal can be lost (sent before this rank's step existed, or while the rank was starting with it
+    ignored, see `hpcjobs.render.launcher_argv`), so at the time the signal was due the rank stops anyway."""
     nums = sorted({signal_number(signal_name), signal.SIGTERM, signal.SIGINT})
     for num in nums:
         signal.signal(num, _handler)
+    _deadline[:] = [d] if (d := signal_due(os.environ if env is None else env)) is not None else []
     return nums
 
 
-def requested_locally() -> bool:
+def ignore_from_now(signal_name: str = "USR2") -> None:
+    """Ignore the stop signals until the process exits. Called when the rank's work is over: Python gives every
+    signal that has a handler its default action back while the interpreter shuts down (which takes seconds with
+    torch), and the time-limit signal landing then killed ranks of a job that had just finished (job FAILED,
+    measured). An ignored signal stays ignored through shutdown."""
+    for num in {signal_number(signal_name), signal.SIGTERM}:
+        signal.signal(num, signal.SIG_IGN)
+
+
+def requested_locally(now: float | None = None) -> bool:
+    if not _requested and _deadline and (now or time.time()) >= _deadline[0]:
+        _requested.append((DEADLINE, time.time()))
     return bool(_requested)
 
 
@@ -54,15 +72,34 @@ def request_stop(signum: int = signal.SIGUSR2) -> None:
 
 
 def first_request() -> tuple[str, float] | None:
-    """(signal name, time) of the first stop request, if any."""
+    """(signal name, time) of the first stop request, if any; the name is `deadline` when no signal came."""
     if not _requested:
         return None
     signum, when = _requested[0]
-    return signal.Signals(signum).name, when
+    return ("deadline" if signum == DEADLINE else signal.Signals(signum).name), when
 
 
 def reset() -> None:
     _requested.clear()
+    _deadline.clear()
+
+
+def job_end(env: dict[str, str] | os._Environ[str]) -> int | None:
+    """When Slurm ends this start of the job (epoch seconds): SLURM_JOB_END_TIME on newer Slurm, else the
+    launcher's start time plus the time limit (a few seconds late: the job started before the launcher did)."""
+    end = env.get("SLURM_JOB_END_TIME", "")
+    if end.isdigit():
+        return int(end)
+    start, limit = env.get("HPCJOBS_START_TIME", ""), env.get("HPCJOBS_TIME_LIMIT", "")
+    if start and limit.isdigit() and int(limit) > 0 and "SLURM_JOB_ID" in env:
+        return int(float(start)) + int(limit)
+    return None
+
+
+def signal_due(env: dict[str, str] | os._Environ[str]) -> float | None:
+    """When the profile's signal is due at the latest (`seconds_before` the end); None without a time limit."""
+    end = job_end(env)
+    return None if end is None else float(end - int(env.get("HPCJOBS_SIGNAL_SECONDS", "90")))
 
 
 def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float | None = None) -> str:
@@ -73,12 +110,11 @@ def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float
     env = os.environ if env is None else env
     if _requested[0][0] == signal.SIGTERM and "SLURM_JOB_ID" in env:
         return "terminated"  # preemption without the user signal, scontrol requeue, or scancel: Slurm decides
-    end = env.get("SLURM_JOB_END_TIME")  # newer Slurm; else this start's time plus the limit, from the launcher
-    if not (end and end.isdigit()) and env.get("HPCJOBS_START_TIME") and env.get("HPCJOBS_TIME_LIMIT"):
-        end = str(int(float(env["HPCJOBS_START_TIME"])) + int(env["HPCJOBS_TIME_LIMIT"]))
-    warn = int(env.get("HPCJOBS_SIGNAL_SECONDS", "90"))
-    # The signal comes `warn` seconds before the end, up to a minute early (Slurm's event resolution).
-    if end and end.isdigit() and (now or time.time()) >= int(end) - warn - 75:
+    if _requested[0][0] == DEADLINE:
+        return "timeout"
+    due = signal_due(env)
+    # The signal comes up to a minute before it is due (Slurm's event resolution; 30 s measured on 22.05).
+    if due is not None and (now or time.time()) >= due - 75:
         return "timeout"
     return "preemption" if "SLURM_JOB_ID" in env else "interrupt"  # local runs stop only when asked to
 
@@ -222,6 +258,9 @@ def finish_stop(step: int | None) -> str:
         if run:
             extra = {"signal": first[0], "signal_to_commit_s": round(time.time() - first[1], 3)} if first else {}
             run.record_stop(reason, step if step is not None else -1, restart, **extra)
+        if first and first[0] == "deadline":
+            print(f"hpcjobs: the {os.environ.get('HPCJOBS_SIGNAL', 'USR2')} signal due before the time limit never "
+                  "came (lost at the start of this run?): stopping on time anyway", flush=True)
         if outcome == "requeued":
             err = requeue_job(job_id)
             print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "

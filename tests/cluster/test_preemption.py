@@ -29,11 +29,13 @@ CONFIG = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--seed", "
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
-def make_profile(folder: Path, **preemption: int) -> Path:
+def make_profile(folder: Path, env: dict[str, str] | None = None, **preemption: int) -> Path:
     data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
     data["runs_dir"] = str(folder / "runs")
     data["preemption"].update(preemption)
-    path = folder / f"profile-{'-'.join(f'{k}{v}' for k, v in preemption.items()) or 'default'}.yaml"
+    data["env"].update(env or {})
+    name = "-".join([*(f"{k}{v}" for k, v in preemption.items()), *(env or {})]) or "default"
+    path = folder / f"profile-{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -207,3 +209,32 @@ def test_own_script_with_stopguard_survives_a_signal(path: str, folder: Path) ->
     assert "resumed from" in log1 and "done at step 6000" in log1
     a, b = own_weights(ref_run), own_weights(run)  # the script settles DDP's buckets: bit-identical, as the trainer
     assert all(torch.equal(a[k], b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
+
+
+SLOW_FIRST_START = """import os, time
+if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and os.environ.get("SLURM_PROCID"):
+    time.sleep(40)  # a rank's startup (imports, a container) that outlasts Slurm's early time-limit signal
+"""
+
+
+@pytest.mark.parametrize("path", ["submit", "sbatch"])
+def test_a_time_limit_signal_that_comes_while_ranks_start_neither_kills_nor_is_missed(
+        path: str, folder: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Slurm sends the time-limit signal at its first periodic check (every 30 s) once the job is within
+    `seconds_before` plus up to a minute of the limit: with 2:00 and 90 s, 0-30 s into each start. Here the first
+    start's ranks take 40 s to reach their handler, so that signal lands on starting ranks. Unguarded it killed them
+    (job FAILED, measured); ignored, it is lost, and the ranks must still stop in time by themselves."""
+    slow = folder / "slow-start"
+    slow.mkdir(exist_ok=True)
+    (slow / "sitecustomize.py").write_text(SLOW_FIRST_START)
+    run = folder / f"slow-start-{path}"
+    profile = make_profile(folder, env={"PYTHONPATH": str(slow)}, seconds_before=90, max_restarts=30)
+    job = start(path, profile, run, folder, time_limit="2:00")
+    assert wait_for_state(job, DONE, timeout=900) == "COMPLETED"
+    row = report("slow-start", path, run, job)
+    assert row["restarts"] >= 1 and row["reasons"][0] == "timeout", row
+    assert row["signals"][0] == "deadline", row  # Slurm's signal came during the sleep: lost, not handled
+    assert row["steps_lost"] == [0] * len(row["steps_lost"]), row
+    got = weights(run)
+    assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
+    assert "never came" in (run / "logs" / "restart-0" / "rank-0.log").read_text()
