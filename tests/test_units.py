@@ -8,6 +8,8 @@ import pickle
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
@@ -136,9 +138,23 @@ def test_a_rank_stops_by_itself_when_the_time_limit_signal_never_came() -> None:
     preemption.reset()
     try:
         preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now)})  # signal due at now + 30
-        assert not preemption.requested_locally(now + 29)
-        assert preemption.requested_locally(now + 31)
+        asked: list[list[str]] = []
+
+        def scontrol(end: float) -> Callable[..., object]:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
+            return lambda argv, **kw: asked.append(argv) or SimpleNamespace(
+                stdout=f"JobId=1 JobState=RUNNING TimeLimit=00:02:00 EndTime={stamp} Partition=low\n")
+
+        assert not preemption.requested_locally(now + 29, scontrol(now + 120)) and not asked
+        # Overdue: Slurm is asked once; the limit was extended by an hour, so the rank trains on.
+        assert not preemption.requested_locally(now + 31, scontrol(now + 3720))
+        assert asked == [["scontrol", "show", "job", "-o", "1"]]
+        assert not preemption.requested_locally(now + 60, scontrol(now + 3720)) and len(asked) == 1
+        assert preemption.requested_locally(now + 3631, scontrol(now + 3720))  # the new due time, no extension
         assert preemption.first_request()[0] == "deadline"
+        preemption.reset()
+        preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now)})
+        assert preemption.requested_locally(now + 31, lambda argv, **kw: SimpleNamespace(stdout=""))  # no answer
         assert preemption.stop_reason({**job, "HPCJOBS_START_TIME": str(now)}) == "timeout"
         preemption.reset()
         preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now - 300)})

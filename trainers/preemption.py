@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
-_deadline: list[float] = []  # when to stop without a signal (set by install(); empty: no time limit known)
+_deadline: list[tuple[float, str, int]] = []  # (when to stop without a signal, job id, seconds_before); empty: no
+# time limit known. Set by install().
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -47,7 +48,9 @@ def install(signal_name: str = "USR2", env: dict[str, str] | os._Environ[str] | 
     nums = sorted({signal_number(signal_name), signal.SIGTERM, signal.SIGINT})
     for num in nums:
         signal.signal(num, _handler)
-    _deadline[:] = [d] if (d := signal_due(os.environ if env is None else env)) is not None else []
+    env = os.environ if env is None else env
+    due = signal_due(env)
+    _deadline[:] = [] if due is None else [(due, env["SLURM_JOB_ID"], int(env.get("HPCJOBS_SIGNAL_SECONDS", "90")))]
     return nums
 
 
@@ -60,10 +63,25 @@ def ignore_from_now(signal_name: str = "USR2") -> None:
         signal.signal(num, signal.SIG_IGN)
 
 
-def requested_locally(now: float | None = None) -> bool:
-    if not _requested and _deadline and (now or time.time()) >= _deadline[0]:
-        _requested.append((DEADLINE, time.time()))
+def requested_locally(now: float | None = None, runner: Callable[..., Any] = subprocess.run) -> bool:
+    """Has this rank been asked to stop? Also true once the time-limit signal is overdue: then, once, Slurm is asked
+    for the job's EndTime first, since the limit may have been extended (`scontrol update`) since the start."""
+    if not _requested and _deadline and (now or time.time()) >= _deadline[0][0]:
+        due, job_id, warn = _deadline[0]
+        end = end_time(job_fields(job_id, runner)) if job_id.isdigit() else None
+        if end is not None and end - warn > due + 1:
+            _deadline[0] = (end - warn, job_id, warn)
+        else:
+            _requested.append((DEADLINE, time.time()))
     return bool(_requested)
+
+
+def end_time(fields: dict[str, str]) -> float | None:
+    """`EndTime` of `scontrol show job` (local time) as epoch seconds; None when absent or not a time."""
+    try:
+        return time.mktime(time.strptime(fields.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
 
 
 def request_stop(signum: int = signal.SIGUSR2) -> None:
