@@ -175,7 +175,7 @@ from trainers import preemption
 preemption.install("USR1")
 class Slow:  # stands for torch's teardown while the interpreter shuts down
     def __del__(self):
-        time.sleep(1.5)
+        time.sleep(3)
 slow = Slow()
 if sys.argv[1] == "ignore":
     preemption.ignore_from_now("USR1")
@@ -191,7 +191,7 @@ def test_a_signal_while_a_finished_rank_shuts_down_does_not_kill_it(ignored: boo
     proc = subprocess.Popen([sys.executable, "-c", EXITING_RANK, "ignore" if ignored else "keep"],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "done"
-    time.sleep(0.7)  # the interpreter is shutting down (in Slow.__del__)
+    time.sleep(1.0)  # the interpreter is shutting down (in Slow.__del__, 3 s)
     proc.send_signal(signal.SIGUSR1)
     assert proc.wait(timeout=30) == (0 if ignored else -signal.SIGUSR1)
 

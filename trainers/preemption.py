@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
-_deadline: list[tuple[float, str, int]] = []  # (when to stop without a signal, job id, seconds_before); empty: no
-# time limit known. Set by install().
+# Set by install(): (when to stop if no signal came, job id, seconds_before); empty when no time limit is known.
+_deadline: list[tuple[float, str, int]] = []
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -50,7 +50,8 @@ def install(signal_name: str = "USR2", env: dict[str, str] | os._Environ[str] | 
         signal.signal(num, _handler)
     env = os.environ if env is None else env
     due = signal_due(env)
-    _deadline[:] = [] if due is None else [(due, env["SLURM_JOB_ID"], int(env.get("HPCJOBS_SIGNAL_SECONDS", "90")))]
+    warn = int(env.get("HPCJOBS_SIGNAL_SECONDS", "90"))
+    _deadline[:] = [] if due is None else [(due, env.get("SLURM_JOB_ID", ""), warn)]
     return nums
 
 
