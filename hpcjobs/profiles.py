@@ -21,26 +21,14 @@ from typing import Any, Callable
 
 import yaml
 
+from hpcjobs.contract import SIGNALS, Preemption
 from hpcjobs.errors import ProfileError, UsageError
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
-SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG")
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
 SCHEDULERS = ("slurm", "local")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """What happens when Slurm is about to stop the job (preemption or the time limit)."""
-
-    signal: str = "USR2"
-    """The signal Slurm sends before stopping the job (`--signal`); the trainer also always handles SIGTERM."""
-    seconds_before: int = 90
-    """How many seconds before the end (time limit) Slurm sends `signal`; must leave time to save a checkpoint."""
-    max_restarts: int = 10
-    """How many times a job may be requeued (preemption, time limit) before it ends failed."""
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,49 @@ RUN/heartbeat.json        last step and time, rewritten atomically (status witho
 RUN/restarts.jsonl        one line per (re)start: when, restart count, why the previous one stopped
 RUN/final.json            finished | failed, with the reason
 RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
+
+A run folder given as a pattern (`runs/x-%j`, `sweep-%A/%a`) is resolved by `resolve_run_dir` on every path, once the
+job's ids are known; nothing ever creates a folder with a literal `%j` in its name.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+from hpcjobs.states import FinalState
+
+RUN_DIR_FIELDS = {
+    "%j": ("SLURM_JOB_ID", "HPCJOBS_JOB_ID"),
+    "%A": ("SLURM_ARRAY_JOB_ID",),
+    "%a": ("SLURM_ARRAY_TASK_ID",),
+}
+"""The patterns a run folder may hold, as in Slurm's own file names, and the variables (first set wins) that give
+them: %j the job id (an array task's own id), %A an array's job id, %a the array task's index."""
+_FIELD = re.compile("|".join(RUN_DIR_FIELDS))
+
+
+class RunDirPatternError(ValueError):
+    """A run-folder pattern whose ids this job does not have (e.g. %a outside a job array)."""
+
+
+def has_pattern(path: str) -> bool:
+    return bool(_FIELD.search(path))
+
+
+def resolve_run_dir(pattern: str, ids: Mapping[str, str]) -> str:
+    """`pattern` with %j, %A and %a replaced from `ids` (an environment, or {"SLURM_JOB_ID": "42"})."""
+    def value(m: re.Match[str]) -> str:
+        for var in RUN_DIR_FIELDS[m.group(0)]:
+            if ids.get(var):
+                return ids[var]
+        raise RunDirPatternError(f"run folder {pattern!r} holds {m.group(0)}, but this job has no "
+                                 f"{' or '.join(RUN_DIR_FIELDS[m.group(0)])}")
+    return _FIELD.sub(value, pattern)
 
 
 class RunFolder:
@@ -51,8 +85,8 @@ class RunFolder:
         append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "stopped": reason, "step": step,
                                      **extra})
 
-    def write_final(self, state: str, reason: str, step: int | None = None) -> None:
-        write_json_atomic(self.final, {"state": state, "reason": reason, "step": step, "time": time.time()})
+    def write_final(self, state: FinalState, reason: str, step: int | None = None) -> None:
+        write_json_atomic(self.final, {"state": str(state), "reason": reason, "step": step, "time": time.time()})
 
     def read(self, which: str) -> Any:
         return read_json(getattr(self, which))

@@ -1,0 +1,95 @@
+"""The launch contract: the one typed object the submit side hands every rank, and the only place its defaults live.
+
+The renderers write it once (`--contract JSON` on the launcher's command line, the same on every path: rendered
+sbatch, submitit, local). The launcher reads it once, resolves the run folder from the job's ids, stamps its start
+time and exports it as $HPCJOBS_CONTRACT, where everything else on the node (the preemption protocol, `StopGuard`
+in a user's own script) reads it when it needs it, never at import time. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
+
+from hpcjobs.runfolder import resolve_run_dir
+
+SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG")
+"""Signals a profile may ask Slurm to send before it stops a job (`--signal`)."""
+ENV_VAR = "HPCJOBS_CONTRACT"
+"""Where the launcher leaves the resolved contract for the rest of the rank (and its child processes)."""
+
+
+class ContractError(ValueError):
+    """A contract that cannot be read: the submit and node sides disagree (e.g. different hpcjobs versions)."""
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """What happens when Slurm is about to stop the job (preemption or the time limit)."""
+
+    signal: str = "USR2"
+    """The signal Slurm sends before stopping the job (`--signal`); the trainer also always handles SIGTERM."""
+    seconds_before: int = 90
+    """How many seconds before the end (time limit) Slurm sends `signal`; must leave time to save a checkpoint."""
+    max_restarts: int = 10
+    """How many times a job may be requeued (preemption, time limit) before it ends failed."""
+
+
+@dataclass(frozen=True)
+class LaunchContract:
+    """What every rank must know about its job that Slurm's environment does not say."""
+
+    run_dir: str
+    """The run folder; before `started()` it may hold `%j`, `%A`, `%a` (see hpcjobs.runfolder.resolve_run_dir)."""
+    preemption: Preemption = field(default_factory=Preemption)
+    """Signal, warning seconds and restart cap, from the profile."""
+    time_limit_s: int = 0
+    """The job's time limit in seconds (0: none known, e.g. a local run or a plain torchrun)."""
+    start_time: float = 0.0
+    """When this start of the job began on the rank (epoch seconds; set by the launcher)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchContract:
+        try:
+            data = json.loads(text)
+            pre = Preemption(**data.pop("preemption", {}))
+            contract = cls(preemption=pre, **data)
+        except (ValueError, TypeError) as e:
+            raise ContractError(f"the launch contract {text[:200]!r} cannot be read ({e}); the nodes may run "
+                                "another hpcjobs version than the one that submitted the job") from None
+        if not isinstance(contract.run_dir, str) or not contract.run_dir:
+            raise ContractError(f"the launch contract names no run folder: {text[:200]!r}")
+        return contract
+
+    def started(self, env: Mapping[str, str], now: float) -> LaunchContract:
+        """This rank's copy: the run folder resolved from the job's ids, the start time stamped."""
+        return replace(self, run_dir=resolve_run_dir(self.run_dir, env), start_time=now)
+
+    def export(self, environ: Any = None) -> None:
+        (os.environ if environ is None else environ)[ENV_VAR] = self.to_json()
+
+    @classmethod
+    def current(cls, environ: Mapping[str, str] | None = None) -> LaunchContract | None:
+        """The contract the launcher exported for this rank; None outside a launched rank (a plain script)."""
+        text = (os.environ if environ is None else environ).get(ENV_VAR)
+        return cls.from_json(text) if text else None
+
+    def job_end(self, env: Mapping[str, str]) -> int | None:
+        """When Slurm ends this start of the job (epoch seconds): SLURM_JOB_END_TIME on newer Slurm, else the
+        start time plus the time limit (a few seconds late: the job started before the launcher did)."""
+        end = env.get("SLURM_JOB_END_TIME", "")
+        if end.isdigit():
+            return int(end)
+        if self.start_time and self.time_limit_s > 0 and "SLURM_JOB_ID" in env:
+            return int(self.start_time) + self.time_limit_s
+        return None
+
+    def signal_due(self, env: Mapping[str, str]) -> float | None:
+        """When the profile's signal is due at the latest (`seconds_before` the end); None without a time limit."""
+        end = self.job_end(env)
+        return None if end is None else float(end - self.preemption.seconds_before)
