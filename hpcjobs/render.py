@@ -8,6 +8,7 @@ from typing import Any
 import jinja2
 
 from hpcjobs import __version__
+from hpcjobs.contract import LaunchContract
 from hpcjobs.ports import shell_port_expr
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
@@ -15,11 +16,6 @@ from hpcjobs.spec import JobSpec
 
 LAUNCHER_MODULE = "trainers.launch"
 SBATCH_TEMPLATE = "sbatch.sh.j2"
-
-
-def shell_path(pattern: str, job_id_var: str = "SLURM_JOB_ID") -> str:
-    """Shell-quote a path whose `%j` stands for the job id, e.g. '/runs/a b-'"$SLURM_JOB_ID"."""
-    return f'"${job_id_var}"'.join(shlex.quote(part) if part else "" for part in pattern.split("%j")) or "''"
 
 
 def signal_guard(spec: JobSpec) -> list[str]:
@@ -32,13 +28,15 @@ def signal_guard(spec: JobSpec) -> list[str]:
     return ["/bin/sh", "-c", f'trap "" {" ".join(names)}; exec "$@"', "hpcjobs-rank"]
 
 
+def launch_contract(spec: JobSpec) -> LaunchContract:
+    """The contract every rank reads (run folder pattern, preemption settings, time limit)."""
+    return LaunchContract(run_dir=spec.run_dir, preemption=spec.profile.preemption, time_limit_s=spec.time_seconds)
+
+
 def launcher_argv(spec: JobSpec) -> list[str]:
     """The command every rank runs, whichever way the job is started (sbatch, submitit, local)."""
-    pre = spec.profile.preemption
-    argv = [*signal_guard(spec), spec.python, "-u", "-m", LAUNCHER_MODULE, "--run-dir", spec.run_dir,
-            "--signal", pre.signal, "--signal-seconds", str(pre.seconds_before),
-            "--max-restarts", str(pre.max_restarts), "--time-limit", str(spec.time_seconds),
-            "--kind", spec.entry.kind, "--", spec.entry.target]
+    argv = [*signal_guard(spec), spec.python, "-u", "-m", LAUNCHER_MODULE, "--contract",
+            launch_contract(spec).to_json(), "--kind", spec.entry.kind, "--", spec.entry.target]
     return argv + list(spec.entry.args)
 
 
@@ -105,15 +103,12 @@ def render_sbatch(spec: JobSpec) -> str:
     flags["chdir"] = spec.workdir
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-    launcher = launcher_argv(spec)
-    run_dir_at = launcher.index("--run-dir") + 1
-    words = [shell_path(w) if i == run_dir_at else shlex.quote(w) for i, w in enumerate(launcher)]
     return env.get_template(SBATCH_TEMPLATE).render(
         version=__version__, profile_name=spec.profile.name, profile_source=spec.profile.source,
         world=spec.world(), entry=spec.entry.describe().replace("\n", " "),
         directives=[_flag(k, v) for k, v in sorted(flags.items())], setup=list(spec.profile.setup),
         environment=environment_lines(spec), srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
-        launcher=" ".join(words),
+        launcher=" ".join(shlex.quote(w) for w in launcher_argv(spec)),
     )
 
 
