@@ -40,7 +40,12 @@ EXAMPLES = {
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one line with a hint, exit code 2."""
+    """Usage errors as one line with a hint, exit code 2; long options only as typed in full (a prefix of one of
+    ours must never swallow a flag meant for the entry)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}. HINT: {self.prog} --help shows the flags and examples.\n")
@@ -56,6 +61,15 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _job_state(text: str) -> Any:
+    from hpcjobs.states import JobState
+
+    state = JobState.parse(text)
+    if state is JobState.UNKNOWN and text.strip().upper() != "UNKNOWN":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a job state; valid: {', '.join(s.value for s in JobState)}")
+    return state
 
 
 def _job_flags() -> argparse.ArgumentParser:
@@ -77,6 +91,41 @@ def _job_flags() -> argparse.ArgumentParser:
                                                    "script, or with -m a module")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")
     return p
+
+
+def _option_strings(p: argparse.ArgumentParser) -> frozenset[str]:
+    """A subcommand's own flags, less -h/--help (after the entry, a request for the entry's help)."""
+    return frozenset(o for a in p._actions for o in a.option_strings) - {"-h", "--help"}
+
+
+def entry_args_as_typed(argv: Sequence[str], entry: str, args: Sequence[str]) -> tuple[list[str], bool]:
+    """The entry's arguments as the user typed them, and whether a `--` set them apart (argparse drops a `--`
+    right after the entry, so only the raw argv tells)."""
+    for i in range(len(argv) - 1, -1, -1):
+        if argv[i] != entry:
+            continue
+        tail = list(argv[i + 1:])
+        if tail == list(args):
+            return tail, i > 0 and argv[i - 1] == "--"
+        if tail[:1] == ["--"] and tail[1:] == list(args):
+            return tail[1:], True
+    return list(args), True  # cannot tell where the entry was typed: never refuse then
+
+
+def refuse_own_flags_after_entry(argv: Sequence[str], ns: argparse.Namespace) -> None:
+    """`hpcjobs submit ... ENTRY --steps 40 --dry-run` must not submit: an hpcjobs flag typed after the entry would
+    silently go to the entry. Everything after a `--` is the entry's, so `ENTRY -- --name x` passes `--name x`."""
+    args, separated = entry_args_as_typed(argv, ns.entry, ns.args)
+    if separated:
+        return
+    for word in args[:args.index("--")] if "--" in args else args:
+        flag = word.split("=", 1)[0] if word.startswith("--") else word
+        if flag in ns.own_flags:
+            raise UsageError(
+                f"{word!r} comes after the entry {ns.entry}, so it would go to the entry, but it is an hpcjobs "
+                f"{ns.command} flag; nothing was submitted.",
+                f"move it before the entry (hpcjobs {ns.command} {flag} ... {ns.entry} ...), or pass it to the "
+                f"entry on purpose after a `--` ({ns.entry} -- {word}).")
 
 
 def _spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False) -> Any:
@@ -101,27 +150,26 @@ def add_submit(sub: Any, common: argparse.ArgumentParser) -> None:
                 parents=[common])
     p.add_argument("--dry-run", action="store_true", help="print the spec and the script; submit nothing")
     p.add_argument("--json", action="store_true", help="print a machine-readable record")
-    p.set_defaults(run=run_submit)
+    p.set_defaults(run=run_submit, own_flags=_option_strings(p))
 
 
 def run_submit(ns: argparse.Namespace) -> int:
-    from hpcjobs.render import render_sbatch
+    from hpcjobs.backends import backend_for
 
     spec = _spec(ns)
+    request = backend_for(spec.profile.scheduler).dry_run(spec)
     if ns.dry_run:
-        script = render_sbatch(spec) if spec.profile.scheduler == "slurm" else None
         if ns.json:
-            _print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "script": script})
+            _print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "request": request.text})
         else:
             print(f"# dry run: {spec.world()}; nothing submitted")
             print(yaml.safe_dump(spec.as_dict(), sort_keys=True).rstrip())
-            if script:
-                print("# --- the sbatch script hpcjobs render would write ---")
-                print(script, end="")
+            print(f"# --- the request the {spec.profile.scheduler} backend would submit ---")
+            print(request.text, end="")
         return 0
     from hpcjobs.submit import submit
 
-    sub = submit(spec)
+    sub = submit(request)
     if ns.json:
         _print_json({**sub.as_dict(), "world": spec.world(), "name": spec.name, "profile": spec.profile.name})
     elif sub.returncode is None:
@@ -138,23 +186,20 @@ def add_render(sub: Any, common: argparse.ArgumentParser) -> None:
                 parents=[common])
     p.add_argument("-o", "--output", help="write the script here (default: print it)")
     p.add_argument("--force", action="store_true", help="overwrite an existing -o file")
-    p.set_defaults(run=run_render)
+    p.set_defaults(run=run_render, own_flags=_option_strings(p))
 
 
 def run_render(ns: argparse.Namespace) -> int:
-    from hpcjobs.render import render_sbatch
+    from hpcjobs.backends import backend_for
 
     spec = _spec(ns, job_id_in_run_dir=True)
-    if spec.profile.scheduler != "slurm":
-        raise UsageError(f"profile {spec.profile.name} is {spec.profile.scheduler}: there is no sbatch script "
-                         "to render.", "use a Slurm profile, or `hpcjobs submit` to run locally.")
-    text = render_sbatch(spec)
+    script = backend_for(spec.profile.scheduler).script(spec)
     if not ns.output:
-        print(text, end="")
+        print(script.text, end="")
         return 0
     from hpcjobs.submit import write_script
 
-    path = write_script(text, Path(ns.output), spec, ns.force)
+    path = write_script(script, Path(ns.output), ns.force)
     print(f"Wrote {path} ({spec.world()}); submit it with: sbatch {path}", file=sys.stderr)
     return 0
 
@@ -241,7 +286,7 @@ def run_status(ns: argparse.Namespace) -> int:
 
 def add_list(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _parser(sub, "list", "Recent jobs submitted with hpcjobs.")
-    p.add_argument("--state", help="only jobs in this state (e.g. RUNNING, COMPLETED)")
+    p.add_argument("--state", type=_job_state, help="only jobs in this state (e.g. RUNNING, COMPLETED)")
     p.add_argument("--profile", help="only jobs of this profile")
     p.add_argument("--limit", type=_int, default=20)
     p.add_argument("--json", action="store_true")
@@ -254,7 +299,7 @@ def run_list(ns: argparse.Namespace) -> int:
 
     statuses = [status_of(r) for r in JobStore().recent(ns.limit, ns.profile)]
     if ns.state:
-        statuses = [s for s in statuses if s.state.upper() == ns.state.upper()]
+        statuses = [s for s in statuses if s.state == ns.state]
     if ns.json:
         _print_json([s.as_dict() for s in statuses])
         return 0
@@ -275,7 +320,7 @@ def add_logs(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_logs(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import FINISHED_STATES, find, follow, log_path, status_of
+    from hpcjobs.jobs import find, follow, log_path, status_of
     from hpcjobs.store import JobStore
 
     rec = find(ns.job, JobStore())
@@ -283,8 +328,11 @@ def run_logs(ns: argparse.Namespace) -> int:
     if not ns.follow:
         sys.stdout.write(path.read_text(errors="replace"))
         return 0
-    follow(path, lambda s: (sys.stdout.write(s), sys.stdout.flush()),
-           lambda: status_of(rec).state in FINISHED_STATES)
+    def out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    follow(path, out, lambda: status_of(rec).state.finished)
     return 0
 
 
@@ -322,12 +370,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
     if not getattr(ns, "run", None):
         parser.print_help()
         return 2
     try:
+        if getattr(ns, "own_flags", None):
+            refuse_own_flags_after_entry(argv, ns)
         return int(ns.run(ns))
     except HpcjobsError as e:
         print(f"hpcjobs {ns.command}: error: {e.one_line()}", file=sys.stderr)

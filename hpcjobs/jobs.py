@@ -1,4 +1,5 @@
-"""Following submitted jobs: state from squeue, then sacct where it exists, then the run folder's own markers.
+"""Following submitted jobs: what the job's backend says (squeue, then sacct, for Slurm), then the run folder's
+own markers, then the job store.
 
 Sites without accounting are common (sacct exits 1), and submitit's own state stays UNKNOWN there, so nothing here
 depends on sacct: the run folder (final.json, heartbeat.json, restarts.jsonl) always has the last word on how a
@@ -7,28 +8,16 @@ training run ended.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from hpcjobs.errors import RuntimeFailure, UsageError
+from hpcjobs.backends import Backend, backend_for
+from hpcjobs.errors import UsageError
 from hpcjobs.runfolder import RunFolder
+from hpcjobs.states import FinalState, JobState
 from hpcjobs.store import JobRecord, JobStore
-
-Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
-FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-                   "DEADLINE", "STOPPED"}
-
-
-def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
-    except FileNotFoundError:
-        return subprocess.CompletedProcess(list(argv), 127, "", f"{argv[0]}: command not found")
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(list(argv), 124, "", f"{argv[0]}: timed out")
 
 
 @dataclass(frozen=True)
@@ -38,7 +27,7 @@ class JobStatus:
     profile: str
     nodes: int
     gpus_per_node: int
-    state: str
+    state: JobState
     state_source: str
     """Where the state came from: squeue, sacct, run folder, store, or none."""
     restarts: int
@@ -50,26 +39,15 @@ class JobStatus:
     submitted: float
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "state": str(self.state)}
 
 
-def squeue_state(job_id: str, run: Runner) -> str | None:
-    out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"])  # finished ones too
-    state = out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
-    return state or None
-
-
-def sacct_state(job_id: str, run: Runner) -> str | None:
-    out = run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
-    if out.returncode != 0 or not out.stdout.strip():
-        return None
-    return out.stdout.strip().splitlines()[-1].split()[0]  # "CANCELLED by 0" -> CANCELLED
-
-
-def folder_state(run: RunFolder) -> tuple[str | None, str | None]:
+def folder_state(run: RunFolder) -> tuple[JobState | None, str | None]:
+    """The run's own final word (final.json), if it has one."""
     final = run.read("final")
     if isinstance(final, dict):
-        return ("COMPLETED" if final.get("state") == "finished" else "FAILED"), final.get("reason")
+        done = final.get("state") == FinalState.FINISHED
+        return (JobState.COMPLETED if done else JobState.FAILED), final.get("reason")
     return None, None
 
 
@@ -78,31 +56,19 @@ def restart_count(run: RunFolder) -> int:
     return max(starts, default=0)
 
 
-def status_of(rec: JobRecord, run_cmd: Runner = run_command) -> JobStatus:
+def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     run = RunFolder(rec.run_dir)
     fstate, reason = folder_state(run)
-    state, source = None, "none"
-    if rec.scheduler == "slurm":
-        state = squeue_state(rec.job_id, run_cmd)
-        source = "squeue" if state else source
-        if state is None:
-            state = sacct_state(rec.job_id, run_cmd)
-            source = "sacct" if state else source
-    if state is None and fstate:
-        state, source = fstate, "run folder"
-    if state is None and rec.cancelled:
-        state, source = "CANCELLED", "store"
-    if state is None and rec.scheduler == "local" and run.heartbeat.exists():
-        history = run.read_restarts()
-        stopped = bool(history) and "stopped" in history[-1]  # Ctrl-C: checkpointed and stopped, resumable
-        state, source = ("STOPPED" if stopped else "RUNNING"), "run folder"
-    if state is None:
-        state = "UNKNOWN"
+    answer = (backend or backend_for(rec.scheduler)).state(rec)
+    if answer is None and fstate is not None:
+        answer = fstate, "run folder"
+    if answer is None and rec.cancelled:
+        answer = JobState.CANCELLED, "store"
+    state, source = answer or (JobState.UNKNOWN, "none")
     beat = run.read("heartbeat") or {}
-    step = beat.get("step")
     age = time.time() - beat["time"] if "time" in beat else None
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
-                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted)
+                     restart_count(run), beat.get("step"), age, reason, rec.run_dir, rec.logs, rec.submitted)
 
 
 def find(job_id: str, store: JobStore) -> JobRecord:
@@ -115,20 +81,7 @@ def find(job_id: str, store: JobStore) -> JobRecord:
 
 
 def log_path(rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path:
-    run = RunFolder(rec.run_dir)
-    restarts = run.restart_dirs()
-    if restart is None:
-        if not restarts:
-            raise UsageError(f"job {rec.job_id} has no logs yet in {run.logs} (it may still be pending).",
-                             f"`hpcjobs status {rec.job_id}` shows its state.")
-        restart = restarts[-1]
-    path = run.rank_log(restart, rank)
-    if not path.exists():
-        ranks = sorted(p.stem.split("-")[1] for p in path.parent.glob("rank-*.log"))
-        raise UsageError(f"job {rec.job_id} has no log for rank {rank} restart {restart}; restarts: "
-                         f"{restarts or 'none'}, ranks of that restart: {', '.join(ranks) or 'none'}.",
-                         "pick one of those with --rank and --restart.")
-    return path
+    return backend_for(rec.scheduler).logs(rec, rank, restart)
 
 
 def follow(path: Path, out: Callable[[str], None], done: Callable[[], bool], poll_s: float = 0.5) -> None:
@@ -145,16 +98,13 @@ def follow(path: Path, out: Callable[[str], None], done: Callable[[], bool], pol
                 time.sleep(poll_s)
 
 
-def cancel(rec: JobRecord, store: JobStore, run_cmd: Runner = run_command) -> str:
-    """scancel the job (a no-op with a message when it already ended); record the cancel."""
-    st = status_of(rec, run_cmd)
-    if st.state in FINISHED_STATES:
+def cancel(rec: JobRecord, store: JobStore, backend: Backend | None = None) -> str:
+    """Cancel through the job's backend (a no-op with a message when it already ended); record the cancel."""
+    backend = backend or backend_for(rec.scheduler)
+    st = status_of(rec, backend)
+    if st.state.finished:
         return f"job {rec.job_id} already ended ({st.state}); nothing to cancel"
-    if rec.scheduler == "local":
-        return f"job {rec.job_id} runs locally ({st.state}): stop it with Ctrl-C where it runs (it checkpoints first)"
-    out = run_cmd(["scancel", rec.job_id])
-    if out.returncode != 0:
-        raise RuntimeFailure(f"scancel {rec.job_id} failed: {(out.stderr or out.stdout).strip()}",
-                             "check that the job is yours and Slurm answers (`squeue --me`).")
-    store.mark_cancelled(rec.job_id)
-    return f"job {rec.job_id} cancelled (was {st.state})"
+    said = backend.cancel(rec)
+    if backend.queued:
+        store.mark_cancelled(rec.job_id)
+    return f"{said} (was {st.state})"

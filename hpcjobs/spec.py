@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcjobs.backends import backend_for
 from hpcjobs.errors import UsageError
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.slurmtime import format_time, parse_time
@@ -80,7 +81,8 @@ class JobSpec:
         return format_time(self.time_seconds)
 
     def world(self) -> str:
-        unit = "GPU" if self.profile.gpu_request != "none" and self.profile.scheduler == "slurm" else "rank"
+        gpus = backend_for(self.profile.scheduler).requests_gpus and self.profile.gpu_request != "none"
+        unit = "GPU" if gpus else "rank"
         return (f"{self.nodes} node{'s' * (self.nodes != 1)} × {self.gpus_per_node} {unit}"
                 f"{'s' * (self.gpus_per_node != 1)} = {self.ranks} rank{'s' * (self.ranks != 1)}")
 
@@ -128,6 +130,20 @@ def _require_module(name: str, what: str, hint: str) -> None:
         raise UsageError(f"{what} module {name!r} cannot be found from {os.getcwd()} (sys.path).", hint)
 
 
+def check_trainer_args(args: tuple[str, ...]) -> None:
+    """The shared trainer's flags among a task's arguments, checked here as the node would check them, so a bad one
+    is refused before the job waits in the queue (trainers.config is torch-free). The task's own flags pass."""
+    from trainers.config import ConfigError, parse_trainer_args
+
+    try:
+        parse_trainer_args(list(args))
+    except ConfigError as e:
+        text = str(e)
+        message, _, hint = text.partition(" HINT: ")
+        raise UsageError(f"trainer flag {message}", hint or "`python -m trainers.launch --run-dir DIR --kind task "
+                         "-- trainers.tasks.lm --help` lists the trainer's flags.") from None
+
+
 def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -151,9 +167,6 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     where = f"profile {profile.name}"
     if req.nodes < 1:
         raise UsageError(f"--nodes {req.nodes}: valid: 1 or more.", "e.g. --nodes 2")
-    if profile.scheduler == "local" and req.nodes != 1:
-        raise UsageError(f"--nodes {req.nodes} with {where} (local): valid: 1.",
-                         "use a Slurm profile for more than one node.")
     if profile.max_nodes and req.nodes > profile.max_nodes:
         raise UsageError(f"--nodes {req.nodes}: {where} allows at most {profile.max_nodes}.",
                          f"ask for --nodes {profile.max_nodes} or fewer.")
@@ -169,26 +182,26 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if profile.max_time and time_s > parse_time(profile.max_time):
         raise UsageError(f"--time {req.time}: {where} allows at most {profile.max_time}.",
                          f"ask for --time {profile.max_time} or less; the job requeues itself to go on longer.")
-    if profile.scheduler == "slurm" and time_s <= profile.preemption.seconds_before:
-        raise UsageError(f"--time {format_time(time_s)} is not longer than the preemption warning "
-                         f"({profile.preemption.seconds_before} s) of {where}.", "ask for more time.")
     entry = resolve_entry(req.entry, req.args, req.module, workdir)
+    if entry.kind == "task":
+        check_trainer_args(entry.args)
     name = req.name or default_name(entry)
     if not _NAME.match(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                          "or digit.", "e.g. --name gpt-small")
     env = {**profile.env, **profile.nccl, **_env_pairs(req.env)}
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
-    if req.run_dir:
-        run_dir = str((workdir / os.path.expanduser(req.run_dir)).resolve()) if "%j" not in req.run_dir \
-            else os.path.expanduser(req.run_dir)
+    if req.run_dir:  # absolute, so status and logs find it from anywhere; a pattern (%j) is resolved later
+        run_dir = str((workdir / os.path.expanduser(req.run_dir)).resolve())
     else:
         root = profile.runs_path()
         root = root if root.is_absolute() else workdir / root
         run_dir = str(root / f"{name}-{stamp}{'-%j' if job_id_in_run_dir else ''}")
-    return JobSpec(
+    spec = JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
         run_dir=run_dir, workdir=str(workdir), python=profile.python or sys.executable,
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env,
     )
+    backend_for(profile.scheduler).check(spec)
+    return spec

@@ -22,6 +22,12 @@ rm -rf "$HPCJOBS_WHEEL_VENV" /tmp/hpcjobs-wheel-dist
 "$HPCJOBS_WHEEL_VENV/bin/pip" install -q /tmp/hpcjobs-wheel-dist/hpcjobs-*.whl
 echo "[run_all] environment ready in $((SECONDS - t0)) s"
 
+# Lint and types first: a minute here is cheaper than a red run after half an hour of cluster tests.
+t2=$SECONDS
+.venv/bin/ruff check .
+.venv/bin/mypy
+echo "[run_all] ruff + mypy clean in $((SECONDS - t2)) s"
+
 trap 'tests/cluster/testcluster.sh down' EXIT
 t1=$SECONDS
 tests/cluster/testcluster.sh up

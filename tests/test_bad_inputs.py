@@ -50,6 +50,40 @@ BAD_FLAGS = [
 ]
 
 
+# The shared trainer's flags, checked at submit time as the node would check them (they used to wait in the queue,
+# then fail there with exit 1). Each is refused by `submit` and by `render` alike.
+BAD_TRAINER_FLAGS = [
+    (["--steps", "0"], "--steps"),
+    (["--steps", "abc"], "--steps"),
+    (["--steps", "-5"], "--steps"),
+    (["--steps"], "--steps"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--grad-accum", "0"], "--grad-accum"),
+    (["--lr", "fast"], "--lr"),
+    (["--precision", "fp8"], "--precision"),
+    (["--lr-scaling", "cube"], "--lr-scaling"),
+    (["--keep", "1"], "--keep"),
+    (["--keep-best"], "--keep-best"),
+    (["--eval-every", "-1"], "--eval-every"),
+    (["--log-every", "0"], "--log-every"),
+    (["--stop-check-every", "0"], "--stop-check-every"),
+    (["--seed", "1.5"], "--seed"),
+    (["--weight-decay", "x"], "--weight-decay"),
+    (["--num-workers", "many"], "--num-workers"),
+]
+
+# hpcjobs' own flags typed after the entry used to go to the entry (a --dry-run that really submitted 16 ranks).
+OWN_FLAGS_AFTER_ENTRY = [
+    ["--steps", "40", "--dry-run"],
+    ["--json"],
+    ["--profile", "local"],
+    ["--nodes", "1"],
+    ["--gpus=8"],
+    ["--time", "1:00:00"],
+    ["-m"],
+]
+
+
 @pytest.fixture
 def sbatch_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shim = tmp_path / "shim"
@@ -152,3 +186,44 @@ def test_usage_error_is_one_line() -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [textwrap.dedent(out.stderr.strip())]
     assert "--profile" in out.stderr and "HINT:" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["submit", "render"])
+@pytest.mark.parametrize("flags,fragment", BAD_TRAINER_FLAGS, ids=[" ".join(f) for f, _ in BAD_TRAINER_FLAGS])
+def test_bad_trainer_flag_is_refused_before_queueing(command: str, flags: list[str], fragment: str,
+                                                     sbatch_log: Path, tmp_path: Path) -> None:
+    before = _queue()
+    out_file = tmp_path / "job.sbatch"
+    extra = ["-o", str(out_file)] if command == "render" else []
+    out = hpcjobs(command, "--profile", "testcluster", *extra, "trainers.tasks.lm", "--size", "tiny", *flags,
+                  cwd=REPO)
+    assert_refused(out, fragment, sbatch_log)
+    assert "trainer flag" in out.stderr
+    assert not out_file.exists()
+    assert _queue() == before
+
+
+@pytest.mark.parametrize("args", OWN_FLAGS_AFTER_ENTRY, ids=[" ".join(a) for a in OWN_FLAGS_AFTER_ENTRY])
+def test_hpcjobs_flag_after_the_entry_is_refused(args: list[str], sbatch_log: Path) -> None:
+    before = _queue()
+    out = hpcjobs("submit", "--profile", "testcluster", "--nodes", "2", "--gpus", "8", "trainers.tasks.lm", *args,
+                  cwd=REPO)
+    assert_refused(out, "comes after the entry trainers.tasks.lm", sbatch_log)
+    assert "move it before the entry" in out.stderr
+    assert _queue() == before
+
+
+def test_a_double_dash_hands_lookalike_flags_to_the_entry(sbatch_log: Path, tmp_path: Path) -> None:
+    """`train.py -- --name x` is the user saying: these are my script's flags."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    out = hpcjobs("submit", "--profile", "testcluster", "--dry-run", str(script), "--", "--name", "x", "--json",
+                  cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "'--name', 'x', '--json'" in out.stdout or '"--name",\n' in out.stdout or "--name x --json" in out.stdout
+    assert not sbatch_log.exists()
+
+
+def test_hpcjobs_flags_are_never_abbreviated(sbatch_log: Path) -> None:
+    out = hpcjobs("submit", "--prof", "testcluster", "trainers.tasks.lm", cwd=REPO)
+    assert out.returncode == 2 and "--profile" in out.stderr and not sbatch_log.exists()

@@ -61,7 +61,7 @@ def test_dry_run_prints_world_and_script_and_submits_nothing() -> None:
 def test_dry_run_json() -> None:
     out = hpcjobs("submit", "--profile", "testcluster", "--dry-run", "--json", "trainers.tasks.lm", cwd=REPO)
     data = json.loads(out.stdout)
-    assert data["dry_run"] and data["spec"]["ranks"] == 8 and data["script"].startswith("#!/bin/bash")
+    assert data["dry_run"] and data["spec"]["ranks"] == 8 and data["request"].startswith("#!/bin/bash")
 
 
 def test_profiles_list_says_where_each_came_from(tmp_path, monkeypatch) -> None:

@@ -1,11 +1,88 @@
 """The scheduler backends: the only place in hpcjobs that knows which scheduler runs a job.
 
-Each backend (`slurm`, `local`) implements the `Backend` protocol in the spirit of torchx's Scheduler:
-`dry_run(spec) -> request` (pure: the request's `text` is what would be submitted), `submit(request) -> job id`
-(the one side effect), `state`, `cancel`, `logs`. Everything else in the package asks `backend_for(...)`.
+Each backend (`slurm`, `local`) implements `Backend`, in the spirit of torchx's Scheduler:
+  check(spec)                       the scheduler's own limits on a request (raises UsageError; pure)
+  dry_run(spec) -> SubmitRequest    pure: the request's `text` is exactly what would be submitted
+  script(spec) -> Script            a standalone script for the scheduler's own submit command (`hpcjobs render`)
+  submit(request, on_id) -> Submitted   the one side effect; `on_id` is called as soon as the job id is known
+  state(record) -> (JobState, source) | None   what the scheduler says of the job (None: it does not know)
+  cancel(record) -> str             stop the job; returns what happened, in words
+  logs(record, rank, restart) -> Path
+Everything else in the package asks `backend_for(scheduler)`; nothing else compares scheduler names.
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from hpcjobs.errors import UsageError
+
+if TYPE_CHECKING:
+    from hpcjobs.spec import JobSpec
+    from hpcjobs.states import JobState
+    from hpcjobs.store import JobRecord
+
 SCHEDULERS = ("slurm", "local")
-"""The `scheduler` values a profile may name, one backend module each under hpcjobs/backends/."""
+"""The `scheduler` values a profile may name: one module each, hpcjobs/backends/<name>.py, defining BACKEND."""
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """What a backend would submit for a spec; made without side effects (`dry_run`)."""
+
+    spec: JobSpec
+    text: str
+    """The request as a person reads it: the sbatch script, or the local ranks' command lines."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """What the backend's `submit` needs beyond the spec (e.g. submitit's parameters)."""
+
+
+@dataclass(frozen=True)
+class Script:
+    """A standalone job script (`hpcjobs render`), and the folders that must exist before it is submitted."""
+
+    text: str
+    folders: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    run_dir: str
+    """The real run folder (any %j in the spec's pattern resolved)."""
+    logs: dict[str, Any] = field(default_factory=dict)
+    returncode: int | None = None
+    """For backends that run the job in the foreground (local): its exit code; None when it was queued."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "run_dir": self.run_dir, "logs": self.logs, "returncode": self.returncode}
+
+
+class Backend(Protocol):
+    name: str
+    multi_node: bool
+    """Whether a job may span nodes."""
+    queued: bool
+    """Whether submit returns while the job waits or runs (Slurm), or only once it ended (local)."""
+    requests_gpus: bool
+    """Whether the scheduler allocates GPUs (so a rank counts as a GPU), or ranks are just processes."""
+
+    def check(self, spec: JobSpec) -> None: ...
+    def dry_run(self, spec: JobSpec) -> SubmitRequest: ...
+    def script(self, spec: JobSpec) -> Script: ...
+    def submit(self, request: SubmitRequest, on_id: Callable[[Submitted], None]) -> Submitted: ...
+    def state(self, rec: JobRecord) -> tuple[JobState, str] | None: ...
+    def cancel(self, rec: JobRecord) -> str: ...
+    def logs(self, rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path: ...
+
+
+def backend_for(scheduler: str) -> Backend:
+    """The backend of a profile's `scheduler` (or a job record's)."""
+    if scheduler not in SCHEDULERS:
+        raise UsageError(f"scheduler {scheduler!r} is not known; valid: {', '.join(SCHEDULERS)}.",
+                         "set `scheduler:` in the profile to one of those.")
+    backend: Backend = importlib.import_module(f"hpcjobs.backends.{scheduler}").BACKEND
+    return backend

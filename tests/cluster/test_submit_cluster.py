@@ -121,3 +121,27 @@ def test_wheel_in_a_fresh_venv_outside_the_repo_renders_and_submits(shared_tmp: 
     assert "finished at step 5" in (work / "submitted" / "logs" / "restart-0" / "rank-0.log").read_text()
     imported = (work / "submitted" / "logs" / "restart-0" / "rank-0.log").read_text()
     assert "Traceback" not in imported
+
+
+def test_pattern_run_dir_from_inside_an_allocation_is_followed_by_status_and_logs(cluster_profile: Path,
+                                                                                   shared_tmp: Path) -> None:
+    """`--run-dir 'runs/x-%j'` is the job's real folder (it used to be a literal `x-%j`), and an outer job's
+    variables in the submitting shell (here, as inside an allocation; SBATCH_TIMELIMIT would even override the
+    script's --time) reach neither sbatch nor the ranks."""
+    outer = {"SLURM_JOB_ID": "999999", "SLURM_PROCID": "5", "SLURM_NTASKS": "9", "SLURM_NNODES": "3",
+             "SBATCH_TIMELIMIT": "1", "SLURM_RESTART_COUNT": "7"}
+    out = hpcjobs("submit", "--profile", str(cluster_profile), "--nodes", "2", "--gpus", "2", "--time", "20:00",
+                  "--run-dir", str(shared_tmp / "runs" / "x-%j"), "--json", "trainers.tasks.lm", "--size", "tiny",
+                  "--steps", "10", "--log-every", "5", cwd=REPO, env=outer)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout)
+    assert rec["run_dir"] == str(shared_tmp / "runs" / f"x-{rec['job_id']}")
+    assert wait_for_state(rec["job_id"], DONE) == "COMPLETED"
+    assert not list(shared_tmp.rglob("*%j*"))
+    fields = slurm("scontrol", "show", "job", "-o", rec["job_id"])
+    assert "TimeLimit=00:20:00" in fields and "Restarts=0" in fields
+    hosts = rank_hosts(Path(rec["run_dir"]))
+    assert sorted(hosts) == [0, 1, 2, 3] and set(hosts.values()) == {"node1", "node2"}
+    status = json.loads(hpcjobs("status", rec["job_id"], "--json").stdout)
+    assert status["state"] == "COMPLETED" and status["run_dir"] == rec["run_dir"] and status["last_step"] == 10
+    assert "finished at step 10" in hpcjobs("logs", rec["job_id"]).stdout

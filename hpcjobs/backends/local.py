@@ -1,0 +1,143 @@
+"""The local backend: every rank a process on this machine, in the foreground (CPU + gloo without GPUs).
+
+Ctrl-C (or SIGTERM) is forwarded to the ranks as the profile's stop signal, so they stop at a step boundary after a
+checkpoint, as on a cluster; running the same command with the same --run-dir resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+from hpcjobs.backends import Script, SubmitRequest, Submitted
+from hpcjobs.backends.common import RunFolderLogs, prepare_run_folder
+from hpcjobs.backends.environment import clean
+from hpcjobs.errors import UsageError
+from hpcjobs.render import launcher_argv
+from hpcjobs.runfolder import RunFolder, resolve_run_dir
+from hpcjobs.spec import JobSpec
+from hpcjobs.states import JobState
+from hpcjobs.store import JobRecord
+
+JOB_ID_PLACEHOLDER = "local-<id>"
+"""How a dry run names the job id that only a real run gets."""
+
+
+def local_job_id() -> str:
+    return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str]) -> list[dict[str, str]]:
+    """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
+    common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id}
+    return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
+
+
+def describe(spec: JobSpec, job_id: str) -> str:
+    """The request as text: what each rank would run, with the variables hpcjobs sets for it."""
+    argv = " ".join(shlex.quote(w) for w in launcher_argv(spec))
+    lines = [f"# local: {spec.world()} on this machine, from {spec.workdir}"]
+    lines += [f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
+    for r in range(spec.ranks):
+        lines.append(f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={spec.ranks} MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> "
+                     f"HPCJOBS_JOB_ID={job_id} {argv}")
+    return "\n".join(lines) + "\n"
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
+    """Wait for every rank; if one fails, stop the rest (like srun --kill-on-bad-exit)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.time() + 10
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
+class LocalBackend(RunFolderLogs):
+    name = "local"
+    multi_node = False
+    queued = False
+    requests_gpus = False
+
+    def check(self, spec: JobSpec) -> None:
+        if spec.nodes != 1:
+            raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",
+                             "use a Slurm profile for more than one node.")
+
+    def script(self, spec: JobSpec) -> Script:
+        raise UsageError(f"profile {spec.profile.name} is local: there is no sbatch script to render.",
+                         "use a Slurm profile, or `hpcjobs submit` to run locally.")
+
+    def dry_run(self, spec: JobSpec) -> SubmitRequest:
+        return SubmitRequest(spec, describe(spec, JOB_ID_PLACEHOLDER))
+
+    def submit(self, request: SubmitRequest, on_id: Callable[[Submitted], None]) -> Submitted:
+        """Run every rank here and wait (recorded first, so status/list see the job while it runs)."""
+        spec = request.spec
+        job_id = local_job_id()
+        run_dir = resolve_run_dir(spec.run_dir, {"HPCJOBS_JOB_ID": job_id})
+        prepare_run_folder(spec, run_dir)
+        sub = Submitted(job_id, run_dir, {"ranks": str(RunFolder(run_dir).logs)})
+        on_id(sub)
+        print(f"hpcjobs: job {job_id}: running {spec.world()} locally; run folder {run_dir}", file=sys.stderr,
+              flush=True)
+        return replace(sub, returncode=self._run(spec, job_id))
+
+    def _run(self, spec: JobSpec, job_id: str) -> int:
+        envs = rank_envs(spec, job_id, free_port(), dict(os.environ))
+        procs = [subprocess.Popen(launcher_argv(spec), cwd=spec.workdir, env=env) for env in envs]
+        stop_sig = getattr(signal, f"SIG{spec.profile.preemption.signal}")
+
+        def forward(signum: int, frame: Any) -> None:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(stop_sig)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return wait_all(procs)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
+        """No scheduler to ask: a run folder with a heartbeat and no final word is running, or stopped when its
+        last start recorded a stop (Ctrl-C: checkpointed, resumable)."""
+        run = RunFolder(rec.run_dir)
+        if run.final.exists() or not run.heartbeat.exists():
+            return None
+        history = run.read_restarts()
+        stopped = bool(history) and "stopped" in history[-1]
+        return (JobState.STOPPED if stopped else JobState.RUNNING), "run folder"
+
+    def cancel(self, rec: JobRecord) -> str:
+        return f"job {rec.job_id} runs locally: stop it with Ctrl-C where it runs (it checkpoints first)"
+
+
+BACKEND = LocalBackend()

@@ -1,0 +1,121 @@
+"""Pure Slurm renderers: a JobSpec becomes sbatch flags, then either the standalone sbatch text or submitit's
+parameters. Both come from the one flag table `slurm_flags`: a flag added there reaches both paths.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+import jinja2
+
+from hpcjobs import __version__
+from hpcjobs.ports import shell_port_expr
+from hpcjobs.render import launcher_argv, signal_guard
+from hpcjobs.resources import data_dir
+from hpcjobs.slurmtime import parse_mem_mb
+from hpcjobs.spec import JobSpec
+
+SBATCH_TEMPLATE = "sbatch.sh.j2"
+SUBMITIT_NATIVE = frozenset({
+    "job_name", "partition", "nodes", "ntasks_per_node", "cpus_per_task", "gpus_per_node", "qos", "mem",
+    "mem_per_gpu", "comment", "constraint", "account", "gres", "exclusive"})
+"""sbatch flags that submitit's SlurmExecutor takes as keywords with the same value format as sbatch (a test checks
+that each is one of submitit's parameters). Every other flag goes in `additional_parameters`, which submitit writes
+as `#SBATCH --key=value` after replacing its own line of the same name (`time` and `signal` are submitit keywords
+too, but in other units, so they go there as well)."""
+SUBMITIT_DROPPED = ("wckey",)
+"""Lines submitit writes by default that the sbatch path does not have: removed by passing None."""
+SUBMITIT_DASHED = frozenset({"open-mode"})
+"""submitit's own default lines keyed with a dash: an override must use the same key, or the line appears twice."""
+
+
+def gpu_flags(spec: JobSpec) -> dict[str, Any]:
+    p = spec.profile
+    typed = f"{p.gpu_type}:" if p.gpu_type else ""
+    if p.gpu_request == "gpus-per-node":
+        flags: dict[str, Any] = {"gpus-per-node": f"{typed}{spec.gpus_per_node}"}
+    elif p.gpu_request == "gres":
+        flags = {"gres": f"gpu:{typed}{spec.gpus_per_node}"}
+    else:
+        flags = {}
+    if p.mem_per_gpu:
+        if flags:
+            flags["mem-per-gpu"] = f"{parse_mem_mb(p.mem_per_gpu)}M"
+        else:  # no GPU request: the same memory, asked for per node
+            flags["mem"] = f"{parse_mem_mb(p.mem_per_gpu) * spec.gpus_per_node}M"
+    return flags
+
+
+def slurm_flags(spec: JobSpec) -> dict[str, Any]:
+    """Every sbatch flag of the job, for both paths; only the log path differs (each path logs in its own place).
+    This is the one place to add a flag."""
+    p = spec.profile
+    flags: dict[str, Any] = {
+        "job-name": spec.name, "nodes": spec.nodes, "ntasks-per-node": spec.gpus_per_node,
+        "cpus-per-task": p.cpus_per_gpu, "time": spec.time, "partition": spec.partition, "account": spec.account,
+        "qos": spec.qos, "constraint": p.constraint, "exclusive": True if p.exclusive else None,
+        "requeue": True, "signal": f"{p.preemption.signal}@{p.preemption.seconds_before}", "open-mode": "append",
+        "chdir": spec.workdir, **gpu_flags(spec),
+    }
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def sbatch_directive(key: str, value: Any) -> str:
+    return f"--{key}" if value is True else f"--{key}={shlex.quote(str(value))}"
+
+
+def environment_lines(spec: JobSpec) -> list[str]:
+    """Shell lines exporting the rendezvous address/port and the profile's environment and NCCL variables."""
+    lines = ['export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+             f"export MASTER_PORT={shell_port_expr()}"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
+    return lines
+
+
+def srun_flags(spec: JobSpec) -> list[str]:
+    return ["--kill-on-bad-exit=1", *spec.profile.srun_args]
+
+
+def slurm_log_dir(spec: JobSpec) -> str:
+    """Where Slurm's own output of rendered scripts goes (it must exist before the job starts)."""
+    return str(spec.profile.runs_path() / "slurm-logs")
+
+
+def render_sbatch(spec: JobSpec) -> str:
+    """The standalone sbatch script for this spec."""
+    flags = {**slurm_flags(spec), "output": f"{slurm_log_dir(spec)}/%x-%j.out"}
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    return env.get_template(SBATCH_TEMPLATE).render(
+        version=__version__, profile_name=spec.profile.name, profile_source=spec.profile.source,
+        world=spec.world(), entry=spec.entry.describe().replace("\n", " "),
+        directives=[sbatch_directive(k, v) for k, v in sorted(flags.items())], setup=list(spec.profile.setup),
+        environment=environment_lines(spec), srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
+        launcher=" ".join(shlex.quote(w) for w in launcher_argv(spec)),
+    )
+
+
+def submitit_python(spec: JobSpec) -> str:
+    """submitit's `python` (a shell command prefix): the same signal guard and interpreter as the other paths."""
+    return " ".join(shlex.quote(w) for w in [*signal_guard(spec), spec.python])
+
+
+def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
+    """Keywords for submitit's SlurmExecutor.update_parameters: the very flags of `slurm_flags`, split into
+    submitit's native keywords and `additional_parameters` (see SUBMITIT_NATIVE), plus the same setup, environment
+    and srun flags as the sbatch script."""
+    params: dict[str, Any] = {name: None for name in SUBMITIT_DROPPED}
+    extra: dict[str, Any] = {}
+    for key, value in slurm_flags(spec).items():
+        name = key.replace("-", "_")
+        if name in SUBMITIT_NATIVE:
+            params[name] = value
+        else:
+            extra[key if key in SUBMITIT_DASHED else name] = value
+    params["signal_delay_s"] = spec.profile.preemption.seconds_before
+    params["additional_parameters"] = extra
+    params["setup"] = [*spec.profile.setup, *environment_lines(spec)]
+    params["srun_args"] = srun_flags(spec)
+    params["stderr_to_stdout"] = True
+    return params

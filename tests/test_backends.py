@@ -1,0 +1,320 @@
+"""The scheduler backends behind their seam: state answers from command output recorded on the test cluster, the one
+flag table feeding both Slurm paths, environment cleaning, run-folder patterns, and the one-place-per-fact rules."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import submitit
+from submitit.slurm import slurm as submitit_slurm
+
+from conftest import REPO, hpcjobs
+from hpcjobs.backends import SCHEDULERS, backend_for
+from hpcjobs.backends.environment import clean, cleaned_os_environ
+from hpcjobs.backends.local import LocalBackend, rank_envs
+from hpcjobs.backends.slurm import SlurmBackend
+from hpcjobs.backends.slurm_render import SUBMITIT_NATIVE, render_sbatch, submitit_parameters
+from hpcjobs.contract import LaunchContract, Preemption
+from hpcjobs.errors import RuntimeFailure, UsageError
+from hpcjobs.jobs import cancel, status_of
+from hpcjobs.profiles import load_profile
+from hpcjobs.runfolder import RunDirPatternError, RunFolder, resolve_run_dir
+from hpcjobs.spec import Request, build_spec
+from hpcjobs.states import FinalState, JobState
+from hpcjobs.store import JobRecord, JobStore
+
+# Recorded on the test cluster (Slurm 22.05, tests/cluster/testcluster.sh): (exit code, stdout, stderr).
+SQUEUE = {
+    "running": (0, "RUNNING\n", ""),
+    "pending": (0, "PENDING\n", ""),
+    "completed": (0, "COMPLETED\n", ""),
+    "cancelled": (0, "CANCELLED\n", ""),
+    "forgotten": (1, "", "slurm_load_jobs error: Invalid job id specified\n"),  # past MinJobAge, or never existed
+}
+SACCT = {
+    "cancelled": (0, "CANCELLED by 0\n", ""),
+    "completed": (0, "COMPLETED\n", ""),
+    "failed": (0, "FAILED\n", ""),
+    "unknown-id": (0, "", ""),
+    "no-accounting": (1, "", "Slurm accounting storage is disabled\n"),
+}
+
+
+class Recorded:
+    """A runner answering each command with recorded output, and remembering what was asked."""
+
+    def __init__(self, **answers: tuple[int, str, str]) -> None:
+        self.answers = answers
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        self.calls.append(list(argv))
+        rc, out, err = self.answers.get(argv[0], (127, "", f"{argv[0]}: command not found"))
+        return subprocess.CompletedProcess(list(argv), rc, out, err)
+
+
+def record(tmp_path: Path, scheduler: str = "slurm", cancelled: float | None = None) -> JobRecord:
+    return JobRecord(job_id="42", name="lm", profile="p", scheduler=scheduler, nodes=2, gpus_per_node=8,
+                     run_dir=str(tmp_path / "run"), logs={}, spec={}, submitted=time.time(), cancelled=cancelled)
+
+
+@pytest.mark.parametrize("squeue,sacct,final,cancelled,expected", [
+    ("running", "no-accounting", None, None, (JobState.RUNNING, "squeue")),
+    ("pending", "no-accounting", None, None, (JobState.PENDING, "squeue")),
+    ("cancelled", "cancelled", None, None, (JobState.CANCELLED, "squeue")),
+    ("forgotten", "cancelled", None, None, (JobState.CANCELLED, "sacct")),
+    ("forgotten", "failed", FinalState.FINISHED, None, (JobState.FAILED, "sacct")),
+    ("forgotten", "no-accounting", FinalState.FINISHED, None, (JobState.COMPLETED, "run folder")),
+    ("forgotten", "no-accounting", FinalState.FAILED, None, (JobState.FAILED, "run folder")),
+    ("forgotten", "unknown-id", None, 1.0, (JobState.CANCELLED, "store")),
+    ("forgotten", "no-accounting", None, None, (JobState.UNKNOWN, "none")),
+])
+def test_slurm_state_from_recorded_output(squeue: str, sacct: str, final: FinalState | None, cancelled: float | None,
+                                          expected: tuple[JobState, str], tmp_path: Path) -> None:
+    rec = record(tmp_path, cancelled=cancelled)
+    if final is not None:
+        RunFolder(rec.run_dir).write_final(final, "test", 10)
+    runner = Recorded(squeue=SQUEUE[squeue], sacct=SACCT[sacct])
+    st = status_of(rec, SlurmBackend(runner))
+    assert (st.state, st.state_source) == expected
+    assert runner.calls[0] == ["squeue", "-h", "-t", "all", "-j", "42", "-o", "%T"]
+
+
+def test_slurm_cancel_refused_is_a_runtime_failure_and_records_nothing(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.sqlite")
+    rec = record(tmp_path)
+    store.add(rec)
+    refuse = Recorded(squeue=SQUEUE["running"], scancel=(1, "", "scancel: error: Access/permission denied\n"))
+    with pytest.raises(RuntimeFailure, match="permission denied"):
+        cancel(rec, store, SlurmBackend(refuse))
+    assert store.get("42").cancelled is None
+    ok = Recorded(squeue=SQUEUE["running"], scancel=(0, "", ""))
+    assert cancel(rec, store, SlurmBackend(ok)) == "job 42 cancelled (was RUNNING)"
+    assert store.get("42").cancelled is not None
+    done = Recorded(squeue=SQUEUE["completed"])
+    assert "already ended (COMPLETED)" in cancel(rec, store, SlurmBackend(done))
+
+
+def test_local_state_from_the_run_folder(tmp_path: Path) -> None:
+    rec = record(tmp_path, scheduler="local")
+    run = RunFolder(rec.run_dir)
+    assert status_of(rec, LocalBackend()).state is JobState.UNKNOWN
+    run.write_heartbeat(5)
+    run.record_start(0, "42", 2)
+    assert status_of(rec, LocalBackend()).state is JobState.RUNNING
+    run.record_stop("interrupt", 5, 0)
+    assert status_of(rec, LocalBackend()).state is JobState.STOPPED
+    run.write_final(FinalState.FINISHED, "done", 9)
+    assert (status_of(rec, LocalBackend()).state, status_of(rec).state_source) == (JobState.COMPLETED, "run folder")
+
+
+# --- one flag table for both Slurm paths ---------------------------------------------------------------------------
+
+def shipped_slurm_profiles() -> list[str]:
+    return sorted(p.stem for p in (REPO / "cluster_profiles").glob("*.yaml")
+                  if load_profile(str(p)).scheduler == "slurm")
+
+
+def spec_for(profile: str, tmp_path: Path, **req: object):  # noqa: ANN201 - a JobSpec
+    prof = replace(load_profile(str(REPO / "cluster_profiles" / f"{profile}.yaml")), runs_dir=str(tmp_path))
+    return build_spec(prof, Request(entry="trainers.tasks.lm", nodes=2, gpus=8, time="4:00:00", **req),
+                      workdir=REPO)  # type: ignore[arg-type]
+
+
+def directives(text: str) -> list[str]:
+    return sorted(line.split(None, 1)[1] for line in text.splitlines() if line.startswith("#SBATCH "))
+
+
+@pytest.mark.parametrize("profile", shipped_slurm_profiles())
+def test_submitit_writes_exactly_the_sbatch_scripts_flags(profile: str, tmp_path: Path) -> None:
+    """Through submitit's own executor (its parameter check and its sbatch writer): the same #SBATCH lines as the
+    rendered script, once each, but for the log file (each path logs in its own place)."""
+    spec = spec_for(profile, tmp_path)
+    executor = submitit.SlurmExecutor(folder=tmp_path / "submitit")
+    executor.update_parameters(**submitit_parameters(spec))
+    theirs = directives(executor._make_submission_file_text("true", "uid"))
+    ours = directives(render_sbatch(spec))
+    assert len(set(theirs)) == len(theirs), f"a flag written twice: {theirs}"
+    drop = re.compile(r"^--(output|error)=")
+    assert [d for d in theirs if not drop.match(d)] == [d for d in ours if not drop.match(d)]
+
+
+def test_submitit_native_keywords_exist_in_submitit() -> None:
+    params = set(inspect.signature(submitit_slurm._make_sbatch_string).parameters)
+    assert SUBMITIT_NATIVE <= params
+
+
+def test_a_new_flag_reaches_both_paths_from_one_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding a flag to slurm_flags (the one place) puts it in the script and in submitit's script alike."""
+    import hpcjobs.backends.slurm_render as sr
+
+    original = sr.slurm_flags
+    monkeypatch.setattr(sr, "slurm_flags", lambda spec: {**original(spec), "mail-type": "END", "nice": 7})
+    spec = spec_for("testcluster", tmp_path)
+    executor = submitit.SlurmExecutor(folder=tmp_path / "submitit")
+    executor.update_parameters(**sr.submitit_parameters(spec))
+    for text in (sr.render_sbatch(spec), executor._make_submission_file_text("true", "uid")):
+        assert "#SBATCH --mail-type=END" in text and "#SBATCH --nice=7" in text
+
+
+# --- environment ---------------------------------------------------------------------------------------------------
+
+OUTER_JOB = {"SLURM_JOB_ID": "999", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_RESTART_COUNT": "2",
+             "SLURM_ARRAY_TASK_ID": "1", "SRUN_DEBUG": "3", "SBATCH_PARTITION": "bogus", "SLURMD_NODENAME": "n9",
+             "SALLOC_PARTITION": "x", "RANK": "3", "WORLD_SIZE": "4", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "r",
+             "HPCJOBS_CONTRACT": "{}", "SLURM_CONF": "/etc/slurm/slurm.conf", "PATH": "/usr/bin", "WANDB_MODE": "x"}
+
+
+def test_job_variables_are_cleaned_by_prefix() -> None:
+    assert clean(OUTER_JOB) == {"SLURM_CONF": "/etc/slurm/slurm.conf", "PATH": "/usr/bin", "WANDB_MODE": "x"}
+
+
+def test_local_ranks_never_inherit_an_outer_jobs_identity(tmp_path: Path) -> None:
+    prof = replace(load_profile("local"), runs_dir=str(tmp_path))
+    spec = build_spec(prof, Request(entry="trainers.tasks.lm", gpus=2), workdir=REPO)
+    envs = rank_envs(spec, "local-1", 12345, dict(OUTER_JOB))
+    assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+    for env in envs:
+        assert not [k for k in env if k.startswith(("SLURM_JOB", "SLURM_PROCID", "SRUN_", "SBATCH_", "SLURMD_"))]
+        assert env["MASTER_PORT"] == "12345" and "HPCJOBS_CONTRACT" not in env
+
+
+def test_os_environ_is_cleaned_for_a_submission_then_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in OUTER_JOB.items():
+        monkeypatch.setenv(k, v)
+    with cleaned_os_environ():
+        assert "SLURM_JOB_ID" not in os.environ and "SBATCH_PARTITION" not in os.environ
+        assert os.environ["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+    assert all(os.environ[k] == v for k, v in OUTER_JOB.items())
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A recording sbatch (an argument/environment edge case, where a fake is fine): it keeps the environment it
+    was called with and answers like Slurm."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sbatch").write_text(f'#!/bin/sh\nenv > "{tmp_path}/sbatch.env"\necho "Submitted batch job 4711"\n')
+    (shim / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    return tmp_path / "sbatch.env"
+
+
+def test_submitting_from_inside_an_allocation_passes_none_of_it_on(fake_sbatch: Path, tmp_path: Path) -> None:
+    prof = tmp_path / "p.yaml"
+    prof.write_text((REPO / "cluster_profiles" / "testcluster.yaml").read_text() + f"\nruns_dir: {tmp_path}/r\n")
+    out = hpcjobs("submit", "--profile", str(prof), "trainers.tasks.lm", "--steps", "5", cwd=REPO, env=OUTER_JOB)
+    assert out.returncode == 0, out.stderr
+    seen = dict(line.split("=", 1) for line in fake_sbatch.read_text().splitlines() if "=" in line)
+    assert not [k for k in OUTER_JOB if k in seen and k not in ("SLURM_CONF", "PATH", "WANDB_MODE")], seen
+
+
+# --- run-folder patterns ---------------------------------------------------------------------------------------------
+
+def test_run_dir_patterns_resolve_from_the_jobs_ids() -> None:
+    env = {"SLURM_JOB_ID": "57", "SLURM_ARRAY_JOB_ID": "50", "SLURM_ARRAY_TASK_ID": "7"}
+    assert resolve_run_dir("/r/x-%j", env) == "/r/x-57"
+    assert resolve_run_dir("/r/s-%A/%a", env) == "/r/s-50/7"
+    assert resolve_run_dir("/r/x-%j", {"HPCJOBS_JOB_ID": "local-1"}) == "/r/x-local-1"
+    assert resolve_run_dir("/r/plain", {}) == "/r/plain"
+    with pytest.raises(RunDirPatternError, match="%a"):
+        resolve_run_dir("/r/%a", {"SLURM_JOB_ID": "57"})
+
+
+def test_submit_with_a_pattern_records_the_real_folder(fake_sbatch: Path, tmp_path: Path) -> None:
+    """`--run-dir 'runs/x-%j'` used to create a folder literally named x-%j and record it."""
+    prof = tmp_path / "p.yaml"
+    prof.write_text((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    out = hpcjobs("submit", "--profile", str(prof), "--run-dir", "runs/x-%j", "--json", "trainers.tasks.lm",
+                  cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    sub = json.loads(out.stdout)
+    assert sub["job_id"] == "4711" and sub["run_dir"] == str(tmp_path / "runs" / "x-4711")
+    assert (tmp_path / "runs" / "x-4711" / "spec.json").is_file()
+    assert not list(tmp_path.rglob("*%j*")), "a folder with a literal %j was made"
+    listed = json.loads(hpcjobs("list", "--json").stdout)
+    assert [j["run_dir"] for j in listed] == [sub["run_dir"]]
+
+
+def test_local_run_with_a_pattern_runs_in_the_real_folder(tmp_path: Path) -> None:
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", "runs/x-%j", "--json",
+                  "trainers.tasks.classifier", "--steps", "2", "--log-every", "1", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    sub = json.loads(out.stdout.split("\n{", 1)[-1] if not out.stdout.startswith("{") else out.stdout)
+    run = Path(sub["run_dir"])
+    assert run.name.startswith("x-local-") and (run / "final.json").is_file()
+    assert not list(tmp_path.rglob("*%j*"))
+
+
+# --- one place per fact --------------------------------------------------------------------------------------------
+
+SOURCES = sorted([*(REPO / "hpcjobs").rglob("*.py"), *(REPO / "trainers").rglob("*.py")])
+
+
+def test_no_scheduler_branch_outside_the_backends() -> None:
+    offenders = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES if "backends" not in p.parts
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"scheduler\s*[!=]=|==\s*[\"'](slurm|local)[\"']", line)]
+    assert offenders == []
+    assert set(SCHEDULERS) == {p.stem for p in (REPO / "hpcjobs" / "backends").glob("*.py")
+                               if "BACKEND = " in p.read_text()}
+    assert [backend_for(s).name for s in SCHEDULERS] == list(SCHEDULERS)
+
+
+def test_slurm_commands_are_called_only_behind_the_seam() -> None:
+    calls = re.compile(r"[\"'](squeue|sacct|scancel|scontrol|sbatch)[\"']\s*,")
+    offenders = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES if "backends" not in p.parts
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if calls.search(line)]
+    assert offenders == []
+
+
+def _literals(path: Path) -> list[object]:
+    """Constants in code (docstrings and other prose excluded by comparing whole values)."""
+    return [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)]
+
+
+def test_the_preemption_defaults_are_written_once() -> None:
+    defaults = Preemption()
+    home = REPO / "hpcjobs" / "contract.py"
+    for path in SOURCES:
+        if path == home:
+            continue
+        found = [v for v in _literals(path) if v in (defaults.signal, f"SIG{defaults.signal}")]
+        assert not found, f"{path.relative_to(REPO)} restates the default signal"
+        text = path.read_text()
+        for name in ("seconds_before", "max_restarts", "signal_seconds", "signal"):
+            pattern = rf"\b{name}\s*(:\s*[\w\[\] |]+)?\s*=\s*[\"']?({defaults.seconds_before}|{defaults.max_restarts}|" \
+                      rf"{defaults.signal})\b"
+            assert not re.search(pattern, text), f"{path.relative_to(REPO)} restates a default of {name}"
+
+
+def test_contract_round_trips_and_refuses_garbage() -> None:
+    c = LaunchContract("/r/x-%j", Preemption("USR1", 120, 3), time_limit_s=3600)
+    assert LaunchContract.from_json(c.to_json()) == c
+    started = c.started({"SLURM_JOB_ID": "9"}, 100.0)
+    assert started.run_dir == "/r/x-9" and started.start_time == 100.0
+    assert started.signal_due({"SLURM_JOB_ID": "9"}) == 100 + 3600 - 120
+    from hpcjobs.contract import ContractError
+    for bad in ("", "{", '{"run_dir": ""}', '{"run_dir": "/r", "surprise": 1}', '{"preemption": {"x": 1}}'):
+        with pytest.raises(ContractError):
+            LaunchContract.from_json(bad)
+
+
+def test_local_backend_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    prof = replace(load_profile("local"), runs_dir=str(tmp_path))
+    with pytest.raises(UsageError, match="valid: 1"):
+        build_spec(prof, Request(entry="trainers.tasks.lm", nodes=2), workdir=REPO)
+    spec = build_spec(prof, Request(entry="trainers.tasks.lm", gpus=2), workdir=REPO)
+    with pytest.raises(UsageError, match="no sbatch script"):
+        backend_for("local").script(spec)
+    assert "RANK=1 LOCAL_RANK=1 WORLD_SIZE=2" in backend_for("local").dry_run(spec).text
