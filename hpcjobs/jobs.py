@@ -65,10 +65,22 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     if answer is None and rec.cancelled:
         answer = JobState.CANCELLED, "store"
     state, source = answer or (JobState.UNKNOWN, "none")
-    beat = run.read("heartbeat") or {}
-    age = time.time() - beat["time"] if "time" in beat else None
+    step, when = last_step(run)
+    age = time.time() - when if when is not None else None
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
-                     restart_count(run), beat.get("step"), age, reason, rec.run_dir, rec.logs, rec.submitted)
+                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted)
+
+
+def last_step(run: RunFolder) -> tuple[int | None, float | None]:
+    """The newest step the run reached and when: a stop's committed checkpoint or the final step, when either is
+    newer than the last heartbeat (logged only every --log-every steps)."""
+    marks = [run.read("heartbeat") or {}, run.read("final") or {}]
+    history = run.read_restarts()
+    if history and "stopped" in history[-1]:
+        marks.append(history[-1])
+    known = [m for m in marks if isinstance(m, dict) and isinstance(m.get("step"), int) and m["step"] >= 0]
+    newest = max(known, key=lambda m: (m.get("time", 0), m["step"]), default=None)
+    return (newest["step"], newest.get("time")) if newest else (None, None)
 
 
 def find(job_id: str, store: JobStore) -> JobRecord:
@@ -105,6 +117,6 @@ def cancel(rec: JobRecord, store: JobStore, backend: Backend | None = None) -> s
     if st.state.finished:
         return f"job {rec.job_id} already ended ({st.state}); nothing to cancel"
     said = backend.cancel(rec)
-    if backend.queued:
+    if backend.queued:  # a queued job's cancel is final; a local job stops at a checkpoint and says so itself
         store.mark_cancelled(rec.job_id)
     return f"{said} (was {st.state})"

@@ -5,6 +5,7 @@ RUN/metrics.jsonl         rank 0, one line per logging interval (loss) and per e
 RUN/heartbeat.json        last step and time, rewritten atomically (status without sacct)
 RUN/restarts.jsonl        one line per (re)start: when, restart count, why the previous one stopped
 RUN/final.json            finished | failed, with the reason
+RUN/local-process.json    a local job's launching process (pid, host), so status and cancel can reach it
 RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
 
 A run folder given as a pattern (`runs/x-%j`, `sweep-%A/%a`) is resolved by `resolve_run_dir` on every path, once the
@@ -62,6 +63,7 @@ class RunFolder:
     final = property(lambda self: self.path / "final.json")
     spec = property(lambda self: self.path / "spec.json")
     logs = property(lambda self: self.path / "logs")
+    local_process = property(lambda self: self.path / "local-process.json")  # who runs a local job: pid, host
 
     def rank_log(self, restart: int, rank: int) -> Path:
         return self.logs / f"restart-{restart}" / f"rank-{rank}.log"

@@ -23,6 +23,11 @@ def parse_time(text: str | int, what: str = "time") -> int:
         raise UsageError(f"{what} {text!r} is not a Slurm time; valid forms: {TIME_FORMS}.", "e.g. --time 4:00:00")
     days, a, b, c = m.groups()
     a_, b_, c_ = int(a), int(b or 0), int(c or 0)
+    # Only the leading field may run over (90 minutes, 100:00:00); a later one past its unit is a typo, not a time.
+    trailing = [(b_, 60), (c_, 60)] + ([(a_, 24)] if days is not None else [])
+    if any(value >= limit for value, limit in trailing):
+        raise UsageError(f"{what} {text!r} has a field past its unit (minutes and seconds 0-59, hours 0-23 after "
+                         f"a day count); valid forms: {TIME_FORMS}.", "e.g. --time 1:40:00 or 1-12:00:00")
     if days is not None:  # D-HH[:MM[:SS]]
         seconds = int(days) * 86400 + a_ * 3600 + b_ * 60 + c_
     elif c is not None:  # HH:MM:SS

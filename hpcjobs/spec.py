@@ -108,26 +108,32 @@ def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path
         raise UsageError(f"entry {entry!r} is not an entry point; valid: a task module, a .py script or -m MODULE.",
                          hint)
     if module:
-        _require_module(entry, "module", hint)
+        _require_module(entry, "module", hint, workdir)
         return Entry("module", entry, args)
     if entry.endswith(".py") or os.sep in entry:
         path = (workdir / entry).resolve()
         if not path.is_file():
             raise UsageError(f"script {entry!r} does not exist (looked in {workdir}).", hint)
         return Entry("script", str(path), args)
-    _require_module(entry.split(":", 1)[0], "task", hint)
+    _require_module(entry.split(":", 1)[0], "task", hint, workdir)
     return Entry("task", entry, args)
 
 
-def _require_module(name: str, what: str, hint: str) -> None:
+def _require_module(name: str, what: str, hint: str, workdir: Path) -> None:
+    """Find (not import) the module as the ranks will: they start with `python -m` in `workdir`, which puts it
+    first on their sys.path (the console script's sys.path does not have it)."""
     if not re.match(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$", name):
         raise UsageError(f"{what} {name!r} is not a Python module name; valid: dotted names like pkg.mod.", hint)
+    sys.path.insert(0, str(workdir))
+    importlib.invalidate_caches()
     try:
         found = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         found = None
+    finally:
+        sys.path.remove(str(workdir))
     if found is None:
-        raise UsageError(f"{what} module {name!r} cannot be found from {os.getcwd()} (sys.path).", hint)
+        raise UsageError(f"{what} module {name!r} cannot be found from {workdir} (nor on sys.path).", hint)
 
 
 def check_trainer_args(args: tuple[str, ...]) -> None:

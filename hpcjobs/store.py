@@ -7,10 +7,12 @@ import json
 import os
 import sqlite3
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from hpcjobs.errors import RuntimeFailure
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -56,28 +58,42 @@ class JobStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or store_path()
 
-    def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        con = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        con.execute("PRAGMA journal_mode=WAL")
-        con.execute("PRAGMA busy_timeout=30000")
-        con.executescript(SCHEMA)
-        return con
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        """A connection with the schema in place; any fault of the file or its folder becomes one RuntimeFailure."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with closing(sqlite3.connect(self.path, timeout=30, isolation_level=None)) as con:
+                con.execute("PRAGMA journal_mode=WAL")
+                con.execute("PRAGMA busy_timeout=30000")
+                con.executescript(SCHEMA)
+                yield con
+        except (sqlite3.Error, OSError) as e:
+            raise RuntimeFailure(
+                f"the job store {self.path} cannot be used ({getattr(e, 'strerror', None) or e}).",
+                f"HPCJOBS_HOME picks another folder; a damaged file can be moved aside (mv {self.path} "
+                f"{self.path}.bad) and a new one starts empty.") from None
+
+    def check(self) -> None:
+        """Open the store and write nothing: a job must never be queued that could then not be recorded."""
+        with self._connect() as con:
+            con.execute("BEGIN IMMEDIATE")  # takes the write lock: a read-only file or folder fails here
+            con.execute("ROLLBACK")
 
     def add(self, rec: JobRecord) -> None:
-        with closing(self._connect()) as con:
+        with self._connect() as con:
             con.execute("INSERT INTO jobs (job_id, name, profile, scheduler, nodes, gpus_per_node, run_dir, logs, "
                         "spec, submitted, cancelled) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                         (rec.job_id, rec.name, rec.profile, rec.scheduler, rec.nodes, rec.gpus_per_node,
                          rec.run_dir, json.dumps(rec.logs), json.dumps(rec.spec), rec.submitted, rec.cancelled))
 
     def mark_cancelled(self, job_id: str) -> None:
-        with closing(self._connect()) as con:
+        with self._connect() as con:
             con.execute("UPDATE jobs SET cancelled=? WHERE id=(SELECT MAX(id) FROM jobs WHERE job_id=?)",
                         (time.time(), job_id))
 
     def _rows(self, sql: str, args: tuple[Any, ...]) -> Iterator[JobRecord]:
-        with closing(self._connect()) as con:
+        with self._connect() as con:
             for row in con.execute(sql, args).fetchall():
                 yield JobRecord(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]),
                                 json.loads(row[8]), row[9], row[10])

@@ -45,4 +45,6 @@ def submit(request: SubmitRequest) -> Submitted:
     """Submit through the spec's backend; the job is recorded as soon as it has an id (a local job before it
     runs, so status and list see it while it does)."""
     spec = request.spec
-    return backend_for(spec.profile.scheduler).submit(request, lambda sub: record(spec, sub))
+    store = JobStore()
+    store.check()
+    return backend_for(spec.profile.scheduler).submit(request, lambda sub: record(spec, sub, store))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Callable, Sequence
 
-from hpcjobs.errors import RuntimeFailure, UsageError
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.errors import UsageError
+from hpcjobs.runfolder import RunFolder, has_pattern
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord
 
@@ -25,16 +26,33 @@ def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(list(argv), 124, "", f"{argv[0]}: timed out")
 
 
+def check_run_folder(run_dir: str) -> None:
+    """Refuse a run folder that cannot be made, before anything is queued: the folder itself (or, for a pattern,
+    its fixed part) must be a folder or creatable under a writable folder."""
+    fixed = Path(run_dir)
+    while has_pattern(str(fixed)):
+        fixed = fixed.parent
+    probe = fixed
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    hint = "pick another --run-dir (or runs_dir in the profile); nothing was submitted."
+    if not probe.is_dir():
+        raise UsageError(f"run folder {run_dir}: {probe} is a file, not a folder.", hint)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"run folder {run_dir}: {probe} is not writable.", hint)
+
+
 def prepare_run_folder(spec: JobSpec, run_dir: str) -> bool:
     """Create the job's (resolved) run folder and write what was submitted; True if the folder is new."""
+    check_run_folder(run_dir)
     run = RunFolder(run_dir)
     created = not run.path.exists()
     try:
         run.path.mkdir(parents=True, exist_ok=True)
         run.spec.write_text(json.dumps(spec.as_dict(), indent=2, sort_keys=True))
     except OSError as e:
-        raise RuntimeFailure(f"cannot write the run folder {run_dir} ({e.strerror}).",
-                             "pick a writable --run-dir, or fix runs_dir in the profile.") from None
+        raise UsageError(f"cannot write the run folder {run_dir} ({e.strerror}).",
+                         "pick a writable --run-dir, or fix runs_dir in the profile.") from None
     return created
 
 

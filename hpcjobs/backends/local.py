@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
@@ -21,7 +22,7 @@ from hpcjobs.backends.common import RunFolderLogs, prepare_run_folder
 from hpcjobs.backends.environment import clean
 from hpcjobs.errors import UsageError
 from hpcjobs.render import launcher_argv
-from hpcjobs.runfolder import RunFolder, resolve_run_dir
+from hpcjobs.runfolder import RunFolder, resolve_run_dir, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.states import JobState
 from hpcjobs.store import JobRecord
@@ -103,7 +104,9 @@ class LocalBackend(RunFolderLogs):
         job_id = local_job_id()
         run_dir = resolve_run_dir(spec.run_dir, {"HPCJOBS_JOB_ID": job_id})
         prepare_run_folder(spec, run_dir)
-        sub = Submitted(job_id, run_dir, {"ranks": str(RunFolder(run_dir).logs)})
+        run = RunFolder(run_dir)
+        write_json_atomic(run.local_process, {"pid": os.getpid(), "host": socket.gethostname(), "job_id": job_id})
+        sub = Submitted(job_id, run_dir, {"ranks": str(run.logs)})
         on_id(sub)
         print(f"hpcjobs: job {job_id}: running {spec.world()} locally; run folder {run_dir}", file=sys.stderr,
               flush=True)
@@ -127,17 +130,41 @@ class LocalBackend(RunFolderLogs):
                 signal.signal(s, h)
 
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
-        """No scheduler to ask: a run folder with a heartbeat and no final word is running, or stopped when its
-        last start recorded a stop (Ctrl-C: checkpointed, resumable)."""
+        """No scheduler to ask: the run folder says how far it got, and its launching process whether it lives."""
         run = RunFolder(rec.run_dir)
-        if run.final.exists() or not run.heartbeat.exists():
-            return None
+        if run.final.exists():
+            return None  # the run's own final word decides
         history = run.read_restarts()
-        stopped = bool(history) and "stopped" in history[-1]
-        return (JobState.STOPPED if stopped else JobState.RUNNING), "run folder"
+        if history and "stopped" in history[-1]:
+            return JobState.STOPPED, "run folder"  # checkpointed and stopped when asked: resumable
+        alive = launcher_alive(run, rec.job_id)
+        if alive is None:
+            return None
+        if alive:
+            return JobState.RUNNING, "process"
+        return JobState.FAILED, "run folder (its processes are gone, with no final word: killed?)"
 
     def cancel(self, rec: JobRecord) -> str:
-        return f"job {rec.job_id} runs locally: stop it with Ctrl-C where it runs (it checkpoints first)"
+        """Ask the launching process to stop, as Ctrl-C does: the ranks commit a checkpoint and stop."""
+        run = RunFolder(rec.run_dir)
+        if not launcher_alive(run, rec.job_id):
+            return f"job {rec.job_id} is not running here; nothing to cancel"
+        os.kill(int(run.read("local_process")["pid"]), signal.SIGTERM)
+        return (f"job {rec.job_id} asked to stop: its ranks commit a checkpoint and stop (resume with the same "
+                f"command and --run-dir {rec.run_dir})")
+
+
+def launcher_alive(run: RunFolder, job_id: str) -> bool | None:
+    """Whether the process that runs this local job is alive; None when that cannot be known here (another host,
+    or a run folder from before this was recorded)."""
+    proc = run.read("local_process")
+    if not isinstance(proc, dict) or proc.get("host") != socket.gethostname() or proc.get("job_id") != job_id:
+        return None
+    try:
+        cmdline = Path(f"/proc/{int(proc['pid'])}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    return b"hpcjobs" in cmdline  # the pid may have been reused by an unrelated process
 
 
 BACKEND = LocalBackend()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
-from hpcjobs.backends.common import RunFolderLogs, Runner, prepare_run_folder, run_command
+from hpcjobs.backends.common import RunFolderLogs, Runner, check_run_folder, prepare_run_folder, run_command
 from hpcjobs.backends.environment import cleaned_os_environ
 from hpcjobs.backends.slurm_render import render_sbatch, slurm_log_dir, submitit_parameters, submitit_python
 from hpcjobs.errors import RuntimeFailure, UsageError
@@ -74,6 +74,7 @@ class SlurmBackend(RunFolderLogs):
         from trainers.launch import SubmititEntry
 
         spec = request.spec
+        check_run_folder(spec.run_dir)
         created = False if has_pattern(spec.run_dir) else prepare_run_folder(spec, spec.run_dir)
         executor = submitit.SlurmExecutor(folder=Path(spec.run_dir) / "submitit", python=submitit_python(spec),
                                           max_num_timeout=10**6)  # the restart cap is hpcjobs' (the contract)
