@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from conftest import BIN, hpcjobs
+from hpcjobs.profiles import load_profile
 from trainers import checkpoint
 
 
@@ -68,7 +69,8 @@ def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_pa
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     stop = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in x][-1]
-    assert stop["stopped"] == "interrupt" and stop["signal"] == "SIGUSR2"
+    # The local launcher passes Ctrl-C on to the ranks as the profile's signal.
+    assert stop["stopped"] == "interrupt" and stop["signal"] == f"SIG{load_profile('local').preemption.signal}"
     assert checkpoint.latest(run / "checkpoints").step == stop["step"]
     assert not (run / "final.json").exists()
     assert json.loads(hpcjobs("status", "--json").stdout)["state"] == "STOPPED"

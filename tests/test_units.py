@@ -1,4 +1,5 @@
-"""Small pure parts: checkpoint folders, the job store under concurrency, the stop flag, config, Slurm notation."""
+"""Small pure parts: checkpoint folders, the job store under concurrency, the stop flag, config, Slurm notation.
+(The node side's launch contract, Slurm control calls and trainer flags: tests/test_contract_node.py.)"""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import os
 import pickle
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 import torch
 
+from hpcjobs.contract import LaunchContract, Preemption
 from hpcjobs.errors import UsageError
 from hpcjobs.slurmtime import format_time, parse_mem_mb, parse_time
+from hpcjobs.states import StopReason
 from hpcjobs.store import JobRecord, JobStore
 from trainers import checkpoint, preemption
-from trainers.config import TrainConfig
+from trainers.config import ConfigError, TrainConfig, parse_trainer_args
 
 
 def save(root: Path, step: int, keep: int = 2) -> Path:
@@ -59,11 +63,9 @@ def test_the_best_checkpoint_outlives_retention(tmp_path: Path) -> None:
 
 
 def test_keep_best_needs_evaluations() -> None:
-    from trainers.run import parse_config
-
-    with pytest.raises(ValueError, match="--keep-best without --eval-every.*HINT"):
-        parse_config("t", ["--keep-best"])
-    assert parse_config("t", ["--keep-best", "--eval-every", "5"])[0].eval_every == 5
+    with pytest.raises(ConfigError, match="--keep-best without --eval-every.*HINT"):
+        parse_trainer_args(["--keep-best"])
+    assert parse_trainer_args(["--keep-best", "--eval-every", "5"])[0].eval_every == 5
 
 
 def test_keep_must_leave_a_spare(tmp_path: Path) -> None:
@@ -72,7 +74,7 @@ def test_keep_must_leave_a_spare(tmp_path: Path) -> None:
 
 
 class Boom:
-    def __reduce__(self):  # noqa: ANN204 - a pickle that would run code when loaded
+    def __reduce__(self):  # a pickle that would run code when loaded
         return (os.system, ("echo pwned",))
 
 
@@ -107,78 +109,89 @@ def test_store_newest_record_wins_for_a_reused_id(tmp_path: Path) -> None:
     assert store.get("7").name == "new" and store.get("8") is None
 
 
+def _restore_handlers(*nums: int) -> None:
+    for s in nums:
+        signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+
+
 def test_the_handler_only_sets_a_flag() -> None:
+    usr1 = LaunchContract(run_dir="r", preemption=Preemption(signal="USR1"))
     preemption.reset()
-    preemption.install("USR1")
+    preemption.install(usr1, {})
     try:
+        assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}) is None  # nobody asked
         os.kill(os.getpid(), signal.SIGUSR1)
         assert preemption.requested_locally()
         assert preemption.first_request()[0] == "SIGUSR1"
-        assert preemption.stop_reason({"SLURM_JOB_ID": "1"}) == "preemption"
-        assert preemption.stop_reason({}) == "interrupt"
+        assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}) == StopReason.PREEMPTION
+        assert preemption.stop_reason(usr1, {}) == StopReason.INTERRUPT
         now = time.time()
-        env = {"SLURM_JOB_ID": "1", "SLURM_JOB_END_TIME": str(int(now) + 60), "HPCJOBS_SIGNAL_SECONDS": "90"}
-        assert preemption.stop_reason(env, now) == "timeout"
-        started = {"SLURM_JOB_ID": "1", "HPCJOBS_START_TIME": str(now - 40), "HPCJOBS_TIME_LIMIT": "120",
-                   "HPCJOBS_SIGNAL_SECONDS": "60"}  # Slurm 22.05 has no SLURM_JOB_END_TIME
-        assert preemption.stop_reason(started, now) == "timeout"
-        assert preemption.stop_reason({**started, "HPCJOBS_TIME_LIMIT": "3600"}, now) == "preemption"
+        env = {"SLURM_JOB_ID": "1", "SLURM_JOB_END_TIME": str(int(now) + 60)}
+        assert preemption.stop_reason(usr1, env, now) == StopReason.TIMEOUT
+        # Slurm 22.05 has no SLURM_JOB_END_TIME: the launcher's start time plus the limit.
+        started = replace(usr1, preemption=Preemption(signal="USR1", seconds_before=60), time_limit_s=120,
+                          start_time=now - 40)
+        assert preemption.stop_reason(started, {"SLURM_JOB_ID": "1"}, now) == StopReason.TIMEOUT
+        assert preemption.stop_reason(replace(started, time_limit_s=3600), {"SLURM_JOB_ID": "1"},
+                                      now) == StopReason.PREEMPTION
         preemption.reset()
         os.kill(os.getpid(), signal.SIGTERM)
-        assert preemption.stop_reason({"SLURM_JOB_ID": "1"}) == "terminated"
+        assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}) == StopReason.TERMINATED
+        assert str(preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"})) == "terminated"  # as restarts.jsonl holds it
     finally:
         preemption.reset()
-        for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+        _restore_handlers(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 def test_a_rank_stops_by_itself_when_the_time_limit_signal_never_came() -> None:
     now = time.time()
-    job = {"SLURM_JOB_ID": "1", "HPCJOBS_TIME_LIMIT": "120", "HPCJOBS_SIGNAL_SECONDS": "90"}
+    job = {"SLURM_JOB_ID": "1"}
+    contract = LaunchContract(run_dir="r", preemption=Preemption(seconds_before=60), time_limit_s=90)
     preemption.reset()
     try:
-        preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now)})  # signal due at now + 30
+        preemption.install(replace(contract, start_time=now), job)  # signal due at now + 30
         asked: list[list[str]] = []
 
         def scontrol(end: float) -> Callable[..., object]:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
             return lambda argv, **kw: asked.append(argv) or SimpleNamespace(
-                stdout=f"JobId=1 JobState=RUNNING TimeLimit=00:02:00 EndTime={stamp} Partition=low\n")
+                stdout=f"JobId=1 JobState=RUNNING TimeLimit=00:01:30 EndTime={stamp} Partition=low\n")
 
-        assert not preemption.requested_locally(now + 29, scontrol(now + 120)) and not asked
+        assert not preemption.requested_locally(now + 29, scontrol(now + 90)) and not asked
         # Overdue: Slurm is asked once; the limit was extended by an hour, so the rank trains on.
-        assert not preemption.requested_locally(now + 31, scontrol(now + 3720))
+        assert not preemption.requested_locally(now + 31, scontrol(now + 3690))
         assert asked == [["scontrol", "show", "job", "-o", "1"]]
-        assert not preemption.requested_locally(now + 60, scontrol(now + 3720)) and len(asked) == 1
-        assert preemption.requested_locally(now + 3631, scontrol(now + 3720))  # the new due time, no extension
+        assert not preemption.requested_locally(now + 60, scontrol(now + 3690)) and len(asked) == 1
+        assert preemption.requested_locally(now + 3631, scontrol(now + 3690))  # the new due time, no extension
         assert preemption.first_request()[0] == "deadline"
         preemption.reset()
-        preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now)})
+        preemption.install(replace(contract, start_time=now), job)
         assert preemption.requested_locally(now + 31, lambda argv, **kw: SimpleNamespace(stdout=""))  # no answer
-        assert preemption.stop_reason({**job, "HPCJOBS_START_TIME": str(now)}) == "timeout"
+        assert preemption.stop_reason(replace(contract, start_time=now), job) == StopReason.TIMEOUT
         preemption.reset()
-        preemption.install("USR2", {**job, "HPCJOBS_START_TIME": str(now - 300)})
-        os.kill(os.getpid(), signal.SIGUSR2)  # the signal came: it is the reason, not the deadline
-        assert preemption.requested_locally() and preemption.first_request()[0] == "SIGUSR2"
-        for no_limit in ({**job, "HPCJOBS_TIME_LIMIT": "0"}, {k: v for k, v in job.items() if k != "SLURM_JOB_ID"}):
+        preemption.install(replace(contract, start_time=now - 300), job)
+        os.kill(os.getpid(), preemption.signal_number(contract.preemption.signal))  # the profile's (the default)
+        assert preemption.requested_locally() and preemption.first_request()[0] == f"SIG{contract.preemption.signal}"
+        for no_limit, env in ((replace(contract, time_limit_s=0), job), (contract, {})):
             preemption.reset()
-            preemption.install("USR2", {**no_limit, "HPCJOBS_START_TIME": str(now - 10**6)})
+            preemption.install(replace(no_limit, start_time=now - 10**6), env)
             assert not preemption.requested_locally()  # local runs and unknown limits never stop by themselves
     finally:
         preemption.reset()
-        for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
+        _restore_handlers(signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
 EXITING_RANK = """import sys, time
+from hpcjobs.contract import LaunchContract, Preemption
 from trainers import preemption
-preemption.install("USR1")
+usr1 = LaunchContract(run_dir="r", preemption=Preemption(signal="USR1"))
+preemption.install(usr1, {})
 class Slow:  # stands for torch's teardown while the interpreter shuts down
     def __del__(self):
         time.sleep(3)
 slow = Slow()
 if sys.argv[1] == "ignore":
-    preemption.ignore_from_now("USR1")
+    preemption.ignore_from_now(usr1)
 print("done", flush=True)
 """
 
@@ -223,49 +236,6 @@ def test_ranks_agree_on_a_stop_at_the_same_call(tmp_path: Path) -> None:
         proc.join(120)
     expected = [False, False, False, False, True, True, True, True]
     assert [eval((tmp_path / f"rank-{r}.txt").read_text()) for r in range(2)] == [expected, expected]
-
-
-def test_requeue_tolerates_a_job_slurm_already_requeues() -> None:
-    class Out:
-        def __init__(self, rc: int, stdout: str = "", stderr: str = "") -> None:
-            self.returncode, self.stdout, self.stderr = rc, stdout, stderr
-
-    calls = []
-
-    def runner(argv, **kw):  # noqa: ANN001, ANN003
-        calls.append(argv)
-        if argv[1] == "requeue":
-            return Out(1, stderr="Job is pending execution for job 5")
-        return Out(0, stdout=f"JobId=5 JobState={state}")
-
-    state = "PENDING"
-    assert preemption.requeue_job("5", runner) == ""
-    state = "RUNNING"
-    assert "pending execution" in preemption.requeue_job("5", runner)
-    assert preemption.requeue_job("", runner).startswith("no Slurm job id")
-
-
-def test_sigterm_counts_as_preemption_only_while_running_with_a_preempt_time() -> None:
-    """Lines as `scontrol show job -o` printed them on the test cluster at each kind of SIGTERM."""
-    seen = {
-        "grace": "JobId=3 JobState=RUNNING Restarts=0 PreemptEligibleTime=2026-11-22T17:21:48 "
-                 "PreemptTime=2026-11-22T17:21:51 SuspendTime=None",
-        "scancel": "JobId=1 JobState=COMPLETING Restarts=1 PreemptTime=None SuspendTime=None",
-        "running": "JobId=4 JobState=RUNNING Restarts=0 PreemptTime=None",
-        "timeout": "JobId=5 JobState=TIMEOUT PreemptTime=None",
-    }
-
-    def answer(line: str):  # noqa: ANN202
-        return lambda argv, **kw: type("Out", (), {"returncode": 0, "stdout": line, "stderr": ""})()
-
-    assert preemption.preempted_with_sigterm("3", answer(seen["grace"]))
-    assert not any(preemption.preempted_with_sigterm("3", answer(seen[k])) for k in ("scancel", "running", "timeout"))
-    assert not preemption.preempted_with_sigterm("", answer(seen["grace"]))
-
-    def missing(argv, **kw):  # noqa: ANN001, ANN003, ANN202
-        raise FileNotFoundError("scontrol")
-
-    assert not preemption.preempted_with_sigterm("3", missing)
 
 
 def test_config_batches_and_lr_scaling() -> None:

@@ -1,4 +1,8 @@
-"""The trainer's settings: one dataclass, a docstring per field, flags derived from the fields."""
+"""The trainer's settings: one dataclass, a docstring per field, flags derived from the fields.
+
+Torch-free (so is trainers/__init__.py): the submit side imports `parse_trainer_args` to refuse a bad trainer flag
+on the login node, before the job is queued, with the same check the ranks make.
+"""
 
 from __future__ import annotations
 
@@ -89,37 +93,226 @@ def _field_docs() -> dict[str, str]:
     tree = ast.parse(inspect.getsource(TrainConfig))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for a, b in zip(body, body[1:]):
+    for a, b in zip(body, body[1:], strict=False):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
             docs[a.target.id] = str(b.value.value)  # type: ignore[union-attr]
     return docs
 
 
 def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """The trainer's flags on an argparse parser, for their help text (`trainer_help`); parsing and checking them
+    is `parse_trainer_args`."""
     docs = _field_docs()
     defaults = defaults or {}
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flag = _flag(f.name)
         default = defaults.get(f.name, f.default)
         help_ = f"{docs.get(f.name, '')} (default: {default})"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
             continue
         kind = {"int": int, "float": float, "str": str}[str(f.type)]
-        choices = {"precision": PRECISIONS, "lr_scaling": LR_SCALING}.get(f.name)
-        parser.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
+        parser.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_)
 
 
-def from_namespace(ns: argparse.Namespace) -> TrainConfig:
-    cfg = TrainConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainConfig)})
-    for name in ("steps", "batch_size", "grad_accum", "log_every", "stop_check_every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: valid: 1 or more")
-    if cfg.keep < 2:
-        raise ValueError(f"--keep {cfg.keep}: valid: 2 or more (the newest checkpoint is never the only copy)")
-    if cfg.eval_every < 0:
-        raise ValueError(f"--eval-every {cfg.eval_every}: valid: 0 (never) or more")
+def trainer_help(defaults: dict[str, Any] | None = None) -> str:
+    p = argparse.ArgumentParser(prog="the shared trainer", add_help=False, allow_abbrev=False,
+                                usage="TASK [trainer flags] [task flags]")
+    add_arguments(p, defaults)
+    return p.format_help()
+
+
+# --- parsing and checking the trainer's flags --------------------------------------------------------------------
+# Hand-written rather than argparse: the submit side calls it on a login node to refuse a bad flag before the job
+# waits in the queue, so it must raise (never exit or print), say what is valid, and pass every flag it does not know
+# to the task untouched and in order (argparse's parse_known_args also matches abbreviations: `--warmup 5` would
+# have become --warmup-steps).
+
+CHOICES: dict[str, tuple[str, ...]] = {"precision": PRECISIONS, "lr_scaling": LR_SCALING}
+CHOICE_HINTS = {
+    "precision": "auto picks bf16 on GPUs that have it and fp32 elsewhere; fp16 adds a GradScaler.",
+    "lr_scaling": "linear multiplies the LR by the world size, sqrt by its square root; none keeps it.",
+}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid range of a numeric setting: from `low` (inclusive, or exclusive when `above`) up to `high`."""
+
+    low: float
+    above: bool = False
+    high: float | None = None
+    note: str = ""
+    """What a special value means, shown with the range (e.g. `0: never`)."""
+    example: str = ""
+
+    def holds(self, value: float) -> bool:
+        low_ok = value > self.low if self.above else value >= self.low
+        return low_ok and (self.high is None or value <= self.high)
+
+    def describe(self, letter: str) -> str:
+        if self.high is not None:
+            text = f"{self.low:g} ≤ {letter} ≤ {self.high:g}"
+        else:
+            text = f"{letter} {'>' if self.above else '≥'} {self.low:g}"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+BOUNDS: dict[str, Bounds] = {
+    "steps": Bounds(1, example="1000"),
+    "batch_size": Bounds(1, example="32"),
+    "global_batch_size": Bounds(0, note="0: batch size × world size", example="256"),
+    "grad_accum": Bounds(1, example="4"),
+    "lr": Bounds(0, above=True, example="3e-4"),
+    "warmup_steps": Bounds(0, example="100"),
+    "min_lr_ratio": Bounds(0, high=1, example="0.1"),
+    "weight_decay": Bounds(0, example="0.1"),
+    "grad_clip": Bounds(0, note="0: no clipping", example="1.0"),
+    "seed": Bounds(0, example="0"),
+    "log_every": Bounds(1, example="10"),
+    "ckpt_every": Bounds(0, note="0: only at the end and on a stop", example="100"),
+    "keep": Bounds(2, note="the newest checkpoint is never the only copy", example="2"),
+    "eval_every": Bounds(0, note="0: never", example="100"),
+    "stop_check_every": Bounds(1, example="1"),
+    "num_workers": Bounds(0, example="4"),
+}
+"""Every numeric setting's valid range; a test checks that no int or float field is missing here."""
+
+
+class ConfigError(ValueError):
+    """A trainer flag that cannot be used, as one line: what was given; valid: what would be. HINT: what to do."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _fields() -> dict[str, str]:
+    return {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+
+
+def _flags() -> dict[str, tuple[str, bool | None]]:
+    """Each exact flag → (setting, the value a bare boolean flag sets; None for flags that take a value)."""
+    out: dict[str, tuple[str, bool | None]] = {}
+    for name, kind in _fields().items():
+        out[_flag(name)] = (name, True if kind == "bool" else None)
+        if kind == "bool":
+            out["--no-" + name.replace("_", "-")] = (name, False)
+    return out
+
+
+def _error(given: str, valid: str, hint: str) -> ConfigError:
+    return ConfigError(f"{given}; valid: {valid}. HINT: {hint}")
+
+
+def _valid(name: str) -> str:
+    """The `valid:` part for a setting."""
+    kind, flag = _fields()[name], _flag(name)
+    if name in CHOICES:
+        return f"{flag} {'|'.join(CHOICES[name])}"
+    if kind == "bool":
+        return f"{flag} or --no-{name.replace('_', '-')}, without a value"
+    letter = "N" if kind == "int" else "X"
+    return f"{flag} {letter} with {BOUNDS[name].describe(letter)}"
+
+
+def _hint(name: str) -> str:
+    if name in CHOICE_HINTS:
+        return CHOICE_HINTS[name]
+    example = BOUNDS[name].example if name in BOUNDS else ""
+    return f"e.g. {_flag(name)} {example}".rstrip()
+
+
+def _convert(name: str, text: str) -> Any:
+    """A flag's text as the setting's value; raises ConfigError for a value of the wrong kind."""
+    kind, flag = _fields()[name], _flag(name)
+    if name in CHOICES:
+        if text not in CHOICES[name]:
+            raise _error(f"{flag} {text!r} is not a choice", _valid(name), _hint(name))
+        return text
+    try:
+        value = int(text) if kind == "int" else float(text)
+    except ValueError:
+        what = "a whole number" if kind == "int" else "a number"
+        raise _error(f"{flag} {text!r} is not {what}", _valid(name), _hint(name)) from None
+    if not math.isfinite(value):
+        raise _error(f"{flag} {text!r} is not a finite number", _valid(name), _hint(name))
+    return value
+
+
+def _check_range(name: str, value: Any, given: str) -> None:
+    bounds = BOUNDS.get(name)
+    if bounds is not None and not bounds.holds(value):
+        side = "too large" if bounds.high is not None and value > bounds.high else "too small"
+        raise _error(f"{given} is {side}", _valid(name), _hint(name))
+
+
+def _value_after(name: str, args: list[str], i: int) -> str:
+    """The value of the flag at args[i] given as the next word; ConfigError when there is none. A next word that
+    is a long option is taken for a forgotten value, not as the value: `--steps --lr 1` must not train `--lr`
+    steps. A negative number (`--batch-size -1`) is a value, and its range says what is wrong with it."""
+    if i + 1 >= len(args):
+        raise _error(f"{args[i]} has no value (it is the last argument)", _valid(name), _hint(name))
+    if args[i + 1].startswith("--"):
+        raise _error(f"{args[i]} has no value (it is followed by {args[i + 1]})", _valid(name), _hint(name))
+    return args[i + 1]
+
+
+def _task_defaults(defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """A task's suggested settings (Task.defaults), checked like flags: a task can be wrong too."""
+    fields = _fields()
+    out: dict[str, Any] = {}
+    for name, value in (defaults or {}).items():
+        if name not in fields:
+            raise _error(f"the task's default {name!r} is not a trainer setting",
+                         ", ".join(sorted(fields)), "fix the Task's `defaults` (keys are TrainConfig's fields)")
+        value = _convert(name, str(value)) if fields[name] != "bool" else bool(value)
+        _check_range(name, value, f"the task's default {name}={value!r}")
+        out[name] = value
+    return out
+
+
+def _check_together(cfg: TrainConfig) -> None:
+    """Settings that are only wrong together (the world size is not known here: see per_rank_batch)."""
     if cfg.keep_best and not cfg.eval_every:
-        raise ValueError("--keep-best without --eval-every: valid: --keep-best --eval-every N (best by val_loss); "
-                         "HINT: add --eval-every 100")
-    return cfg
+        raise _error("--keep-best without --eval-every", "--keep-best --eval-every N (best by val_loss)",
+                     "add --eval-every 100")
+
+
+def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) -> tuple[TrainConfig, list[str]]:
+    """The trainer's flags out of a task's arguments, checked: (the settings, everything else in order for the
+    task). Flags match exactly (`--warmup` is the task's, not --warmup-steps); `--flag value` and `--flag=value`
+    both work; a later flag wins; everything from a `--` on is the task's; `-h/--help` is left to the caller.
+    `defaults` are the task's suggested settings (flags win). Raises ConfigError, one line; never exits or prints.
+    Torch-free: the submit side calls it to refuse a bad flag before the job is queued."""
+    flags = _flags()
+    values = _task_defaults(defaults)
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if word == "--":
+            rest.extend(args[i:])
+            break
+        flag, eq, text = word.partition("=")
+        if flag not in flags:
+            rest.append(word)
+            i += 1
+            continue
+        name, bare = flags[flag]
+        if bare is not None:
+            if eq:
+                raise _error(f"{word} gives a value to a switch", _valid(name), f"write {flag} alone")
+            values[name] = bare
+            i += 1
+            continue
+        if not eq:
+            text = _value_after(name, args, i)
+            i += 1
+        value = _convert(name, text)
+        _check_range(name, value, f"{flag} {text}")
+        values[name] = value
+        i += 1
+    cfg = TrainConfig(**values)
+    _check_together(cfg)
+    return cfg, rest

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
                                     rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=device if device.type == "cuda" else None)
-        except Exception as e:  # torch raises several types (DistStoreError, RuntimeError, TimeoutError)
+        except Exception as e:  # noqa: BLE001 - torch raises several types (DistStoreError, RuntimeError, TimeoutError)
             raise RendezvousError(
                 f"rank {env.rank}/{env.world_size} could not join the rendezvous at {env.master_addr}:"
                 f"{env.master_port} within {timeout_s:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "

@@ -8,8 +8,8 @@ from the job id, which every rank computes alike without talking.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import hostlist
 

@@ -1,9 +1,13 @@
 """What every rank runs first, however the job was started (srun in a rendered script, submitit, the local
-launcher, torchrun): derive the rank's environment, open its per-restart log, install the stop handler, enforce the
-restart cap, then run the entry: a task for the shared trainer, or the user's own script or module.
+launcher, torchrun): derive the rank's environment, read the launch contract, open its per-restart log, install the
+stop handler, enforce the restart cap, then run the entry: a task for the shared trainer, or the user's own script
+or module.
 
-    python -m trainers.launch --run-dir RUN [--signal USR2] [--max-restarts N] --kind task|script|module -- ENTRY ARGS
+    python -m trainers.launch --contract JSON --kind task|script|module -- ENTRY ARGS     (as rendered)
+    python -m trainers.launch --run-dir RUN [--kind ...] -- ENTRY ARGS                      (by hand: the defaults)
 
+The contract (hpcjobs.contract) is read once here, its run folder resolved from the job's ids and its start time
+stamped, then exported as $HPCJOBS_CONTRACT for the rest of the rank (the trainer, StopGuard, child processes).
 Importing this module does not import torch: the submit side pickles SubmititEntry without paying for it.
 """
 
@@ -15,33 +19,57 @@ import runpy
 import sys
 import time
 import traceback
-from typing import Sequence
+from collections.abc import Mapping, Sequence
 
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.contract import ContractError, LaunchContract
+from hpcjobs.runfolder import RunDirPatternError, RunFolder
+from hpcjobs.states import FinalState
 from trainers import preemption
 from trainers.distenv import DistEnv, from_environ
 from trainers.logtee import Tee
 
+KINDS = ("task", "script", "module")
+BAD_CONTRACT_EXIT = 2
+"""Exit code of a rank whose contract cannot be read: a usage error, like argparse's, not a training failure."""
+
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainers.launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m trainers.launch", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run-dir", required=True, help="the run folder; %%j is replaced by the Slurm job id")
-    p.add_argument("--signal", default="USR2", help="the preemption signal Slurm sends (the profile's)")
-    p.add_argument("--signal-seconds", type=int, default=90, help="how long before the time limit it comes")
-    p.add_argument("--max-restarts", type=int, default=10, help="requeues allowed before the job ends failed")
-    p.add_argument("--time-limit", type=int, default=0, help="the job's time limit in seconds (0: unknown)")
-    p.add_argument("--kind", choices=("task", "script", "module"), default="task")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--contract", help="the launch contract as JSON, as the submit side renders it")
+    source.add_argument("--run-dir", help="by hand: this run folder (%%j, %%A, %%a resolved from the job's ids) "
+                                          "with the default preemption settings and no known time limit")
+    p.add_argument("--kind", choices=KINDS, default="task")
     p.add_argument("entry")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p.parse_args(argv)
 
 
-def run_entry(kind: str, entry: str, args: list[str], run: RunFolder) -> int:
+def read_contract(ns: argparse.Namespace) -> LaunchContract:
+    """The contract as given (not yet started); raises ContractError."""
+    if ns.contract is not None:
+        return LaunchContract.from_json(ns.contract)
+    if not ns.run_dir:
+        raise ContractError("--run-dir is empty; valid: a folder, e.g. --run-dir runs/mine")
+    return LaunchContract(run_dir=ns.run_dir)
+
+
+def start_contract(contract: LaunchContract, env: DistEnv, environ: Mapping[str, str], now: float,
+                   ) -> LaunchContract:
+    """This rank's copy: the run folder resolved with the distenv's job id visible (HPCJOBS_JOB_ID stands for %j
+    where Slurm gives none: a local run, torchrun), the start time stamped. Raises ContractError."""
+    try:
+        return contract.started({**environ, **env.as_env()}, now)
+    except RunDirPatternError as e:
+        raise ContractError(str(e)) from None
+
+
+def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: LaunchContract) -> int:
     if kind == "task":
         from trainers.run import run_task  # torch is imported from here on
 
-        return run_task(entry, args, run)
+        return run_task(entry, args, run, contract)
     sys.argv = [entry, *args]
     try:
         if kind == "script":
@@ -60,38 +88,47 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     env: DistEnv = from_environ(os.environ)
-    run = RunFolder(ns.run_dir.replace("%j", env.job_id))
+    try:
+        contract = start_contract(read_contract(ns), env, os.environ, time.time())
+    except ContractError as e:
+        print(f"hpcjobs: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return BAD_CONTRACT_EXIT
     os.environ.update(env.as_env())
-    os.environ.update({"HPCJOBS_RUN_DIR": str(run.path), "HPCJOBS_SIGNAL": ns.signal,
-                       "HPCJOBS_SIGNAL_SECONDS": str(ns.signal_seconds),
-                       "HPCJOBS_MAX_RESTARTS": str(ns.max_restarts), "HPCJOBS_START_TIME": str(time.time()),
-                       "HPCJOBS_TIME_LIMIT": str(ns.time_limit)})
-    preemption.install(ns.signal)  # after submitit's runner installed its own: ours replace them
+    contract.export()
+    run = RunFolder(contract.run_dir)
+    preemption.install(contract)  # after submitit's runner installed its own: ours replace them
     tee = Tee(run.rank_log(env.restart, env.rank))
     try:
-        if env.rank == 0:
-            run.record_start(env.restart, env.job_id, env.world_size, host=os.uname().nodename,
-                             master=f"{env.master_addr}:{env.master_port}")
-        print(f"hpcjobs: rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.uname().nodename}, "
-              f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
-              f"run folder {run.path}", flush=True)
-        if env.restart > ns.max_restarts:
-            msg = f"restart {env.restart} is past the cap of {ns.max_restarts} restarts: not training again"
-            print(f"hpcjobs: {msg}. The job ends failed.", flush=True)
-            if env.rank == 0:
-                run.write_final("failed", msg)
-            return 1
-        rc = run_entry(ns.kind, ns.entry, list(ns.args), run)
-        if rc and not run.final.exists():
-            run.write_final("failed", f"rank {env.rank} exited with code {rc}")
-        return rc
+        return run_rank(ns, env, run, contract)
     except BaseException as e:  # noqa: BLE001 - record why, then let the exit code speak
         traceback.print_exc()
-        run.write_final("failed", f"rank {env.rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        run.write_final(FinalState.FAILED,
+                        f"rank {env.rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return 1
     finally:
-        preemption.ignore_from_now(ns.signal)  # the work is over: a late signal must not turn it into a failure
+        preemption.ignore_from_now(contract)  # the work is over: a late signal must not turn it into a failure
         tee.close()
+
+
+def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: LaunchContract) -> int:
+    """Record the start, refuse a start past the restart cap, run the entry; returns the rank's exit code."""
+    if env.rank == 0:
+        run.record_start(env.restart, env.job_id, env.world_size, host=os.uname().nodename,
+                         master=f"{env.master_addr}:{env.master_port}")
+    print(f"hpcjobs: rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.uname().nodename}, "
+          f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
+          f"run folder {run.path}", flush=True)
+    cap = contract.preemption.max_restarts
+    if env.restart > cap:
+        msg = f"restart {env.restart} is past the cap of {cap} restarts: not training again"
+        print(f"hpcjobs: {msg}. The job ends failed.", flush=True)
+        if env.rank == 0:
+            run.write_final(FinalState.FAILED, msg)
+        return 1
+    rc = run_entry(ns.kind, ns.entry, list(ns.args), run, contract)
+    if rc and not run.final.exists():
+        run.write_final(FinalState.FAILED, f"rank {env.rank} exited with code {rc}")
+    return rc
 
 
 class SubmititEntry:

@@ -16,6 +16,9 @@ The protocol, the same for the shared trainer and for users' own scripts (see `S
      an outside `scontrol requeue` brings the job back, a `scancel` ends it. Every rank exits 0.
 Under submitit, whose runner installs its own handler for USR2 and ignores SIGTERM, `install()` is called later and
 replaces both, so only this protocol acts.
+
+Which signal, how long before the end, the restart cap and the run folder all come from the launch contract
+(hpcjobs.contract), passed in explicitly; nothing here reads settings from the environment at import time.
 """
 
 from __future__ import annotations
@@ -24,13 +27,25 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hpcjobs.backends.slurm_control import end_time, job_fields, preempted_with_sigterm, requeue_job
+from hpcjobs.contract import LaunchContract
+from hpcjobs.runfolder import RunFolder
+from hpcjobs.states import FinalState, StopOutcome, StopReason
 
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
 # Set by install(): (when to stop if no signal came, job id, seconds_before); empty when no time limit is known.
 _deadline: list[tuple[float, str, int]] = []
+EARLY_SIGNAL_S = 75
+"""How long before it is due the profile's signal may come and still mean the time limit: Slurm checks limits on
+its event resolution (up to a minute; 30 s measured on 22.05), so the signal comes early rather than late."""
+NO_RUN_FOLDER = ""
+"""The run folder of a contract made outside a launched rank (a user's script under plain torchrun): a stop is then
+recorded nowhere, since no hpcjobs command will look for it, and nothing is written into the working directory."""
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -41,26 +56,33 @@ def signal_number(name: str) -> int:
     return int(getattr(signal, f"SIG{name.upper().removeprefix('SIG')}"))
 
 
-def install(signal_name: str = "USR2", env: dict[str, str] | os._Environ[str] | None = None) -> list[int]:
+def current_contract() -> LaunchContract:
+    """The contract the launcher exported for this rank; outside a launched rank (a user's script started by
+    torchrun or by hand) the defaults with no run folder (see NO_RUN_FOLDER). Read when called, never at import,
+    so a contract exported after this module was imported (submitit, tests) is the one used."""
+    return LaunchContract.current() or LaunchContract(run_dir=NO_RUN_FOLDER)
+
+
+def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> list[int]:
     """Handle the profile's signal and SIGTERM (and SIGINT for local runs) by setting the flag, and arm the
     deadline: the signal can be lost (sent before this rank's step existed, or while the rank was starting with it
     ignored, see `hpcjobs.render.launcher_argv`), so at the time the signal was due the rank stops anyway."""
-    nums = sorted({signal_number(signal_name), signal.SIGTERM, signal.SIGINT})
+    nums = sorted({signal_number(contract.preemption.signal), signal.SIGTERM, signal.SIGINT})
     for num in nums:
         signal.signal(num, _handler)
     env = os.environ if env is None else env
-    due = signal_due(env)
-    warn = int(env.get("HPCJOBS_SIGNAL_SECONDS", "90"))
+    due = contract.signal_due(env)
+    warn = contract.preemption.seconds_before
     _deadline[:] = [] if due is None else [(due, env.get("SLURM_JOB_ID", ""), warn)]
     return nums
 
 
-def ignore_from_now(signal_name: str = "USR2") -> None:
+def ignore_from_now(contract: LaunchContract) -> None:
     """Ignore the stop signals until the process exits. Called when the rank's work is over: Python gives every
     signal that has a handler its default action back while the interpreter shuts down (which takes seconds with
     torch), and the time-limit signal landing then killed ranks of a job that had just finished (job FAILED,
     measured). An ignored signal stays ignored through shutdown."""
-    for num in {signal_number(signal_name), signal.SIGTERM}:
+    for num in {signal_number(contract.preemption.signal), signal.SIGTERM}:
         signal.signal(num, signal.SIG_IGN)
 
 
@@ -69,7 +91,7 @@ def requested_locally(now: float | None = None, runner: Callable[..., Any] = sub
     for the job's EndTime first, since the limit may have been extended (`scontrol update`) since the start."""
     if not _requested and _deadline and (now or time.time()) >= _deadline[0][0]:
         due, job_id, warn = _deadline[0]
-        end = end_time(job_fields(job_id, runner)) if job_id.isdigit() else None
+        end = end_time(job_fields(job_id, runner))
         if end is not None and end - warn > due + 1:
             _deadline[0] = (end - warn, job_id, warn)
         else:
@@ -77,16 +99,8 @@ def requested_locally(now: float | None = None, runner: Callable[..., Any] = sub
     return bool(_requested)
 
 
-def end_time(fields: dict[str, str]) -> float | None:
-    """`EndTime` of `scontrol show job` (local time) as epoch seconds; None when absent or not a time."""
-    try:
-        return time.mktime(time.strptime(fields.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None
-
-
-def request_stop(signum: int = signal.SIGUSR2) -> None:
-    """What the handler does, callable from code and tests."""
+def request_stop(signum: int) -> None:
+    """What the handler does for `signum`, callable from code and tests."""
     _requested.append((signum, time.time()))
 
 
@@ -103,39 +117,22 @@ def reset() -> None:
     _deadline.clear()
 
 
-def job_end(env: dict[str, str] | os._Environ[str]) -> int | None:
-    """When Slurm ends this start of the job (epoch seconds): SLURM_JOB_END_TIME on newer Slurm, else the
-    launcher's start time plus the time limit (a few seconds late: the job started before the launcher did)."""
-    end = env.get("SLURM_JOB_END_TIME", "")
-    if end.isdigit():
-        return int(end)
-    start, limit = env.get("HPCJOBS_START_TIME", ""), env.get("HPCJOBS_TIME_LIMIT", "")
-    if start and limit.isdigit() and int(limit) > 0 and "SLURM_JOB_ID" in env:
-        return int(float(start)) + int(limit)
-    return None
-
-
-def signal_due(env: dict[str, str] | os._Environ[str]) -> float | None:
-    """When the profile's signal is due at the latest (`seconds_before` the end); None without a time limit."""
-    end = job_end(env)
-    return None if end is None else float(end - int(env.get("HPCJOBS_SIGNAL_SECONDS", "90")))
-
-
-def stop_reason(env: dict[str, str] | os._Environ[str] | None = None, now: float | None = None) -> str:
-    """Why we were asked to stop: `terminated` (SIGTERM under Slurm), `timeout` when the time limit is near,
-    `preemption` for the profile's signal otherwise, `interrupt` for a local run (Ctrl-C)."""
+def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None,
+                now: float | None = None) -> StopReason | None:
+    """Why we were asked to stop (None: we were not): TERMINATED (SIGTERM under Slurm), TIMEOUT when the time limit
+    is near, PREEMPTION for the profile's signal otherwise, INTERRUPT for a local run (Ctrl-C)."""
     if not _requested:
-        return "none"
+        return None
     env = os.environ if env is None else env
-    if _requested[0][0] == signal.SIGTERM and "SLURM_JOB_ID" in env:
-        return "terminated"  # preemption without the user signal, scontrol requeue, or scancel: Slurm decides
+    under_slurm = "SLURM_JOB_ID" in env
+    if _requested[0][0] == signal.SIGTERM and under_slurm:
+        return StopReason.TERMINATED  # preemption without the user signal, scontrol requeue, or scancel: Slurm decides
     if _requested[0][0] == DEADLINE:
-        return "timeout"
-    due = signal_due(env)
-    # The signal comes up to a minute before it is due (Slurm's event resolution; 30 s measured on 22.05).
-    if due is not None and (now or time.time()) >= due - 75:
-        return "timeout"
-    return "preemption" if "SLURM_JOB_ID" in env else "interrupt"  # local runs stop only when asked to
+        return StopReason.TIMEOUT
+    due = contract.signal_due(env)
+    if due is not None and (now or time.time()) >= due - EARLY_SIGNAL_S:
+        return StopReason.TIMEOUT
+    return StopReason.PREEMPTION if under_slurm else StopReason.INTERRUPT  # local runs stop only when asked to
 
 
 class Agreement:
@@ -150,7 +147,7 @@ class Agreement:
         import torch
         import torch.distributed as dist
 
-        self._dist = dist if dist.is_available() and dist.is_initialized() else None
+        self._dist: Any = dist if dist.is_available() and dist.is_initialized() else None
         self._group = group
         self._flag = torch.zeros(1, dtype=torch.int32)  # lives on the CPU: no device sync
         self._pending: Any = None
@@ -184,59 +181,39 @@ class Agreement:
         return bool(self._flag.item())
 
 
-def job_fields(job_id: str, runner: Callable[..., Any] = subprocess.run) -> dict[str, str]:
-    """`scontrol show job -o ID` as a mapping (JobState, PreemptTime, ...); empty when Slurm cannot be asked."""
-    try:
-        out = runner(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return dict(w.split("=", 1) for w in out.stdout.split() if "=" in w)
-
-
-def preempted_with_sigterm(job_id: str, runner: Callable[..., Any] = subprocess.run) -> bool:
-    """A SIGTERM while the job is still RUNNING with a PreemptTime is a preemption's GraceTime warning (measured on
-    22.05). Slurm requeues such a job only if it is still running when the grace ends: a job that saved and exited
-    0 in time would end COMPLETED and never come back, so it must requeue itself. A `scancel` (CANCELLED), the
-    time limit (TIMEOUT) or an outside `scontrol requeue` change the state before the signal is sent."""
-    fields = job_fields(job_id, runner) if job_id.isdigit() else {}
-    return fields.get("JobState") == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
-
-
-def requeue_job(job_id: str, runner: Callable[..., Any] = subprocess.run) -> str:
-    """Ask Slurm to requeue this job (rank 0 only); returns Slurm's message, empty when it worked or when Slurm is
-    already requeuing it (preemption, `scontrol requeue` from outside: the job is no longer RUNNING)."""
-    if not job_id or not job_id.isdigit():
-        return f"no Slurm job id ({job_id!r}) to requeue"
-    try:
-        out = runner(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
-    if out.returncode == 0:
-        return ""
-    state = job_fields(job_id, runner).get("JobState", "")
-    if state and state != "RUNNING":
-        return ""
-    return (out.stderr or out.stdout).strip() or f"scontrol requeue exited {out.returncode}"
-
-
 @dataclass
 class StopGuard:
     """The public helper for a user's own training script (the submit side's script mode).
 
-        guard = StopGuard()                      # installs the handlers; reads the job's env
+        guard = StopGuard()                      # installs the handlers; reads the launch contract
         for step in range(start, steps):
             train_step(...)
             if guard.should_stop():              # collective: call it on every rank at the same steps
                 save_checkpoint(...)             # trainers.checkpoint.save_checkpoint: atomic
                 guard.requeue_and_exit(step)     # rank 0 requeues; every rank exits 0
-    """
 
-    signal_name: str = os.environ.get("HPCJOBS_SIGNAL", "USR2")
+    The contract is read when the guard is made (`current_contract()`): under hpcjobs, the launcher's (the
+    profile's signal, restart cap and run folder); outside it, the defaults of hpcjobs.contract with no run folder.
+    `signal_name` overrides the contract's signal (a script sent by its own `sbatch --signal=USR1@…`)."""
+
+    signal_name: str | None = None
     group: Any = None
+    contract: LaunchContract | None = None
 
     def __post_init__(self) -> None:
-        install(self.signal_name)
+        contract = self.contract or current_contract()
+        if self.signal_name:
+            signal_number(self.signal_name)  # an unknown name fails here, not at the first signal
+            name = self.signal_name.upper().removeprefix("SIG")
+            contract = replace(contract, preemption=replace(contract.preemption, signal=name))
+        self.contract = contract
+        install(contract)
         self._agreement: Agreement | None = None
+
+    @property
+    def launch_contract(self) -> LaunchContract:
+        assert self.contract is not None  # set by __post_init__
+        return self.contract
 
     def should_stop(self) -> bool:
         if self._agreement is None:
@@ -244,54 +221,70 @@ class StopGuard:
         return self._agreement.any_rank(requested_locally())
 
     def requeue_and_exit(self, step: int | None = None) -> None:
-        outcome = finish_stop(step)
-        raise SystemExit(1 if outcome == "cap" else 0)
+        outcome = finish_stop(step, self.launch_contract)
+        raise SystemExit(1 if outcome == StopOutcome.CAP else 0)
 
 
-def finish_stop(step: int | None) -> str:
-    """After the checkpoint is committed on all ranks: record why we stopped and requeue (rank 0) when the stop
-    came from the profile's signal. Returns the outcome: `requeued`, `stopped` (SIGTERM: Slurm decides), `cap`
-    (restart cap reached: the job must end failed) or `local` (no Slurm: just stop)."""
+def _barrier() -> None:
     import torch.distributed as dist
-
-    from hpcjobs.runfolder import RunFolder
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    rank = int(os.environ.get("RANK", "0"))
-    restart = int(os.environ.get("HPCJOBS_RESTART", "0"))
-    cap = int(os.environ.get("HPCJOBS_MAX_RESTARTS", "10"))
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    reason = stop_reason()
-    if reason == "terminated" and rank == 0 and preempted_with_sigterm(job_id):
-        reason = "preemption"
+
+
+def decide(reason: StopReason, job_id: str, restart: int, cap: int) -> StopOutcome:
+    """What a start does once its stop checkpoint is committed, from why it stopped and where it runs."""
     if not job_id:
-        outcome = "local"
-    elif reason == "terminated":
-        outcome = "stopped"  # an outside `scontrol requeue` brings the job back, a scancel ends it: Slurm decides
-    else:
-        outcome = "cap" if restart >= cap else "requeued"
-    if rank == 0:
-        run = RunFolder(os.environ["HPCJOBS_RUN_DIR"]) if os.environ.get("HPCJOBS_RUN_DIR") else None
-        first = first_request()
-        if run:
-            extra = {"signal": first[0], "signal_to_commit_s": round(time.time() - first[1], 3)} if first else {}
-            run.record_stop(reason, step if step is not None else -1, restart, **extra)
-        if first and first[0] == "deadline":
-            print(f"hpcjobs: the {os.environ.get('HPCJOBS_SIGNAL', 'USR2')} signal due before the time limit never "
-                  "came (lost at the start of this run?): stopping on time anyway", flush=True)
-        if outcome == "requeued":
-            err = requeue_job(job_id)
-            print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "
-                  f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", flush=True)
-            if err:
-                outcome = "cap"
-        elif outcome == "stopped":
-            print(f"hpcjobs: stopped by SIGTERM at step {step}: checkpoint committed; Slurm decides whether the job "
-                  "comes back (preemption, requeue) or ends (scancel).", flush=True)
-        elif outcome == "cap":
-            print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; restart cap "
-                  f"{cap} reached, not requeuing. The job ends failed.", flush=True)
-        if run and outcome == "cap":
-            run.write_final("failed", f"restart cap {cap} reached ({reason})", step)
+        return StopOutcome.LOCAL
+    if reason == StopReason.TERMINATED:
+        return StopOutcome.STOPPED  # an outside `scontrol requeue` brings the job back, a scancel ends it
+    return StopOutcome.CAP if restart >= cap else StopOutcome.REQUEUED
+
+
+def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, str] | None = None,
+                runner: Callable[..., Any] = subprocess.run) -> StopOutcome:
+    """After the checkpoint is committed on all ranks: record why we stopped and requeue (rank 0) when the stop
+    came from the profile's signal. Returns the outcome: REQUEUED, STOPPED (SIGTERM: Slurm decides), CAP (restart
+    cap reached, or the requeue failed: the job must end failed) or LOCAL (no Slurm: just stop). The restart cap,
+    the run folder and the signal's name come from `contract`; `runner` runs scontrol (tests pass a stand-in)."""
+    _barrier()
+    env = os.environ if env is None else env
+    rank = int(env.get("RANK", "0"))
+    restart = int(env.get("HPCJOBS_RESTART", "0"))
+    cap = contract.preemption.max_restarts
+    job_id = env.get("SLURM_JOB_ID", "")
+    reason = stop_reason(contract, env) or StopReason.INTERRUPT  # asked to finish a stop nobody requested: by hand
+    if reason == StopReason.TERMINATED and rank == 0 and preempted_with_sigterm(job_id, runner):
+        reason = StopReason.PREEMPTION
+    outcome = decide(reason, job_id, restart, cap)
+    if rank != 0:
+        return outcome
+    run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
+    _record_stop(run, reason, step, restart, contract)
+    if outcome == StopOutcome.REQUEUED:
+        err = requeue_job(job_id, runner)
+        print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "
+              f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", flush=True)
+        if err:
+            outcome = StopOutcome.CAP
+    elif outcome == StopOutcome.STOPPED:
+        print(f"hpcjobs: stopped by SIGTERM at step {step}: checkpoint committed; Slurm decides whether the job "
+              "comes back (preemption, requeue) or ends (scancel).", flush=True)
+    elif outcome == StopOutcome.CAP:
+        print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; restart cap "
+              f"{cap} reached, not requeuing. The job ends failed.", flush=True)
+    if run and outcome == StopOutcome.CAP:
+        run.write_final(FinalState.FAILED, f"restart cap {cap} reached ({reason})", step)
     return outcome
+
+
+def _record_stop(run: RunFolder | None, reason: StopReason, step: int | None, restart: int,
+                 contract: LaunchContract) -> None:
+    """restarts.jsonl gets why this start stopped, which signal asked and how long the checkpoint took after it."""
+    first = first_request()
+    if run:
+        extra = {"signal": first[0], "signal_to_commit_s": round(time.time() - first[1], 3)} if first else {}
+        run.record_stop(str(reason), step if step is not None else -1, restart, **extra)
+    if first and first[0] == "deadline":
+        print(f"hpcjobs: the {contract.preemption.signal} signal due before the time limit never came (lost at the "
+              "start of this run?): stopping on time anyway", flush=True)

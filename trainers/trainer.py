@@ -6,8 +6,9 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -15,7 +16,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder, append_jsonl
+from hpcjobs.states import FinalState, StopOutcome
 from trainers import checkpoint, faults, preemption
 from trainers.config import TrainConfig
 from trainers.dist import DistContext
@@ -46,7 +49,7 @@ def resolve_precision(name: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def lr_lambda(cfg: TrainConfig):  # noqa: ANN201 - a closure LambdaLR calls with the step
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:  # a closure LambdaLR calls with the step
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
@@ -63,7 +66,7 @@ def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.op
 
 
 def rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    kind, keys, pos, has_gauss, gauss = cast("tuple[Any, ...]", np.random.get_state())  # the legacy tuple
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "gauss": float(gauss)}}
@@ -99,8 +102,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def micro_batches(dataset: Any, ctx: DistContext, cfg: TrainConfig, micro: int, pos: Position) -> Iterator[Any]:
     """Micro-batches forever, epoch after epoch, starting exactly at `pos` (so a resume reads what comes next)."""
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank,
+                                                          shuffle=True, seed=cfg.seed, drop_last=True)
     per_epoch = len(sampler) // micro
     if per_epoch == 0:
         raise ValueError(f"the dataset ({len(dataset)} samples) is too small for one micro-batch of {micro} on "
@@ -140,7 +143,8 @@ def evaluate(model: nn.Module, task: Task, dataset: Any, ctx: DistContext, micro
     """The mean of the validation batches' losses over all ranks' shards. The training RNG streams are untouched
     (no shuffling, the loader gets its own generator) and the raw module is used (no DDP hooks), so evaluating
     changes nothing that a resumed run would have to reproduce."""
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank,
+                                                          shuffle=False)
     loader = DataLoader(dataset, batch_size=micro, sampler=sampler, generator=torch.Generator())
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, batches
     model.eval()
@@ -171,8 +175,11 @@ def check_compatible(meta: dict[str, Any], cfg: TrainConfig, task: Task, world: 
                           f"{meta.get('world_size')} ranks, or start a new --run-dir.")
 
 
-def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int:
-    """Train to cfg.steps; returns the process exit code (0 also when stopped and requeued)."""
+def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext, contract: LaunchContract | None = None,
+          ) -> int:
+    """Train to cfg.steps; returns the process exit code (0 also when stopped and requeued). `contract` is the
+    rank's launch contract (None: the one the launcher exported, else the defaults with `run` as the run folder)."""
+    contract = contract or LaunchContract.current() or LaunchContract(run_dir=str(run.path))
     device, world = ctx.device, ctx.world_size
     micro = cfg.micro_batch(world)
     precision = resolve_precision(cfg.precision, device)
@@ -243,7 +250,7 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
             pos.epoch, pos.micro, batch = next(data)
             batch = to_device(batch, device)
             last = i == cfg.grad_accum - 1
-            with (net.no_sync() if world > 1 and not last else _nullcontext), autocast:
+            with (cast(DDP, net).no_sync() if world > 1 and not last else _nullcontext), autocast:
                 loss = task.loss(net, batch) / cfg.grad_accum
             scaler.scale(loss).backward()
             meter.add(loss)
@@ -259,7 +266,7 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
             faults.maybe_die("step", pos.step)
 
         if pos.step % cfg.log_every == 0 or pos.step == cfg.steps:
-            meter.flush(pos.step, scheduler.get_last_lr()[0])
+            meter.flush(pos.step, float(scheduler.get_last_lr()[0]))
         if val_set is not None and (pos.step % cfg.eval_every == 0 or pos.step == cfg.steps):
             val_loss = evaluate(model, task, val_set, ctx, micro, autocast)
             meter.record_eval(pos.step, val_loss)
@@ -275,13 +282,13 @@ def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext) -> int
             save()
             log(ctx, f"stop requested: checkpoint step-{pos.step} committed")
             meter.close()
-            return 1 if preemption.finish_stop(pos.step) == "cap" else 0
+            return 1 if preemption.finish_stop(pos.step, contract) == StopOutcome.CAP else 0
 
     agreement.close()
     save()
     meter.close()
     if ctx.is_main:
-        run.write_final("finished", f"reached step {pos.step}", pos.step)
+        run.write_final(FinalState.FINISHED, f"reached step {pos.step}", pos.step)
     log(ctx, f"finished at step {pos.step}; checkpoints in {run.checkpoints}, metrics in {run.metrics}")
     return 0
 

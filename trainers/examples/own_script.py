@@ -5,7 +5,6 @@
 """
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -13,12 +12,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hpcjobs.contract import LaunchContract
 from trainers.checkpoint import latest, load_checkpoint, save_checkpoint
 from trainers.preemption import StopGuard
 
-p = argparse.ArgumentParser()
+launched = LaunchContract.current()  # under hpcjobs: the job's run folder (resolved), signal and restart cap
+p = argparse.ArgumentParser(allow_abbrev=False)
 p.add_argument("--steps", type=int, default=500)
-p.add_argument("--run-dir", default=os.environ.get("HPCJOBS_RUN_DIR", "runs/own-script"))
+p.add_argument("--run-dir", default=launched.run_dir if launched else "runs/own-script")
 args = p.parse_args()
 
 dist.init_process_group("gloo")  # hpcjobs set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (use nccl on GPUs)

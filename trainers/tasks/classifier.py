@@ -27,7 +27,7 @@ def blobs(n: int, features: int, classes: int, seed: int = 1234, split: int = 0)
 
 
 def make_task(args: list[str]) -> Task:
-    p = argparse.ArgumentParser(prog="trainers.tasks.classifier")
+    p = argparse.ArgumentParser(prog="trainers.tasks.classifier", allow_abbrev=False)
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--hidden", type=int, default=256)

@@ -113,7 +113,7 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def make_task(args: list[str]) -> Task:
-    p = argparse.ArgumentParser(prog="trainers.tasks.lm")
+    p = argparse.ArgumentParser(prog="trainers.tasks.lm", allow_abbrev=False)
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--text", type=Path, help="train on this text file's bytes instead of synthetic tokens")
     p.add_argument("--seq-len", type=int, help="context length (default: the size's)")
