@@ -10,8 +10,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import yaml
 
@@ -153,10 +155,29 @@ def add_submit(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run_submit, own_flags=_option_strings(p))
 
 
+HELP_FLAGS = ("-h", "--help")
+
+
+def entry_help(spec: Any) -> int | None:
+    """`hpcjobs submit|render ... ENTRY --help` asks for the entry's flags: show them here (the shared trainer's and
+    the task's for a task, the script's own otherwise) and submit nothing. None when help was not asked for."""
+    args = list(spec.entry.args)
+    if not any(a in HELP_FLAGS for a in (args[:args.index("--")] if "--" in args else args)):
+        return None
+    import subprocess
+
+    how = {"task": ["-m", "trainers", "help", spec.entry.target], "module": ["-m", spec.entry.target, "--help"],
+           "script": [spec.entry.target, "--help"]}[spec.entry.kind]
+    return subprocess.run([sys.executable, *how], cwd=spec.workdir).returncode
+
+
 def run_submit(ns: argparse.Namespace) -> int:
     from hpcjobs.backends import backend_for
 
     spec = _spec(ns)
+    helped = entry_help(spec)
+    if helped is not None:
+        return helped
     request = backend_for(spec.profile.scheduler).dry_run(spec)
     if ns.dry_run:
         if ns.json:
@@ -169,6 +190,8 @@ def run_submit(ns: argparse.Namespace) -> int:
         return 0
     from hpcjobs.submit import submit
 
+    if ns.json:  # stdout is for the record alone; a foreground job's own output goes to stderr
+        request = replace(request, params={**request.params, "stdout_to_stderr": True})
     sub = submit(request)
     if ns.json:
         _print_json({**sub.as_dict(), "world": spec.world(), "name": spec.name, "profile": spec.profile.name})
@@ -177,8 +200,17 @@ def run_submit(ns: argparse.Namespace) -> int:
         print(f"  run folder: {sub.run_dir}")
         print(f"  follow:     hpcjobs status {sub.job_id}  |  hpcjobs logs {sub.job_id} --follow")
     else:
-        print(f"Job {sub.job_id} ended with code {sub.returncode}; run folder {sub.run_dir}")
+        print(ended_line(sub))
     return sub.returncode or 0
+
+
+def ended_line(sub: Any) -> str:
+    """How a foreground (local) job ended, in one line: its run folder's final word when it failed."""
+    from hpcjobs.runfolder import RunFolder
+
+    final = RunFolder(sub.run_dir).read("final") or {}
+    why = f": {final['reason']}" if sub.returncode and isinstance(final, dict) and final.get("reason") else ""
+    return f"Job {sub.job_id} ended with code {sub.returncode}{why}; run folder {sub.run_dir}"
 
 
 def add_render(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -193,6 +225,9 @@ def run_render(ns: argparse.Namespace) -> int:
     from hpcjobs.backends import backend_for
 
     spec = _spec(ns, job_id_in_run_dir=True)
+    helped = entry_help(spec)
+    if helped is not None:
+        return helped
     script = backend_for(spec.profile.scheduler).script(spec)
     if not ns.output:
         print(script.text, end="")
@@ -247,9 +282,9 @@ def _table(header: list[str], rows: list[tuple[Any, ...]]) -> None:
             table.add_row(*(str(c) for c in row))
         Console().print(table)
         return
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
     for row in [tuple(header), *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 def add_status(sub: Any, common: argparse.ArgumentParser) -> None:

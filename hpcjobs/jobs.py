@@ -9,9 +9,10 @@ training run ended.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hpcjobs.backends import Backend, backend_for
 from hpcjobs.errors import UsageError
@@ -42,9 +43,12 @@ class JobStatus:
         return {**asdict(self), "state": str(self.state)}
 
 
-def folder_state(run: RunFolder) -> tuple[JobState | None, str | None]:
-    """The run's own final word (final.json), if it has one."""
+def folder_state(run: RunFolder, job_id: str) -> tuple[JobState | None, str | None]:
+    """The run's own final word (final.json), if this job wrote it: a later job on the same folder (a resume, or a
+    start that was refused) must not inherit an earlier job's ending, nor the earlier job the later one's."""
     final = run.read("final")
+    if isinstance(final, dict) and final.get("job_id") not in (None, job_id):
+        return None, None
     if isinstance(final, dict):
         done = final.get("state") == FinalState.FINISHED
         return (JobState.COMPLETED if done else JobState.FAILED), final.get("reason")
@@ -58,7 +62,7 @@ def restart_count(run: RunFolder) -> int:
 
 def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     run = RunFolder(rec.run_dir)
-    fstate, reason = folder_state(run)
+    fstate, reason = folder_state(run, rec.job_id)
     answer = (backend or backend_for(rec.scheduler)).state(rec)
     if answer is None and fstate is not None:
         answer = fstate, "run folder"

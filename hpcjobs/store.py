@@ -7,10 +7,11 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from hpcjobs.errors import RuntimeFailure
 

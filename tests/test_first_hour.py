@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
-from conftest import hpcjobs
+from conftest import BIN, REPO, hpcjobs
 
 MYTASK = '''
 from trainers.task import Task
@@ -25,3 +30,100 @@ def test_a_task_module_in_the_working_folder_is_found(tmp_path: Path) -> None:
         assert out.returncode == 0, (entry, out.stderr)
     out = hpcjobs("submit", "--profile", "local", "--dry-run", "notmytask", cwd=tmp_path)
     assert out.returncode == 2 and f"cannot be found from {tmp_path}" in out.stderr
+
+
+# --- local jobs: a real run on this machine, followed and stopped like a user would --------------------------------
+
+LONG_RUN = ["trainers.tasks.lm", "--size", "tiny", "--steps", "100000", "--log-every", "5", "--ckpt-every", "0"]
+
+
+def start_local(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    """`hpcjobs submit --profile local` in a session of its own (as a terminal would run it), once it trains."""
+    proc = subprocess.Popen([str(BIN / "hpcjobs"), "submit", "--profile", "local", "--gpus", "2", "--run-dir",
+                             str(run_dir), *extra, *LONG_RUN], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (run_dir / "heartbeat.json").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    return proc
+
+
+def job_id_of(run_dir: Path) -> str:
+    return json.loads((run_dir / "local-process.json").read_text())["job_id"]
+
+
+def wait_stopped(run_dir: Path, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        history = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+        if "stopped" in history[-1]:
+            return history[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"{run_dir} never recorded a stop")
+
+
+def test_ctrl_c_twice_still_commits_a_checkpoint_and_exits_0(tmp_path: Path) -> None:
+    """The terminal's Ctrl-C goes to the whole foreground group; only hpcjobs may act on it (a second one used to
+    end the job with exit 254)."""
+    run = tmp_path / "run"
+    proc = start_local(run)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "still stopping" in err
+    stop = wait_stopped(run)
+    assert (run / "checkpoints" / f"step-{stop['step']}" / "FINISHED").is_file()
+    st = json.loads(subprocess.run([str(BIN / "hpcjobs"), "status", job_id_of(run), "--json"], capture_output=True,
+                                   text=True).stdout)
+    assert st["state"] == "STOPPED" and st["last_step"] == stop["step"]
+
+
+def test_cancel_stops_a_local_job_at_a_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_local(run)
+    out = hpcjobs("cancel", job_id_of(run))
+    assert out.returncode == 0 and "asked to stop" in out.stdout, out.stderr
+    proc.communicate(timeout=120)
+    stop = wait_stopped(run)
+    assert (run / "checkpoints" / f"step-{stop['step']}" / "FINISHED").is_file()
+
+
+def test_a_killed_launcher_takes_its_ranks_down_at_a_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL of `hpcjobs submit` used to leave the ranks training as orphans and status RUNNING forever."""
+    run = tmp_path / "run"
+    proc = start_local(run)
+    proc.kill()
+    proc.communicate()
+    stop = wait_stopped(run)
+    assert (run / "checkpoints" / f"step-{stop['step']}" / "FINISHED").is_file()
+    st = json.loads(hpcjobs("status", job_id_of(run), "--json").stdout)
+    assert st["state"] in ("STOPPED", "FAILED") and st["state"] != "RUNNING"
+
+
+def test_json_output_of_a_local_run_is_json_alone(tmp_path: Path) -> None:
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(tmp_path / "r"), "--json",
+                  "trainers.tasks.classifier", "--steps", "3", "--log-every", "1", cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["returncode"] == 0  # training's own lines went to stderr
+    assert "step 3" in out.stderr
+
+
+def test_every_submission_to_a_folder_keeps_its_spec(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    for steps in ("2", "3"):
+        out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run),
+                      "trainers.tasks.classifier", "--steps", steps, cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr
+    first, second = (json.loads((run / "specs" / f"{n}.json").read_text()) for n in (1, 2))
+    assert first["entry"]["args"] == ["--steps", "2"] and second["entry"]["args"] == ["--steps", "3"]
+    assert json.loads((run / "spec.json").read_text()) == second
+
+
+def test_entry_help_lists_the_flags_and_touches_nothing(tmp_path: Path) -> None:
+    out = hpcjobs("submit", "--profile", "local", "trainers.tasks.lm", "--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "--steps" in out.stdout and "--size" in out.stdout  # the trainer's flags and the task's
+    assert not list(tmp_path.iterdir()) and json.loads(hpcjobs("list", "--json").stdout) == []

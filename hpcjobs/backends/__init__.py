@@ -14,9 +14,10 @@ Everything else in the package asks `backend_for(scheduler)`; nothing else compa
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpcjobs.errors import UsageError
 

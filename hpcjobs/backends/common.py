@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from hpcjobs.errors import UsageError
-from hpcjobs.runfolder import RunFolder, has_pattern
+from hpcjobs.runfolder import RunFolder, has_pattern, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord
 
@@ -49,11 +49,22 @@ def prepare_run_folder(spec: JobSpec, run_dir: str) -> bool:
     created = not run.path.exists()
     try:
         run.path.mkdir(parents=True, exist_ok=True)
-        run.spec.write_text(json.dumps(spec.as_dict(), indent=2, sort_keys=True))
+        record_spec(run, spec)
     except OSError as e:
         raise UsageError(f"cannot write the run folder {run_dir} ({e.strerror}).",
                          "pick a writable --run-dir, or fix runs_dir in the profile.") from None
     return created
+
+
+def record_spec(run: RunFolder, spec: JobSpec) -> None:
+    """spec.json says what was submitted last; specs/N.json keeps every submission to this folder (a resume with
+    other settings must not rewrite what the first job was)."""
+    text = json.dumps(spec.as_dict(), indent=2, sort_keys=True)
+    history = run.path / "specs"
+    history.mkdir(exist_ok=True)
+    taken = [int(p.stem) for p in history.glob("*.json") if p.stem.isdigit()]
+    (history / f"{max(taken, default=0) + 1}.json").write_text(text)
+    write_json_atomic(run.spec, spec.as_dict())
 
 
 class RunFolderLogs:

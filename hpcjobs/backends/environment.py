@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 JOB_PREFIXES = ("SLURM_", "SRUN_", "SBATCH_", "SLURMD_", "SALLOC_", "TORCHELASTIC_")
 """Variables that describe a job or steer a scheduler's command: never inherited by a new job."""

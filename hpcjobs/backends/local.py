@@ -13,9 +13,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
 from hpcjobs.backends.common import RunFolderLogs, prepare_run_folder
@@ -80,6 +81,41 @@ def wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
         time.sleep(0.2)
 
 
+class Stopper:
+    """Ctrl-C (or SIGTERM, `hpcjobs cancel`) asks every rank to stop at the next step boundary after a checkpoint;
+    a second one says that is under way; a third kills the ranks at once (the last checkpoint stays)."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int) -> None:
+        self.procs, self.stop_signal, self.count = procs, stop_signal, 0
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            self._send(self.stop_signal)
+            note = "stopping: every rank commits a checkpoint at the next step, then exits"
+        elif self.count == 2:
+            note = "still stopping (saving a checkpoint); press Ctrl-C once more to kill the ranks now"
+        else:
+            self._send(signal.SIGKILL)
+            note = "killed the ranks; the newest finished checkpoint is kept"
+        os.write(2, f"\nhpcjobs: {note}\n".encode())  # os.write: no buffered I/O inside a signal handler
+
+    def _send(self, signum: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+
+def _rank_preexec() -> None:
+    """In each rank, before exec: a process group of its own (see LocalBackend._run), and if the launching process
+    dies (SIGKILL), SIGTERM, so the rank stops at a checkpoint instead of training on as an orphan."""
+    import ctypes
+
+    os.setpgid(0, 0)
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class LocalBackend(RunFolderLogs):
     name = "local"
     multi_node = False
@@ -110,19 +146,16 @@ class LocalBackend(RunFolderLogs):
         on_id(sub)
         print(f"hpcjobs: job {job_id}: running {spec.world()} locally; run folder {run_dir}", file=sys.stderr,
               flush=True)
-        return replace(sub, returncode=self._run(spec, job_id))
+        return replace(sub, returncode=self._run(spec, job_id, bool(request.params.get("stdout_to_stderr"))))
 
-    def _run(self, spec: JobSpec, job_id: str) -> int:
+    def _run(self, spec: JobSpec, job_id: str, stdout_to_stderr: bool) -> int:
         envs = rank_envs(spec, job_id, free_port(), dict(os.environ))
-        procs = [subprocess.Popen(launcher_argv(spec), cwd=spec.workdir, env=env) for env in envs]
-        stop_sig = getattr(signal, f"SIG{spec.profile.preemption.signal}")
-
-        def forward(signum: int, frame: Any) -> None:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(stop_sig)
-
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
+        # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
+        procs = [subprocess.Popen(launcher_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
+                                  stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
+        stopper = Stopper(procs, getattr(signal, f"SIG{spec.profile.preemption.signal}"))
+        old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             return wait_all(procs)
         finally:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
 from hpcjobs.backends.common import RunFolderLogs, Runner, check_run_folder, prepare_run_folder, run_command
