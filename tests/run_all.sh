@@ -28,6 +28,11 @@ t2=$SECONDS
 .venv/bin/mypy
 echo "[run_all] ruff + mypy clean in $((SECONDS - t2)) s"
 
+# The README's first command, as typed, in a fresh clone (here: the cluster's namespaces reach no package index).
+t3=$SECONDS
+"$PY" tests/readme_quickstart.py /tmp/hpcjobs-quickstart
+echo "[run_all] README quickstart as typed in $((SECONDS - t3)) s"
+
 trap 'tests/cluster/testcluster.sh down' EXIT
 t1=$SECONDS
 tests/cluster/testcluster.sh up

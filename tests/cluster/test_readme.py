@@ -1,0 +1,185 @@
+"""The README as a contract: every command in its fenced blocks runs as written, on the test cluster or this machine.
+
+Substitutions, as the README states them ("The README as typed"): `mysite` is the profile the README copies into
+~/.config/hpcjobs/profiles/ (HOME is a fresh folder here), edited, as the README says, into the test cluster's;
+`4242` is the job the block submitted; `...` is the request named in SUBSTITUTED; `train.py` and `mypkg.train` are
+stand-in scripts of the user's (here: a few lines that check their environment). `bash tests/run_all.sh` is the
+command that runs this test, so it is the one command not run here.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN, REPO, slurm, wait_for_state
+
+pytestmark = pytest.mark.cluster
+README = (REPO / "README.md").read_text()
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+SUBSTITUTED = {
+    "hpcjobs submit --dry-run ...": "hpcjobs submit --dry-run --profile mysite --nodes 2 --gpus 8 trainers.tasks.lm",
+    "hpcjobs submit --json ...": "hpcjobs submit --json --profile mysite --nodes 2 --gpus 8 trainers.tasks.lm "
+                                 "--size tiny --steps 5",
+    "hpcjobs render -o train.sbatch ...": "hpcjobs render -o train.sbatch --profile mysite --nodes 2 --gpus 8 "
+                                          "trainers.tasks.lm",
+    "hpcjobs submit ... ENTRY --help": "hpcjobs submit --profile mysite trainers.tasks.lm --help",
+}
+NOT_RUN_HERE = {
+    "bash tests/run_all.sh",  # it runs this test
+}
+RUN_BY_RUN_ALL = "python3 -m venv .venv"  # the quickstart: tests/readme_quickstart.py, outside the namespaces
+
+
+def readme_commands() -> list[str]:
+    """Every command line of the README's bash blocks (the rendered script excepted), comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        if block.startswith("#!/bin/bash"):
+            continue
+        for line in block.splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+def readme_task() -> str:
+    return next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if b.startswith("# mytask.py"))
+
+
+class User:
+    """A shell in a fresh folder with a fresh HOME, running the README's commands as typed."""
+
+    def __init__(self, root: Path) -> None:
+        self.cwd, self.home = root / "work", root / "home"
+        self.cwd.mkdir()
+        self.home.mkdir()
+        shutil.copytree(REPO / "cluster_profiles", self.cwd / "cluster_profiles")  # `cp cluster_profiles/...`
+        self.env = {**os.environ, "HOME": str(self.home), "PATH": f"{BIN}:{os.environ['PATH']}",
+                    "HPCJOBS_HOME": str(root / "store")}
+        self.env.pop("XDG_CONFIG_HOME", None)
+        self.ran: list[str] = []
+
+    job = "4242"
+    """The job the block submitted stands for 4242."""
+
+    def run(self, command: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess[str]:
+        typed = SUBSTITUTED.get(command, command).replace("4242", self.job)
+        self.ran.append(command)
+        out = subprocess.run(["bash", "-c", typed], cwd=self.cwd, env=self.env, capture_output=True, text=True,
+                             timeout=timeout)
+        assert not check or out.returncode == 0, f"`{typed}` exited {out.returncode}: {out.stderr[-2000:]}"
+        return out
+
+    def start(self, command: str) -> subprocess.Popen[str]:
+        self.ran.append(command)
+        return subprocess.Popen(["bash", "-c", command.replace("4242", self.job)], cwd=self.cwd, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def edit_mysite(self, runs: Path) -> None:
+        """"edit partition, account, setup": into the test cluster's profile, run folders where the nodes see."""
+        data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+        data["runs_dir"] = str(runs)
+        (self.home / ".config" / "hpcjobs" / "profiles" / "mysite.yaml").write_text(yaml.safe_dump(data))
+
+
+def job_id(out: subprocess.CompletedProcess[str]) -> str:
+    m = re.search(r"Submitted job (\d+)", out.stdout) or re.search(r'"job_id": "(\d+)"', out.stdout)
+    assert m, out.stdout
+    return m.group(1)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+STAND_IN = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"
+
+
+def test_every_readme_command_has_a_case() -> None:
+    """A command added to the README without a case here fails this test (the cases are below, by their text)."""
+    tree = ast.parse(Path(__file__).read_text())  # adjacent string literals arrive joined
+    cases = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    missing = [c for c in readme_commands()
+               if c not in NOT_RUN_HERE and not c.startswith(RUN_BY_RUN_ALL) and c not in cases]
+    assert missing == []
+
+
+def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
+    user = User(tmp_path)
+    (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
+    assert "testcluster" in user.run("hpcjobs profiles").stdout
+    user.run("cp cluster_profiles/a100-ib.yaml ~/.config/hpcjobs/profiles/mysite.yaml")
+    user.edit_mysite(shared_tmp / "runs")
+    (user.cwd / "train.py").write_text(STAND_IN)
+    (user.cwd / "mypkg").mkdir()
+    (user.cwd / "mypkg" / "__init__.py").write_text("")
+    (user.cwd / "mypkg" / "train.py").write_text(STAND_IN)
+
+    big = user.run("hpcjobs submit --profile mysite --nodes 2 --gpus 8 --time 4:00:00 trainers.tasks.lm --size small "
+                   "--steps 5000")
+    job = user.job = job_id(big)
+    assert "lm: 2 nodes × 8 GPUs = 16 ranks" in big.stdout
+    own = [job_id(user.run(command)) for command in (  # they queue behind the 16-rank job: waited for below
+        "hpcjobs submit --profile mysite --nodes 2 --gpus 8 train.py --config configs/x.yaml",
+        "hpcjobs submit --profile mysite --nodes 2 --gpus 8 -m mypkg.train --config configs/x.yaml")]
+    assert "#SBATCH --nodes=2" in user.run("hpcjobs submit --dry-run ...").stdout
+    small = json.loads(user.run("hpcjobs submit --json ...").stdout)
+    user.run("hpcjobs render -o train.sbatch ...")
+    assert (user.cwd / "train.sbatch").read_text().startswith("#!/bin/bash")
+    assert "--steps" in user.run("hpcjobs submit ... ENTRY --help").stdout
+
+    # The big job: once it trains, an outside requeue gives it a restart 1 to follow.
+    run = Path(json.loads(user.run("hpcjobs status 4242 --json").stdout)["run_dir"])
+    wait_for(lambda: (run / "heartbeat.json").exists(), "the 16-rank job to train")
+    slurm("scontrol", "requeue", job)
+    wait_for(lambda: (run / "logs" / "restart-1" / "rank-3.log").exists(), "restart 1")
+    assert "restarts:    1" in user.run("hpcjobs status 4242").stdout
+    follow = user.start("hpcjobs logs 4242 --rank 3 --restart 1 --follow")
+    wait_for(lambda: "RUNNING" == slurm("squeue", "-h", "-j", job, "-o", "%T").strip(), "restart 1 to run")
+    assert job in user.run("hpcjobs list --state RUNNING").stdout
+    assert "cancelled" in user.run("hpcjobs cancel 4242").stdout
+    out, _ = follow.communicate(timeout=120)
+    assert follow.returncode == 0 and "hpcjobs: rank 3/16" in out
+    for queued in [*own, small["job_id"]]:
+        assert wait_for_state(queued, DONE) == "COMPLETED"
+    for queued in own:
+        run_dir = Path(json.loads(user.run(f"hpcjobs status {queued} --json").stdout)["run_dir"])
+        assert "rank 15 of 16 ['--config', 'configs/x.yaml']" in (run_dir / "logs/restart-0/rank-15.log").read_text()
+
+
+def test_own_task_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
+    """The README's mytask.py, submitted to the cluster and run under torchrun, as typed."""
+    user = User(tmp_path)
+    (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
+    user.edit_mysite(shared_tmp / "runs")
+    (user.cwd / "mytask.py").write_text(readme_task())
+    job = user.job = job_id(user.run("hpcjobs submit --profile mysite --nodes 2 --gpus 8 mytask --steps 2000 "
+                                     "--batch-size 32 --lr-scaling sqrt"))
+    run = Path(json.loads(user.run("hpcjobs status 4242 --json").stdout)["run_dir"])
+    wait_for(lambda: (run / "heartbeat.json").exists(), "the task to train")
+    log0 = (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert "task mlp | 16 rank(s)" in log0 and "sqrt scaling" in log0
+    slurm("scancel", job)
+
+    proc = user.start("torchrun --nproc_per_node 8 -m trainers mytask --steps 2000 --run-dir runs/mlp")
+    ckpts = user.cwd / "runs" / "mlp"
+    wait_for(lambda: (ckpts / "heartbeat.json").exists(), "torchrun's ranks to train")
+    os.killpg(proc.pid, signal.SIGTERM)  # stop it early: the ranks save and stop, as under Slurm
+    proc.communicate(timeout=120)
+    assert list((ckpts / "checkpoints").glob("step-*/FINISHED")), "no checkpoint committed on SIGTERM"
