@@ -3,6 +3,7 @@ backend, record the job. Everything they need was decided by the pure spec and r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ def write_script(script: Script, path: Path, force: bool = False) -> Path:
         for folder in script.folders:
             Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # nothing half-written stays behind, whatever failed
+            tmp.unlink(missing_ok=True)
         raise RuntimeFailure(f"cannot write {e.filename or path} ({e.strerror}); nothing was written.",
                              "pick a writable folder for -o (and runs_dir in the profile).") from None
     return path

@@ -1,0 +1,164 @@
+"""Environment faults (issue 10): one line, exit 2 for a bad path given, 1 for a runtime fault, never a traceback,
+nothing submitted, and nothing half-written left behind.
+
+Read-only places are real read-only bind mounts made in a private mount namespace around the one command (we run as
+root here and in CI, and root writes through file modes). A recording sbatch shim proves nothing was submitted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN, REPO
+
+GOOD = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+CAN_MOUNT = os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+@pytest.fixture
+def shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "shim"
+    folder.mkdir()
+    log = tmp_path / "sbatch-calls.log"
+    (folder / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {log}\necho "Submitted batch job 77"\n')
+    (folder / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return log
+
+
+def hpcjobs_in(tmp_path: Path, *args: str, read_only: Path | None = None,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    argv = [str(BIN / "hpcjobs"), *args]
+    if read_only is not None:
+        assert CAN_MOUNT
+        mount = f'mount --bind -o ro "{read_only}" "{read_only}" && exec "$@"'
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", *argv]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def profile(tmp_path: Path, **change: object) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "runs_dir": str(tmp_path / "runs"), **change}))
+    return str(path)
+
+
+def assert_one_line(out: subprocess.CompletedProcess[str], code: int, fragment: str) -> None:
+    assert out.returncode == code, (out.returncode, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) <= 3 and "Traceback" not in out.stderr, out.stderr
+    assert fragment in out.stderr and "HINT:" in out.stderr, out.stderr
+
+
+def leftovers(root: Path) -> list[Path]:
+    """Half-written files: temporaries of an atomic write that did not complete."""
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+SUBMIT = ("submit", "--nodes", "2", "--gpus", "8")
+TASK = ("trainers.tasks.lm", "--steps", "5")
+
+
+def test_run_dir_that_is_a_file(tmp_path: Path, shim: Path) -> None:
+    (tmp_path / "taken").write_text("precious")
+    out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path), "--run-dir", str(tmp_path / "taken"), *TASK)
+    assert_one_line(out, 2, "is a file, not a folder")
+    assert (tmp_path / "taken").read_text() == "precious" and not shim.exists()
+
+
+@pytest.mark.parametrize("run_dir", ["under/x", "under/x-%j"])
+def test_run_dir_under_a_file(tmp_path: Path, shim: Path, run_dir: str) -> None:
+    (tmp_path / "under").write_text("a file")
+    out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path), "--run-dir", str(tmp_path / run_dir), *TASK)
+    assert_one_line(out, 2, "is a file, not a folder")
+    assert not shim.exists()
+
+
+def test_runs_dir_of_the_profile_under_a_file(tmp_path: Path, shim: Path) -> None:
+    (tmp_path / "f").write_text("")
+    out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path, runs_dir=str(tmp_path / "f" / "runs")), *TASK)
+    assert_one_line(out, 2, "is a file, not a folder")
+    assert not shim.exists()
+
+
+@pytest.mark.skipif(not CAN_MOUNT, reason="read-only bind mounts need root and unshare")
+def test_read_only_run_dir(tmp_path: Path, shim: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path), "--run-dir", str(ro / "run"), *TASK,
+                     read_only=ro)
+    assert_one_line(out, 2, "is not writable")
+    assert not shim.exists() and not list(ro.iterdir())
+
+
+@pytest.mark.skipif(not CAN_MOUNT, reason="read-only bind mounts need root and unshare")
+def test_read_only_local_run_dir_runs_nothing(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    out = hpcjobs_in(tmp_path, "submit", "--profile", "local", "--gpus", "1", "--run-dir", str(ro / "run"),
+                     "trainers.tasks.classifier", read_only=ro)
+    assert_one_line(out, 2, "is not writable")
+    assert not list(ro.iterdir())
+
+
+@pytest.mark.skipif(not CAN_MOUNT, reason="read-only bind mounts need root and unshare")
+def test_read_only_job_store_submits_nothing(tmp_path: Path, shim: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path), *TASK, read_only=home,
+                     env={"HPCJOBS_HOME": str(home)})
+    assert_one_line(out, 1, "the job store")
+    assert not shim.exists() and not (tmp_path / "runs").exists()
+
+
+def test_corrupt_job_store_submits_nothing_and_says_how_to_recover(tmp_path: Path, shim: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "jobs.sqlite").write_bytes(b"\x00garbage" * 100)
+    env = {"HPCJOBS_HOME": str(home)}
+    out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path), *TASK, env=env)
+    assert_one_line(out, 1, "file is not a database")
+    assert "mv " in out.stderr and not shim.exists()
+    for command in (["list"], ["status", "77"], ["logs", "77"], ["cancel", "77"]):
+        assert_one_line(hpcjobs_in(tmp_path, *command, env=env), 1, "the job store")
+    assert (home / "jobs.sqlite").read_bytes() == b"\x00garbage" * 100  # left for the user to look at
+
+
+@pytest.mark.skipif(not CAN_MOUNT, reason="read-only bind mounts need root and unshare")
+def test_render_into_a_read_only_folder(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    out = hpcjobs_in(tmp_path, "render", "--profile", profile(tmp_path), "-o", str(ro / "job.sbatch"), *TASK,
+                     read_only=ro)
+    assert_one_line(out, 1, "nothing was written")
+    assert not list(ro.iterdir())
+
+
+def test_render_force_onto_a_folder(tmp_path: Path) -> None:
+    target = tmp_path / "adir"
+    target.mkdir()
+    out = hpcjobs_in(tmp_path, "render", "--force", "--profile", profile(tmp_path), "-o", str(target), *TASK)
+    assert_one_line(out, 2, "is a folder")
+    assert not leftovers(tmp_path) and not list(target.iterdir())
+
+
+def test_render_under_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("keep")
+    out = hpcjobs_in(tmp_path, "render", "--profile", profile(tmp_path), "-o", str(tmp_path / "f" / "job.sbatch"),
+                     *TASK)
+    assert_one_line(out, 1, "nothing was written")
+    assert (tmp_path / "f").read_text() == "keep" and not leftovers(tmp_path)
+
+
+def test_logs_of_a_job_whose_run_folder_is_gone(tmp_path: Path, shim: Path) -> None:
+    env = {"HPCJOBS_HOME": str(tmp_path / "home")}
+    out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path), "--run-dir", str(tmp_path / "r"), *TASK,
+                     env=env)
+    assert out.returncode == 0, out.stderr
+    shutil.rmtree(tmp_path / "r")
+    assert_one_line(hpcjobs_in(tmp_path, "logs", "77", env=env), 2, "has no logs")
