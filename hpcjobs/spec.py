@@ -150,6 +150,16 @@ def check_trainer_args(args: tuple[str, ...]) -> None:
                          "-- trainers.tasks.lm --help` lists the trainer's flags.") from None
 
 
+def with_gloo_interface(env: dict[str, str]) -> dict[str, str]:
+    """The trainer's control group (stop agreement, checkpoint barriers) is gloo even when training uses NCCL, and
+    gloo binds to whatever the hostname resolves to (127.0.1.1, a management network) unless told: it takes the
+    NCCL interface unless the profile names its own. NCCL's `^`-exclusion form names no interface to take."""
+    nccl = env.get("NCCL_SOCKET_IFNAME", "")
+    if nccl and not nccl.startswith("^") and "GLOO_SOCKET_IFNAME" not in env:
+        return {**env, "GLOO_SOCKET_IFNAME": nccl.removeprefix("=")}
+    return env
+
+
 def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -195,7 +205,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if not _NAME.match(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                          "or digit.", "e.g. --name gpt-small")
-    env = {**profile.env, **profile.nccl, **_env_pairs(req.env)}
+    env = with_gloo_interface({**profile.env, **profile.nccl, **_env_pairs(req.env)})
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
     if req.run_dir:  # absolute, so status and logs find it from anywhere; a pattern (%j) is resolved later
         run_dir = str((workdir / os.path.expanduser(req.run_dir)).resolve())

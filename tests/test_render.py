@@ -65,7 +65,7 @@ def test_hostile_strings_reach_the_ranks_unchanged(tmp_path: Path) -> None:
     words = record.read_bytes().decode().split("\0")[:-1]
     launcher = launcher_argv(spec)
     srun_flags = words[: words.index(launcher[0])]
-    assert srun_flags == ["--kill-on-bad-exit=1"]
+    assert srun_flags == ["--kill-on-bad-exit=1", "--cpus-per-task=1"]
     assert words[len(srun_flags):] == launcher  # the run folder's %j travels in the contract, resolved by the rank
     assert (tmp_path / "argv.env").read_text() == HOSTILE
 
@@ -89,7 +89,7 @@ def test_submitit_parameters_match_the_script() -> None:
     assert f"#SBATCH --time={params['additional_parameters']['time']}" in text
     assert params["setup"][:2] == ["module load cuda/12.4 nccl/2.21", "source ~/venvs/train/bin/activate"]
     assert all(line in text for line in params["setup"])
-    assert params["srun_args"] == ["--kill-on-bad-exit=1", "--cpu-bind=cores"]
+    assert params["srun_args"] == ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--cpu-bind=cores"]
 
 
 def test_world_size_is_spelled_out() -> None:
@@ -127,3 +127,15 @@ def test_every_path_starts_ranks_through_the_guard() -> None:
 def test_the_readme_shows_the_script_as_rendered_today() -> None:
     golden = (GOLDEN / "testcluster-2x8.sbatch").read_text()
     assert f"```bash\n{golden}```" in (REPO / "README.md").read_text(), "README's rendered script is stale"
+
+
+def test_gloo_takes_the_nccl_interface_unless_named() -> None:
+    from hpcjobs.spec import with_gloo_interface
+
+    assert with_gloo_interface({"NCCL_SOCKET_IFNAME": "ib0"})["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert with_gloo_interface({"NCCL_SOCKET_IFNAME": "=eth0"})["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert "GLOO_SOCKET_IFNAME" not in with_gloo_interface({"NCCL_SOCKET_IFNAME": "^docker,lo"})
+    assert with_gloo_interface({"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth1"})["GLOO_SOCKET_IFNAME"] == \
+        "eth1"
+    assert "export GLOO_SOCKET_IFNAME=eth0" in render_sbatch(fixed_spec("h100"))  # the shipped GPU profiles
+    assert "export GLOO_SOCKET_IFNAME=ib0" in render_sbatch(fixed_spec("a100-ib"))

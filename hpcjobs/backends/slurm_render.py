@@ -74,7 +74,9 @@ def environment_lines(spec: JobSpec) -> list[str]:
 
 
 def srun_flags(spec: JobSpec) -> list[str]:
-    return ["--kill-on-bad-exit=1", *spec.profile.srun_args]
+    """Every rank's srun flags. --cpus-per-task again: Slurm 22.05 to 23.02 do not pass sbatch's to srun, and each
+    rank would run its `cpus_per_gpu` threads on one core."""
+    return ["--kill-on-bad-exit=1", f"--cpus-per-task={spec.profile.cpus_per_gpu}", *spec.profile.srun_args]
 
 
 def slurm_log_dir(spec: JobSpec) -> str:
