@@ -27,8 +27,9 @@ def adam_like_state(total_bytes: int) -> dict:
     n = total_bytes // 12
     layers = [torch.randn(min(4 << 20, n - i)) for i in range(0, n, 4 << 20)]
     model = {f"layer{i}.weight": t for i, t in enumerate(layers)}
-    optim = {"state": {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
-                       for i, t in enumerate(layers)}, "param_groups": [{"lr": 1e-3, "params": list(range(len(layers)))}]}
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+             for i, t in enumerate(layers)}
+    optim = {"state": state, "param_groups": [{"lr": 1e-3, "params": list(range(len(layers)))}]}
     return {"model": model, "optimizer": optim}
 
 

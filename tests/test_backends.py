@@ -10,9 +10,9 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import submitit
@@ -149,7 +149,7 @@ def shipped_slurm_profiles() -> list[str]:
                   if load_profile(str(p)).scheduler == "slurm")
 
 
-def spec_for(profile: str, tmp_path: Path, **req: object):  # noqa: ANN201 - a JobSpec
+def spec_for(profile: str, tmp_path: Path, **req: object):
     prof = replace(load_profile(str(REPO / "cluster_profiles" / f"{profile}.yaml")), runs_dir=str(tmp_path))
     return build_spec(prof, Request(entry="trainers.tasks.lm", nodes=2, gpus=8, time="4:00:00", **req),
                       workdir=REPO)  # type: ignore[arg-type]
@@ -318,7 +318,7 @@ def restated_defaults(tree: ast.AST, defaults: Preemption) -> list[str]:
             args = node.args.args + node.args.kwonlyargs
             given = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults + \
                 node.args.kw_defaults
-            pairs += [(a.arg, d) for a, d in zip(args, given)]
+            pairs += [(a.arg, d) for a, d in zip(args, given, strict=True)]
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             pairs.append((node.target.id, node.value))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \

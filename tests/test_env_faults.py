@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import BIN, REPO
 
 GOOD = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from hpcjobs.profiles import load_profile
 from hpcjobs.backends.slurm_render import render_sbatch, submitit_parameters, submitit_python
+from hpcjobs.profiles import load_profile
 from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.spec import Request, build_spec
 

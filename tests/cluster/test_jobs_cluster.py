@@ -8,9 +8,9 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import yaml

@@ -97,7 +97,7 @@ def report(trigger: str, path: str, run: Path, job: str) -> dict[str, object]:
         resumed.append(int(m.group(1)) if m else 0)
     beats = [int(m.group(1)) for log in sorted((run / "logs").glob("restart-*/rank-0.log"))
              for m in re.finditer(r"step (\d+) \| loss", log.read_text())]
-    lost = [max(0, s["step"] - r) for s, r in zip(stops, resumed)] if stops else [max(beats, default=0)]
+    lost = [max(0, s["step"] - r) for s, r in zip(stops, resumed, strict=False)] if stops else [max(beats, default=0)]
     row = {"trigger": trigger, "path": path, "job": job, "restarts": len(resumed),
            "reasons": [s.get("stopped") for s in stops], "signals": [s.get("signal") for s in stops],
            "steps_lost": lost, "signal_to_commit_s": [s.get("signal_to_commit_s") for s in stops]}

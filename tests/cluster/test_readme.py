@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import BIN, REPO, slurm, wait_for_state
 
 pytestmark = pytest.mark.cluster
