@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from hpcjobs.runfolder import resolve_run_dir
 
@@ -27,13 +28,14 @@ class ContractError(ValueError):
 
 @dataclass(frozen=True)
 class Preemption:
-    """What happens when Slurm is about to stop the job (preemption or the time limit)."""
+    """What happens when Slurm is about to stop the job (preemption or the time limit). The field metadata are the
+    profile's constraints on the `preemption:` keys (see hpcjobs.profiles)."""
 
-    signal: str = "USR2"
+    signal: str = field(default="USR2", metadata={"choices": SIGNALS})
     """The signal Slurm sends before stopping the job (`--signal`); the trainer also always handles SIGTERM."""
-    seconds_before: int = 90
+    seconds_before: int = field(default=90, metadata={"min": 10, "max": 3600})
     """How many seconds before the end (time limit) Slurm sends `signal`; must leave time to save a checkpoint."""
-    max_restarts: int = 10
+    max_restarts: int = field(default=10, metadata={"min": 0, "max": 10_000})
     """How many times a job may be requeued (preemption, time limit) before it ends failed."""
 
 

@@ -7,202 +7,274 @@ builders never ask the cluster (no `sinfo` at submit time). Lookup order for a n
   3. ./cluster_profiles/ in the working directory
   4. the user config folder: $XDG_CONFIG_HOME/hpcjobs/profiles (default ~/.config/hpcjobs/profiles)
   5. the profiles shipped with hpcjobs
+
+The schema is the dataclass: each YAML key is a field of `ClusterProfile` (the `preemption:` mapping, a field of
+`Preemption`), its type, default and docstring are the key's, and its constraints sit in the field's metadata:
+  choices    the valid strings
+  min, max   inclusive bounds of a whole number
+  parse      a Slurm notation parser (time, memory) called as parse(value, key); it raises UsageError
+  prefixes   the names an environment mapping may use
+  max_items  the most entries of a list or mapping (default MAX_ITEMS)
+  shown      the default as the reference table shows it, where the value itself says little (None)
+  key        False for a field the loader fills in, never read from the file
+The validator and `reference_table()` (the README's key table) are both read off the fields.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import inspect
 import os
 import re
+import types
+import typing
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
-from hpcjobs.contract import SIGNALS, Preemption
+from hpcjobs.backends import SCHEDULERS
+from hpcjobs.contract import Preemption
 from hpcjobs.errors import ProfileError, UsageError
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
-SCHEDULERS = ("slurm", "local")
+MAX_FILE_BYTES = 256 * 1024
+"""The largest profile file read: real ones are a few hundred bytes, and a 50 MB one took PyYAML 23 s."""
+MAX_ITEMS = 200
+"""The most entries of a list or mapping key (setup, srun_args, env, nccl)."""
+MAX_STRING = 4096
+"""The longest string any key (or list entry, or environment value) may hold."""
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
 class ClusterProfile:
-    """One cluster's facts and site conventions. Every field is a YAML key of the same name."""
+    """One cluster's facts and site conventions. Every field but `source` is a YAML key of the same name."""
 
-    name: str
+    name: str = field(metadata={"shown": "the file's name"})
     """The profile's name (the file name without .yaml unless given)."""
-    source: str
+    source: str = field(metadata={"key": False})
     """Where the profile came from (a file path); filled in by the loader."""
-    scheduler: str = "slurm"
-    """`slurm`, or `local` to run on this machine without Slurm."""
+    scheduler: str = field(default="slurm", metadata={"choices": SCHEDULERS})
+    """Which scheduler runs the job; `local` runs it on this machine without Slurm."""
     partition: str | None = None
-    """Slurm partition (`--partition`)."""
+    """Slurm partition (`--partition`; the flag of the same name overrides it)."""
     account: str | None = None
-    """Slurm account to charge (`--account`)."""
+    """Slurm account to charge (`--account`; the flag of the same name overrides it)."""
     qos: str | None = None
-    """Slurm quality of service (`--qos`)."""
-    gpus_per_node: int = 8
-    """GPUs each node has; a request for more per node is refused. For `local`: the most ranks to start."""
-    gpu_request: str = "gpus-per-node"
-    """How the site wants GPUs asked for: `gpus-per-node` (--gpus-per-node=N), `gres` (--gres=gpu[:type]:N), `none`."""
+    """Slurm quality of service (`--qos`; the flag of the same name overrides it)."""
+    gpus_per_node: int = field(default=8, metadata={"min": 1, "max": 64})
+    """GPUs each node has; `--gpus` above it is refused. For `local`: the most ranks to start."""
+    gpu_request: str = field(default="gpus-per-node", metadata={"choices": GPU_REQUEST_FORMS})
+    """How the site wants GPUs asked for: `gpus-per-node` (`--gpus-per-node=N`), `gres` (`--gres=gpu[:type]:N`)
+    or `none`."""
     gpu_type: str | None = None
-    """GPU type for the request, e.g. `a100` gives --gres=gpu:a100:8 or --gpus-per-node=a100:8."""
-    cpus_per_gpu: int = 1
-    """CPUs per rank (one rank per GPU): `--cpus-per-task`."""
-    mem_per_gpu: str | None = None
-    """Memory per GPU (Slurm notation, e.g. 64G): `--mem-per-gpu`, or `--mem` per node when gpu_request is none."""
-    max_nodes: int | None = None
-    """The most nodes one job may ask for (None: no limit known)."""
-    default_time: str = "1:00:00"
-    """Time limit when --time is not given (Slurm notation)."""
-    max_time: str | None = None
-    """The partition's maximum time limit; a longer --time is refused (None: no limit known)."""
+    """GPU type for the request, e.g. `a100` gives `--gres=gpu:a100:8` or `--gpus-per-node=a100:8`."""
+    cpus_per_gpu: int = field(default=1, metadata={"min": 1, "max": 1024})
+    """CPUs per rank (one rank per GPU): `--cpus-per-task`; also the rank's torch threads."""
+    mem_per_gpu: str | None = field(default=None, metadata={"parse": parse_mem_mb})
+    """Memory per GPU (Slurm notation, e.g. `64G`): `--mem-per-gpu`, or `--mem` per node when gpu_request is
+    `none`."""
+    max_nodes: int | None = field(default=None, metadata={"min": 1, "max": 100_000})
+    """The most nodes one job may ask for (none: no limit known)."""
+    default_time: str = field(default="1:00:00", metadata={"parse": parse_time})
+    """Time limit when `--time` is not given (Slurm notation)."""
+    max_time: str | None = field(default=None, metadata={"parse": parse_time})
+    """The partition's maximum time limit; a longer `--time` is refused (none: no limit known)."""
     constraint: str | None = None
     """Node features (`--constraint`), e.g. `a100&ib`."""
     exclusive: bool = False
     """Ask for whole nodes (`--exclusive`)."""
-    setup: tuple[str, ...] = ()
-    """Shell lines run before the job starts (module loads, venv activation)."""
-    env: dict[str, str] = field(default_factory=dict)
+    setup: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_ITEMS})
+    """Shell lines run before the job starts (module loads, venv activation), one line each."""
+    env: dict[str, str] = field(default_factory=dict, metadata={"max_items": MAX_ITEMS})
     """Extra environment for every rank."""
-    nccl: dict[str, str] = field(default_factory=dict)
-    """NCCL settings for every rank (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...); keys start with NCCL_."""
+    nccl: dict[str, str] = field(default_factory=dict,
+                                 metadata={"prefixes": ("NCCL_", "TORCH_NCCL_"), "max_items": MAX_ITEMS})
+    """NCCL settings for every rank (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...); names start with `NCCL_`
+    or `TORCH_NCCL_`."""
     preemption: Preemption = field(default_factory=Preemption)
     """Signal, warning time and restart cap (see Preemption)."""
     runs_dir: str = "~/hpcjobs-runs"
-    """Where run folders go (a shared filesystem on a cluster); ~ and $VARS are expanded."""
-    python: str | None = None
-    """Python on the nodes (None: the one running hpcjobs, which suits a shared filesystem)."""
-    srun_args: tuple[str, ...] = ()
-    """Extra srun flags, e.g. --cpu-bind=cores."""
+    """Where run folders go (a shared filesystem on a cluster); `~` and `$VARS` are expanded."""
+    python: str | None = field(default=None, metadata={"shown": "the one running hpcjobs"})
+    """Python on the nodes; the default suits a shared filesystem."""
+    srun_args: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_ITEMS})
+    """Extra srun flags, e.g. `--cpu-bind=cores`."""
 
     def runs_path(self) -> Path:
         return Path(os.path.expandvars(os.path.expanduser(self.runs_dir)))
 
 
-# --- validation -------------------------------------------------------------------------------------------------
+# --- the schema, read off the dataclasses ----------------------------------------------------------------------
 
 Check = Callable[[Any], Any]
+"""Returns the value as the dataclass holds it; raises ValueError(what is valid) or UsageError (a parser's)."""
 
 
-def _one_of(choices: tuple[str, ...]) -> Check:
-    def check(v: Any) -> Any:
-        if v not in choices:
-            raise ValueError(f"one of {', '.join(choices)}")
+def _keys(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    """The fields of `cls` that are YAML keys, by name."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("key", True)}
+
+
+@functools.cache
+def _types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string right under it), whitespace folded to single spaces."""
+    body = ast.parse(inspect.getsource(cls)).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs = {}
+    for a, b in zip(body.body, body.body[1:], strict=False):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """(the type without None, whether None is allowed) for `X | None`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp):
+        rest = [a for a in typing.get_args(tp) if a is not type(None)]
+        return rest[0], True
+    return tp, False
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: long ones cut, so the message stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _int_valid(low: int | None, high: int | None) -> str:
+    # "> 0" and ">= 0" read best for the usual lower bounds; any other one is spelled out.
+    text = {None: "a whole number", 0: "a whole number >= 0", 1: "a whole number > 0"}.get(low, f"at least {low}")
+    text += f", at most {high}" if high is not None else ""
+    return text + ("" if low in (None, 0, 1) else " (a whole number)")
+
+
+def _check_int(meta: Mapping[str, Any], key: str) -> Check:
+    low, high = meta.get("min"), meta.get("max")
+
+    def check(v: Any) -> int:
+        if (isinstance(v, bool) or not isinstance(v, int) or (low is not None and v < low)
+                or (high is not None and v > high)):
+            raise ValueError(_int_valid(low, high))
         return v
     return check
 
 
-def _typed(kind: type, positive: bool = False, optional: bool = False) -> Check:
-    def check(v: Any) -> Any:
-        if v is None and optional:
-            return None
-        if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError("a whole number" + (" > 0" if positive else ""))
-        if kind is str and not isinstance(v, str):
-            raise ValueError("a string")
-        if kind is bool and not isinstance(v, bool):
+def _check_bool(meta: Mapping[str, Any], key: str) -> Check:
+    def check(v: Any) -> bool:
+        if not isinstance(v, bool):
             raise ValueError("true or false")
-        if positive and v <= 0:
-            raise ValueError("a whole number > 0")
         return v
     return check
 
 
-def _nonneg_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError("a whole number >= 0")
-    return v
+def _one_line(v: str) -> bool:
+    # Profile strings end up on lines of a shell script: a newline in a partition name would start a command.
+    return "\n" not in v and "\r" not in v
 
 
-def _time(optional: bool) -> Check:
-    def check(v: Any) -> Any:
-        if v is None and optional:
-            return None
-        parse_time(v if isinstance(v, (str, int)) else repr(v))
-        return str(v)
+def _check_str(meta: Mapping[str, Any], key: str) -> Check:
+    choices: tuple[str, ...] | None = meta.get("choices")
+    parse: Callable[[Any, str], object] | None = meta.get("parse")
+
+    def check(v: Any) -> str:
+        if choices is not None and v not in choices:
+            raise ValueError(f"one of {', '.join(choices)}")
+        if isinstance(v, str) and not _one_line(v):
+            raise ValueError("a single-line string")
+        if isinstance(v, str) and len(v) > MAX_STRING:
+            raise ValueError(f"a string of at most {MAX_STRING} characters")
+        if parse is not None:
+            parse(v, key)
+            return str(v)  # a bare number of minutes (`default_time: 30`) is kept in Slurm's notation
+        if not isinstance(v, str):
+            raise ValueError("a string")
+        return v
     return check
 
 
-def _mem(v: Any) -> Any:
-    if v is None:
-        return None
-    parse_mem_mb(v)
-    return str(v)
+def _check_lines(meta: Mapping[str, Any], key: str) -> Check:
+    cap = meta.get("max_items", MAX_ITEMS)
+
+    def check(v: Any) -> tuple[str, ...]:
+        if v is None:
+            return ()  # every line commented out
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ValueError("a list of strings")
+        if len(v) > cap:
+            raise ValueError(f"a list of at most {cap} strings (it has {len(v)})")
+        if not all(map(_one_line, v)):
+            raise ValueError("a list of single-line strings")
+        if any(len(x) > MAX_STRING for x in v):
+            raise ValueError(f"a list of strings of at most {MAX_STRING} characters each")
+        return tuple(v)
+    return check
 
 
-def _lines(v: Any) -> tuple[str, ...]:
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise ValueError("a list of strings")
-    if any("\n" in x for x in v):
-        raise ValueError("a list of single-line strings")
-    return tuple(v)
+def _env_entry(k: Any, val: Any, prefixes: tuple[str, ...]) -> str:
+    """One NAME: value of an environment mapping, as the text exported; raises ValueError(what is valid)."""
+    if not isinstance(k, str) or not _ENV_NAME.match(k) or len(k) > MAX_STRING:
+        raise ValueError(f"environment names (letters, digits, _), not {_shown(k)}")
+    if prefixes and not k.startswith(prefixes):
+        raise ValueError(f"names starting with {' or '.join(prefixes)}, not {k!r}")
+    if isinstance(val, bool) or not isinstance(val, (str, int, float)):
+        raise ValueError(f"scalar values, not {_shown(val)} for {k}")
+    if len(str(val)) > MAX_STRING:
+        raise ValueError(f"values of at most {MAX_STRING} characters, not {len(str(val))} for {k}")
+    return str(val)
 
 
-def _env_map(prefixes: tuple[str, ...] = ()) -> Check:
+def _check_env(meta: Mapping[str, Any], key: str) -> Check:
+    prefixes: tuple[str, ...] = meta.get("prefixes", ())
+    cap = meta.get("max_items", MAX_ITEMS)
+
     def check(v: Any) -> dict[str, str]:
         if v is None:
-            return {}
+            return {}  # every entry commented out
         if not isinstance(v, dict):
             raise ValueError("a mapping NAME: value")
-        out = {}
-        for k, val in v.items():
-            if not isinstance(k, str) or not _ENV_NAME.match(k):
-                raise ValueError(f"environment names (letters, digits, _), not {k!r}")
-            if prefixes and not k.startswith(prefixes):
-                raise ValueError(f"names starting with {' or '.join(prefixes)}, not {k!r}")
-            if isinstance(val, bool) or not isinstance(val, (str, int, float)):
-                raise ValueError(f"scalar values, not {val!r} for {k}")
-            out[k] = str(val)
-        return out
+        if len(v) > cap:
+            raise ValueError(f"a mapping of at most {cap} names (it has {len(v)})")
+        return {k: _env_entry(k, val, prefixes) for k, val in v.items()}
     return check
 
 
-_PREEMPTION_KEYS: dict[str, Check] = {
-    "signal": _one_of(SIGNALS),
-    "seconds_before": _typed(int, positive=True),
-    "max_restarts": _nonneg_int,
+_CHECKS: dict[Any, Callable[[Mapping[str, Any], str], Check]] = {
+    bool: _check_bool, int: _check_int, str: _check_str, tuple: _check_lines, dict: _check_env,
 }
+"""How a field's type is checked (its metadata says the rest)."""
 
-_KEYS: dict[str, Check] = {
-    "name": _typed(str),
-    "scheduler": _one_of(SCHEDULERS),
-    "partition": _typed(str, optional=True),
-    "account": _typed(str, optional=True),
-    "qos": _typed(str, optional=True),
-    "gpus_per_node": _typed(int, positive=True),
-    "gpu_request": _one_of(GPU_REQUEST_FORMS),
-    "gpu_type": _typed(str, optional=True),
-    "cpus_per_gpu": _typed(int, positive=True),
-    "mem_per_gpu": _mem,
-    "max_nodes": _typed(int, positive=True, optional=True),
-    "default_time": _time(optional=False),
-    "max_time": _time(optional=True),
-    "constraint": _typed(str, optional=True),
-    "exclusive": _typed(bool),
-    "setup": _lines,
-    "env": _env_map(),
-    "nccl": _env_map(("NCCL_", "TORCH_NCCL_")),
-    "preemption": lambda v: v,  # checked key by key below
-    "runs_dir": _typed(str),
-    "python": _typed(str, optional=True),
-    "srun_args": _lines,
-}
+
+def _checker(tp: Any, meta: Mapping[str, Any], key: str) -> Check:
+    base, optional = _unwrap_optional(tp)
+    check = _CHECKS[typing.get_origin(base) or base](meta, key)
+    return (lambda v: None if v is None else check(v)) if optional else check
+
+
+# --- validation ---------------------------------------------------------------------------------------------------
 
 
 def _unknown_key(source: str, key: object, valid: list[str], where: str = "") -> ProfileError:
     close = difflib.get_close_matches(str(key), valid, n=1)
     maybe = f" Did you mean {close[0]!r}?" if close else ""
     return ProfileError(
-        f"profile {source}: unknown key {where}{key!r}.{maybe} Valid keys: {', '.join(valid)}.",
+        f"profile {source}: unknown key {where}{_shown(key)}.{maybe} Valid keys: {', '.join(valid)}.",
         "see the commented keys in cluster_profiles/local.yaml or `hpcjobs profiles show local`.",
     )
 
@@ -210,42 +282,91 @@ def _unknown_key(source: str, key: object, valid: list[str], where: str = "") ->
 def _check(source: str, key: str, check: Check, value: Any) -> Any:
     try:
         return check(value)
-    except (ValueError, UsageError) as e:
-        valid = e.message if isinstance(e, UsageError) else str(e)
-        raise ProfileError(f"profile {source}: {key} is {value!r}; valid: {valid}.",
+    except ValueError as e:
+        raise ProfileError(f"profile {source}: {key} is {_shown(value)}; valid: {e}.",
                            f"fix {key} in {source}.") from None
+    except UsageError as e:  # a Slurm notation parser's, which names the key and the valid forms itself
+        raise ProfileError(f"profile {source}: {e.message}", f"fix {key} in {source}.") from None
+
+
+def _parse_mapping(cls: type, data: Mapping[Any, Any], source: str, where: str = "") -> dict[str, Any]:
+    """The checked values of a mapping whose keys are the fields of `cls`; a nested dataclass field is a nested
+    mapping, its keys named `where.key` in messages."""
+    fields, hints = _keys(cls), _types(cls)
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        if key not in fields:
+            raise _unknown_key(source, key, sorted(fields), where)
+        path = f"{where}{key}"
+        if dataclasses.is_dataclass(hints[key]):
+            values[key] = _parse_nested(hints[key], raw, source, path)
+        else:
+            values[key] = _check(source, path, _checker(hints[key], fields[key].metadata, path), raw)
+    return values
+
+
+def _parse_nested(cls: type, raw: Any, source: str, key: str) -> Any:
+    if raw is None:
+        return cls()  # every key commented out: the defaults
+    if not isinstance(raw, dict):
+        raise ProfileError(f"profile {source}: {key} is {_shown(raw)}; valid: a mapping with "
+                           f"{', '.join(_keys(cls))}.", f"fix {key} in {source}.")
+    return cls(**_parse_mapping(cls, raw, source, f"{key}."))
 
 
 def parse_profile(data: Any, name: str, source: str) -> ClusterProfile:
     """Validate a loaded YAML document into a ClusterProfile (pure; raises ProfileError)."""
-    if data is None:
-        data = {}
+    if data is None:  # an empty file, or one of comments only: never a job from defaults by accident
+        raise ProfileError(f"profile {source} holds no keys (it is empty or only comments); valid: a mapping of "
+                           "keys.", "start from a copy of cluster_profiles/local.yaml, or check that the file was "
+                           "saved whole.")
     if not isinstance(data, dict):
         raise ProfileError(f"profile {source}: the top level is a {type(data).__name__}; valid: a mapping of keys.",
                            "start from a copy of cluster_profiles/local.yaml.")
-    values: dict[str, Any] = {"name": name}
-    for key, raw in data.items():
-        if key not in _KEYS:
-            raise _unknown_key(source, key, sorted(_KEYS))
-        values[key] = _check(source, key, _KEYS[key], raw)
-    pre = values.get("preemption")
-    if pre is not None:
-        if not isinstance(pre, dict):
-            raise ProfileError(f"profile {source}: preemption is {pre!r}; valid: a mapping with "
-                               f"{', '.join(_PREEMPTION_KEYS)}.", f"fix preemption in {source}.")
-        for key, raw in pre.items():
-            if key not in _PREEMPTION_KEYS:
-                raise _unknown_key(source, key, sorted(_PREEMPTION_KEYS), "preemption.")
-            _check(source, f"preemption.{key}", _PREEMPTION_KEYS[key], raw)
-        values["preemption"] = Preemption(**pre)
-    profile = ClusterProfile(source=source, **values)
+    profile = ClusterProfile(**{"name": name, **_parse_mapping(ClusterProfile, data, source), "source": source})
     if profile.max_time and parse_time(profile.default_time) > parse_time(profile.max_time):
         raise ProfileError(f"profile {source}: default_time {profile.default_time} is above max_time "
                            f"{profile.max_time}.", "lower default_time or raise max_time.")
-    if profile.scheduler == "slurm" and profile.preemption.seconds_before < 10:
-        raise ProfileError(f"profile {source}: preemption.seconds_before is {profile.preemption.seconds_before}; "
-                           "valid: at least 10.", "leave time to save a checkpoint, e.g. 90.")
     return profile
+
+
+# --- the reference table -----------------------------------------------------------------------------------------
+
+
+def _shown_default(f: dataclasses.Field[Any]) -> str:
+    if "shown" in f.metadata:
+        return str(f.metadata["shown"])
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    return f"`{value}`" if isinstance(value, str) else f"`{list(value) if isinstance(value, tuple) else value}`"
+
+
+def _meaning(cls: type, f: dataclasses.Field[Any]) -> str:
+    doc = _field_docs(cls)[f.name]
+    if "min" in f.metadata or "max" in f.metadata:
+        doc += f" Valid: {_int_valid(f.metadata.get('min'), f.metadata.get('max'))}."
+    if "choices" in f.metadata:
+        doc += f" Valid: one of {', '.join(f'`{c}`' for c in f.metadata['choices'])}."
+    return doc.replace("|", "\\|")
+
+
+def _rows(cls: type, prefix: str = "") -> list[str]:
+    rows = []
+    for name, f in _keys(cls).items():
+        tp = _types(cls)[name]
+        if dataclasses.is_dataclass(tp):
+            rows += _rows(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
+        else:
+            rows.append(f"| `{prefix}{name}` | {_shown_default(f)} | {_meaning(cls, f)} |")
+    return rows
+
+
+def reference_table() -> str:
+    """The Markdown table of every profile key (| key | default | meaning |), as the README's "Profiles" shows it."""
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(ClusterProfile)]) + "\n"
 
 
 # --- lookup ---------------------------------------------------------------------------------------------------
@@ -275,6 +396,9 @@ def available_profiles() -> list[tuple[str, str, Path]]:
 def find_profile(name_or_path: str) -> Path:
     if "/" in name_or_path or name_or_path.endswith((".yaml", ".yml")):
         path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            raise ProfileError(f"profile path {name_or_path!r} is a folder; valid: a .yaml file.",
+                               "name the .yaml file in it, or put the folder on $HPCJOBS_PROFILES_DIR.")
         if not path.is_file():
             raise ProfileError(f"profile file {name_or_path!r} does not exist.",
                                "give a path to a .yaml file or a profile name; `hpcjobs profiles` lists names.")
@@ -290,18 +414,103 @@ def find_profile(name_or_path: str) -> Path:
                        "`hpcjobs profiles` lists them with where each came from; or pass a path to a .yaml file.")
 
 
-def load_profile(name_or_path: str) -> ClusterProfile:
-    path = find_profile(name_or_path)
+# --- reading the file --------------------------------------------------------------------------------------------
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Hashable, first: int, again: int) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first, self.again = key, first, again
+
+
+def _text_or_number(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    # YAML 1.1 reads an unquoted 30:00 as the base-60 number 1800, which would become 1800 minutes.
+    if ":" in node.value:
+        return loader.construct_scalar(node)
+    return loader.construct_yaml_float(node) if node.tag.endswith(":float") else loader.construct_yaml_int(node)
+
+
+class _ProfileLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last, silently) and keeps
+    colon-separated numbers (Slurm times) as the text they were written as."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: dict[Hashable, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` entries may be overridden: that is what they are for
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base class refuses it with its line
+                pass
+        return super().construct_mapping(node, deep)
+
+
+_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _text_or_number)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:float", _text_or_number)
+
+
+def _too_big(path: Path, size: int) -> ProfileError:
+    return ProfileError(f"profile {path} is {size} bytes; valid: at most {MAX_FILE_BYTES} bytes "
+                        f"({MAX_FILE_BYTES // 1024} KiB).", "a profile is a few dozen lines: check that --profile "
+                        "names the profile's .yaml file.")
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, refused by size before it is read (a 50 MB profile took PyYAML 23 s)."""
     try:
-        data = yaml.safe_load(path.read_text())
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise _too_big(path, size)
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat: never read more than the limit
+    except OSError as e:
+        raise ProfileError(f"profile {path} cannot be read ({e.strerror or e}).",
+                           f"check that it is a file you may read: ls -l {path}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise _too_big(path, len(raw))
+    return raw
+
+
+def _read_text(path: Path) -> str:
+    raw = _read_bytes(path)
+    hint = "check that --profile names the profile's .yaml file, and save it as UTF-8 text."
+    try:
+        text = raw.decode("utf-8-sig")  # a BOM some editors write is not part of the YAML
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"profile {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                           "valid: a UTF-8 YAML file.", hint) from None
+    if "\x00" in text:
+        raise ProfileError(f"profile {path} is a binary file (a NUL byte at offset {text.index(chr(0))}); "
+                           "valid: a UTF-8 YAML file.", hint)
+    return text
+
+
+def _parse_yaml(path: Path, text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_ProfileLoader)
+    except _DuplicateKey as e:
+        raise ProfileError(f"profile {path}: key {_shown(e.key)} is given twice (line {e.first} and line "
+                           f"{e.again}); valid: each key once per mapping.",
+                           "delete one of them (YAML would silently keep the last).") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ProfileError(f"profile {path}:{where} is not valid YAML ({getattr(e, 'problem', e)}).",
                            "check indentation and quoting; values with ':' or '#' need quotes.") from None
-    except OSError as e:
-        raise ProfileError(f"profile {path} cannot be read ({e.strerror}).", "check the file's permissions.") from None
-    return parse_profile(data, path.stem, str(path))
+    except RecursionError:
+        raise ProfileError(f"profile {path} nests too deeply to be a profile; valid: keys, lists and one level "
+                           "of mappings (env, nccl, preemption).", "check that --profile names the profile's "
+                           ".yaml file.") from None
+
+
+def load_profile(name_or_path: str) -> ClusterProfile:
+    path = find_profile(name_or_path)
+    return parse_profile(_parse_yaml(path, _read_text(path)), path.stem, str(path))
 
 
 def profile_as_dict(profile: ClusterProfile) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import submitit
+import yaml
 from submitit.slurm import slurm as submitit_slurm
 
 from conftest import REPO, hpcjobs
@@ -236,7 +237,8 @@ def fake_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_submitting_from_inside_an_allocation_passes_none_of_it_on(fake_sbatch: Path, tmp_path: Path) -> None:
     prof = tmp_path / "p.yaml"
-    prof.write_text((REPO / "cluster_profiles" / "testcluster.yaml").read_text() + f"\nruns_dir: {tmp_path}/r\n")
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    prof.write_text(yaml.safe_dump({**data, "runs_dir": f"{tmp_path}/r"}))
     outer = {k: v for k, v in OUTER_JOB.items() if k != "PATH"}  # the shim must stay first on PATH
     out = hpcjobs("submit", "--profile", str(prof), "trainers.tasks.lm", "--steps", "5", cwd=REPO, env=outer)
     assert out.returncode == 0, out.stderr
