@@ -83,6 +83,17 @@ def cluster_profile(shared_tmp: Path) -> Path:
     return path
 
 
+def sbatch_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
+    """A fake `sbatch` first on PATH running `body` (sh): for edge cases of argument and environment handling, where
+    a fake is fine; it proves what reached sbatch, or that nothing did. Returns its folder."""
+    folder = tmp_path / "shim"
+    folder.mkdir(exist_ok=True)
+    (folder / "sbatch").write_text(f"#!/bin/sh\n{body}")
+    (folder / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return folder
+
+
 def hpcjobs(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the installed `hpcjobs` console script as a user would."""

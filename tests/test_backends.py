@@ -19,7 +19,7 @@ import submitit
 import yaml
 from submitit.slurm import slurm as submitit_slurm
 
-from conftest import REPO, hpcjobs
+from conftest import REPO, hpcjobs, sbatch_shim
 from hpcjobs.backends import SCHEDULERS, backend_for
 from hpcjobs.backends.environment import clean, cleaned_os_environ
 from hpcjobs.backends.local import LocalBackend, rank_envs
@@ -109,6 +109,10 @@ def test_slurm_cancel_refused_is_a_runtime_failure_and_records_nothing(tmp_path:
 def fake_launcher(run: RunFolder, job_id: str) -> subprocess.Popen[bytes]:
     """A process that looks like a local job's launcher (its command line says hpcjobs), recorded as the job's."""
     proc = subprocess.Popen(["bash", "-c", "exec -a hpcjobs sleep 60"])
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.time() + 10
+    while not cmdline.read_bytes().startswith(b"hpcjobs") and time.time() < deadline:
+        time.sleep(0.01)  # until bash has exec'd under its new name
     run.path.mkdir(parents=True, exist_ok=True)
     (run.local_process).write_text(json.dumps({"pid": proc.pid, "host": os.uname().nodename, "job_id": job_id}))
     return proc
@@ -225,13 +229,8 @@ def test_os_environ_is_cleaned_for_a_submission_then_restored(monkeypatch: pytes
 
 @pytest.fixture
 def fake_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A recording sbatch (an argument/environment edge case, where a fake is fine): it keeps the environment it
-    was called with and answers like Slurm."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sbatch").write_text(f'#!/bin/sh\nenv > "{tmp_path}/sbatch.env"\necho "Submitted batch job 4711"\n')
-    (shim / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    """sbatch that keeps the environment it was called with and answers like Slurm."""
+    sbatch_shim(tmp_path, monkeypatch, f'env > "{tmp_path}/sbatch.env"\necho "Submitted batch job 4711"\n')
     return tmp_path / "sbatch.env"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, hpcjobs
+from conftest import REPO, hpcjobs, sbatch_shim
 
 GOOD = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
 
@@ -86,12 +86,8 @@ OWN_FLAGS_AFTER_ENTRY = [
 
 @pytest.fixture
 def sbatch_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    shim = tmp_path / "shim"
-    shim.mkdir()
     log = tmp_path / "sbatch-calls.log"
-    (shim / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nexit 1\n")
-    (shim / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    sbatch_shim(tmp_path, monkeypatch, f'echo "$@" >> {log}\nexit 1\n')
     return log
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, REPO
+from conftest import BIN, REPO, sbatch_shim
 
 GOOD = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
 CAN_MOUNT = os.geteuid() == 0 and shutil.which("unshare") is not None
@@ -23,12 +23,8 @@ CAN_MOUNT = os.geteuid() == 0 and shutil.which("unshare") is not None
 
 @pytest.fixture
 def shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "shim"
-    folder.mkdir()
     log = tmp_path / "sbatch-calls.log"
-    (folder / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {log}\necho "Submitted batch job 77"\n')
-    (folder / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    sbatch_shim(tmp_path, monkeypatch, f'echo "$@" >> {log}\necho "Submitted batch job 77"\n')
     return log
 
 
