@@ -56,7 +56,10 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass(frozen=True)
 class ClusterProfile:
-    """One cluster's facts and site conventions. Every field but `source` is a YAML key of the same name."""
+    """One cluster's facts and site conventions. Every field but `source` is a YAML key of the same name.
+
+    A field whose metadata names an `sbatch` flag is that flag, passed as it is (true: the bare flag; none or false:
+    left out) on both Slurm paths: adding such a field is the whole change a new pass-through flag needs."""
 
     name: str = field(metadata={"shown": "the file's name"})
     """The profile's name (the file name without .yaml unless given)."""
@@ -77,7 +80,7 @@ class ClusterProfile:
     or `none`."""
     gpu_type: str | None = None
     """GPU type for the request, e.g. `a100` gives `--gres=gpu:a100:8` or `--gpus-per-node=a100:8`."""
-    cpus_per_gpu: int = field(default=1, metadata={"min": 1, "max": 1024})
+    cpus_per_gpu: int = field(default=1, metadata={"min": 1, "max": 1024, "sbatch": "cpus-per-task"})
     """CPUs per rank (one rank per GPU): `--cpus-per-task`; also the rank's torch threads."""
     mem_per_gpu: str | None = field(default=None, metadata={"parse": parse_mem_mb})
     """Memory per GPU (Slurm notation, e.g. `64G`): `--mem-per-gpu`, or `--mem` per node when gpu_request is
@@ -88,9 +91,9 @@ class ClusterProfile:
     """Time limit when `--time` is not given (Slurm notation)."""
     max_time: str | None = field(default=None, metadata={"parse": parse_time})
     """The partition's maximum time limit; a longer `--time` is refused (none: no limit known)."""
-    constraint: str | None = None
+    constraint: str | None = field(default=None, metadata={"sbatch": "constraint"})
     """Node features (`--constraint`), e.g. `a100&ib`."""
-    exclusive: bool = False
+    exclusive: bool = field(default=False, metadata={"sbatch": "exclusive"})
     """Ask for whole nodes (`--exclusive`)."""
     setup: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_ITEMS})
     """Shell lines run before the job starts (module loads, venv activation), one line each."""

@@ -11,7 +11,7 @@ import re
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import field, fields, make_dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -183,17 +183,19 @@ def test_submitit_native_keywords_exist_in_submitit() -> None:
     assert SUBMITIT_NATIVE <= params
 
 
-def test_a_new_flag_reaches_both_paths_from_one_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Adding a flag to slurm_flags (the one place) puts it in the script and in submitit's script alike."""
-    import hpcjobs.backends.slurm_render as sr
-
-    original = sr.slurm_flags
-    monkeypatch.setattr(sr, "slurm_flags", lambda spec: {**original(spec), "mail-type": "END", "nice": 7})
-    spec = spec_for("testcluster", tmp_path)
+def test_a_new_profile_flag_reaches_both_paths_from_one_place(tmp_path: Path) -> None:
+    """A new pass-through sbatch flag is one field of ClusterProfile naming it (here made on the fly as a subclass
+    with `reservation`): the rendered script and submitit's both carry it, and nothing else was touched."""
+    base = spec_for("testcluster", tmp_path)
+    extended = make_dataclass("Extended", [("reservation", "str | None", field(
+        default="maint", metadata={"sbatch": "reservation"}))], bases=(type(base.profile),), frozen=True)
+    profile = extended(**{f.name: getattr(base.profile, f.name) for f in fields(base.profile)})
+    spec = replace(base, profile=profile)
     executor = submitit.SlurmExecutor(folder=tmp_path / "submitit")
-    executor.update_parameters(**sr.submitit_parameters(spec))
-    for text in (sr.render_sbatch(spec), executor._make_submission_file_text("true", "uid")):
-        assert "#SBATCH --mail-type=END" in text and "#SBATCH --nice=7" in text
+    executor.update_parameters(**submitit_parameters(spec))
+    for text in (render_sbatch(spec), executor._make_submission_file_text("true", "uid")):
+        assert "#SBATCH --reservation=maint" in text
+    assert "--reservation" not in render_sbatch(base)
 
 
 # --- environment ---------------------------------------------------------------------------------------------------

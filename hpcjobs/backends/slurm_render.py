@@ -5,12 +5,14 @@ parameters. Both come from the one flag table `slurm_flags`: a flag added there 
 from __future__ import annotations
 
 import shlex
+from dataclasses import fields
 from typing import Any
 
 import jinja2
 
 from hpcjobs import __version__
 from hpcjobs.ports import shell_port_expr
+from hpcjobs.profiles import ClusterProfile
 from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
@@ -49,16 +51,21 @@ def gpu_flags(spec: JobSpec) -> dict[str, Any]:
 
 def slurm_flags(spec: JobSpec) -> dict[str, Any]:
     """Every sbatch flag of the job, for both paths; only the log path differs (each path logs in its own place).
-    This is the one place to add a flag."""
+    A flag the profile passes through is a field of ClusterProfile naming it; any other flag is added here."""
     p = spec.profile
     flags: dict[str, Any] = {
-        "job-name": spec.name, "nodes": spec.nodes, "ntasks-per-node": spec.gpus_per_node,
-        "cpus-per-task": p.cpus_per_gpu, "time": spec.time, "partition": spec.partition, "account": spec.account,
-        "qos": spec.qos, "constraint": p.constraint, "exclusive": True if p.exclusive else None,
+        "job-name": spec.name, "nodes": spec.nodes, "ntasks-per-node": spec.gpus_per_node, "time": spec.time,
+        "partition": spec.partition, "account": spec.account, "qos": spec.qos,  # flags of the same name override
         "requeue": True, "signal": f"{p.preemption.signal}@{p.preemption.seconds_before}", "open-mode": "append",
-        "chdir": spec.workdir, **gpu_flags(spec),
+        "chdir": spec.workdir, **gpu_flags(spec), **profile_flags(p),
     }
     return {k: v for k, v in flags.items() if v is not None}
+
+
+def profile_flags(profile: ClusterProfile) -> dict[str, Any]:
+    """The profile's pass-through sbatch flags: its fields whose metadata names one (see ClusterProfile)."""
+    values = {f.metadata["sbatch"]: getattr(profile, f.name) for f in fields(profile) if "sbatch" in f.metadata}
+    return {flag: value for flag, value in values.items() if value is not None and value is not False}
 
 
 def sbatch_directive(key: str, value: Any) -> str:
