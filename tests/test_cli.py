@@ -83,3 +83,10 @@ def test_profiles_show_resolves_every_key() -> None:
     out = hpcjobs("profiles", "show", "h100", cwd=REPO)
     assert out.returncode == 0
     assert "gpu_type: h100" in out.stdout and "max_restarts: 50" in out.stdout and "srun_args: []" in out.stdout
+
+
+def test_list_refuses_an_unknown_state() -> None:
+    """It printed an empty table with exit 0."""
+    out = hpcjobs("list", "--state", "BOGUS")
+    assert out.returncode == 2 and "not a job state; valid: PENDING" in out.stderr and "HINT:" in out.stderr
+    assert hpcjobs("list", "--state", "running").returncode == 0
