@@ -17,7 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +41,16 @@ NOT_RUN_HERE = {
     "bash tests/run_all.sh",  # it runs this test
 }
 RUN_BY_RUN_ALL = "python3 -m venv .venv"  # the quickstart: tests/readme_quickstart.py, outside the namespaces
+
+
+@pytest.fixture(autouse=True)
+def _cancel_what_the_test_queued() -> Iterator[None]:
+    """A failing case must not leave its 16-rank jobs holding both nodes for the tests after it."""
+    before = set(slurm("squeue", "-h", "-o", "%i").split())
+    yield
+    left = sorted(set(slurm("squeue", "-h", "-o", "%i").split()) - before)
+    if left:
+        slurm("scancel", *left, check=False)
 
 
 def readme_commands() -> list[str]:
