@@ -65,6 +65,7 @@ class RunFolder:
     spec = property(lambda self: self.path / "spec.json")
     logs = property(lambda self: self.path / "logs")
     local_process = property(lambda self: self.path / "local-process.json")  # who runs a local job: pid, host
+    lock = property(lambda self: self.path / ".lock")  # flock of the running job's rank 0; holds who holds it
 
     def rank_log(self, restart: int, rank: int) -> Path:
         return self.logs / f"restart-{restart}" / f"rank-{rank}.log"
@@ -88,8 +89,11 @@ class RunFolder:
         append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "stopped": reason, "step": step,
                                      **extra})
 
-    def write_final(self, state: FinalState, reason: str, step: int | None = None) -> None:
-        write_json_atomic(self.final, {"state": str(state), "reason": reason, "step": step, "time": time.time()})
+    def write_final(self, state: FinalState, reason: str, step: int | None = None, job_id: str | None = None,
+                    ) -> None:
+        """`job_id`: the job that ended (two jobs may share a run folder one after the other)."""
+        write_json_atomic(self.final, {"state": str(state), "reason": reason, "step": step, "time": time.time(),
+                                       "job_id": job_id})
 
     def read(self, which: str) -> Any:
         return read_json(getattr(self, which))

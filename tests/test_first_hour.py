@@ -113,12 +113,12 @@ def test_json_output_of_a_local_run_is_json_alone(tmp_path: Path) -> None:
 
 def test_every_submission_to_a_folder_keeps_its_spec(tmp_path: Path) -> None:
     run = tmp_path / "r"
-    for steps in ("2", "3"):
+    for args in (["--steps", "2"], ["--steps", "3", "--extend"]):
         out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run),
-                      "trainers.tasks.classifier", "--steps", steps, cwd=REPO, timeout=300)
+                      "trainers.tasks.classifier", *args, cwd=REPO, timeout=300)
         assert out.returncode == 0, out.stderr
     first, second = (json.loads((run / "specs" / f"{n}.json").read_text()) for n in (1, 2))
-    assert first["entry"]["args"] == ["--steps", "2"] and second["entry"]["args"] == ["--steps", "3"]
+    assert first["entry"]["args"] == ["--steps", "2"] and second["entry"]["args"] == ["--steps", "3", "--extend"]
     assert json.loads((run / "spec.json").read_text()) == second
 
 

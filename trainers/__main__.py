@@ -1,6 +1,8 @@
 """`python -m trainers TASK [--run-dir DIR] [trainer flags] [task flags]`: the shared trainer without hpcjobs submit,
 e.g. under torchrun:  torchrun --nproc_per_node 8 -m trainers trainers.tasks.lm --size small --steps 1000
 
+`python -m trainers help TASK` (or TASK --help) lists the trainer's flags and the task's own, and touches nothing.
+
 Without --run-dir the run folder is runs/<task's last name>; the preemption settings are hpcjobs.contract's defaults
 (no profile, no known time limit).
 """
@@ -12,6 +14,7 @@ import sys
 from trainers.launch import main as launch
 
 RUN_DIR = "--run-dir"
+HELP = ("-h", "--help")
 
 
 def split_run_dir(task: str, rest: list[str]) -> tuple[str, list[str]]:
@@ -29,12 +32,27 @@ def split_run_dir(task: str, rest: list[str]) -> tuple[str, list[str]]:
     return run_dir, others
 
 
+def show_help(task: str) -> int:
+    """No launcher: no run folder, no log, no process group (the submit side calls this for `ENTRY --help`)."""
+    from trainers.run import task_help  # imports torch
+
+    return task_help(task)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         print(__doc__, file=sys.stderr)
         return 2
+    if argv[0] == "help":
+        if len(argv) != 2 or argv[1].startswith("-"):
+            print("usage: python -m trainers help TASK   (e.g. python -m trainers help trainers.tasks.lm)",
+                  file=sys.stderr)
+            return 2
+        return show_help(argv[1])
     run_dir, rest = split_run_dir(argv[0], argv[1:])
+    if any(word in HELP for word in (rest[:rest.index("--")] if "--" in rest else rest)):
+        return show_help(argv[0])
     return launch(["--run-dir", run_dir, "--kind", "task", "--", argv[0], *rest])
 
 

@@ -9,6 +9,10 @@ Saving (every rank takes part, in this order):
      best.json names); barrier
 A process killed at any instant leaves either the previous finished checkpoints untouched or a `.tmp` folder that
 the loader ignores and the next save clears. Loading uses torch.load(weights_only=True): no arbitrary pickle.
+
+A finished checkpoint can still be unreadable later (a disk or filesystem fault, a file truncated by hand): the
+trainer then moves it aside to RUN/checkpoints/corrupt/step-N (`move_aside`, never deleted: it is the user's to look
+at) and resumes from the next newest one (trainers.resume).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from trainers.faults import maybe_die
 FINISHED = "FINISHED"
 SHARED = "shared.pt"
 BEST = "best.json"
+CORRUPT = "corrupt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -154,3 +159,60 @@ def load_checkpoint(ref: CheckpointRef, rank: int) -> tuple[dict[str, Any], dict
     mine = ref.path / f"rank-{rank}.pt"
     per_rank = torch.load(mine, map_location="cpu", weights_only=True) if mine.exists() else {}
     return shared, per_rank
+
+
+class CorruptCheckpoint(Exception):
+    """A finished checkpoint that cannot be read; the message says which file and why, on one line."""
+
+
+def _why(name: str, e: BaseException) -> CorruptCheckpoint:
+    text = " ".join(str(e).split())
+    text = text.split(". ")[0][:200]  # torch's first sentence says it; the rest is advice about other causes
+    return CorruptCheckpoint(f"{name}: {type(e).__name__}: {text}" if text else f"{name}: {type(e).__name__}")
+
+
+def read_meta(ref: CheckpointRef) -> dict[str, Any]:
+    """meta.json of a finished checkpoint; raises CorruptCheckpoint."""
+    try:
+        meta = ref.meta()
+    except (OSError, ValueError) as e:
+        raise _why("meta.json", e) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CorruptCheckpoint(f"meta.json holds no step: {str(meta)[:100]!r}")
+    return meta
+
+
+def read_states(ref: CheckpointRef, rank: int, shared_keys: tuple[str, ...] = (),
+                own_keys: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared state, this rank's state), read whole into memory and checked for the keys given before anything is
+    applied (a partly applied checkpoint would leave a fresh start with its weights); raises CorruptCheckpoint. Unlike
+    load_checkpoint, this rank's file must exist: save_checkpoint always writes one."""
+    out = []
+    for name, keys in ((SHARED, shared_keys), (f"rank-{rank}.pt", own_keys)):
+        path = ref.path / name
+        if not path.is_file():
+            raise CorruptCheckpoint(f"{name} is missing")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises many types for a torn or foreign file
+            raise _why(name, e) from None
+        missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise CorruptCheckpoint(f"{name} lacks {', '.join(missing)}")
+        out.append(state)
+    return out[0], out[1]
+
+
+def move_aside(root: Path, ref: CheckpointRef) -> Path:
+    """Rank 0: rename an unreadable checkpoint to root/corrupt/step-N (step-N.1, ... if that is taken), atomically:
+    `finished()` no longer sees it, and nothing is deleted."""
+    aside = root / CORRUPT
+    aside.mkdir(exist_ok=True)
+    target, n = aside / ref.path.name, 0
+    while target.exists():
+        n += 1
+        target = aside / f"{ref.path.name}.{n}"
+    os.rename(ref.path, target)
+    _fsync_dir(root)
+    _fsync_dir(aside)
+    return target

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCALING = ("none", "linear", "sqrt")
@@ -59,6 +60,11 @@ class TrainConfig:
     """DataLoader worker processes per rank."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to RUN/tensorboard (needs the tensorboard package)."""
+    extend: bool = False
+    """Resume a checkpoint written under another --steps: the LR then goes on from the value the checkpoint was saved
+    with (its step k) down to min_lr_ratio × lr at the new --steps along a half cosine over steps k..steps (a
+    checkpoint still in warmup simply follows the plan for the new --steps: the warmup does not depend on it).
+    Without it a changed --steps is refused, since the cosine would be re-planned and the LR would jump."""
 
     def lr_factor(self, world_size: int) -> float:
         return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
@@ -180,7 +186,13 @@ BOUNDS: dict[str, Bounds] = {
 
 
 class ConfigError(ValueError):
-    """A trainer flag that cannot be used, as one line: what was given; valid: what would be. HINT: what to do."""
+    """A trainer flag that cannot be used, as one line: what was given; valid: what would be. HINT: what to do.
+    The launcher refuses the start with it (exit 2, one line) and records nothing in final.json."""
+
+
+class ResumeError(ConfigError):
+    """The run folder's checkpoint was written with settings this start does not have: resuming would not continue
+    the same run. A refused start like a bad flag: the run folder's final word is left as it was."""
 
 
 def _flag(name: str) -> str:
@@ -316,3 +328,49 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
     cfg = TrainConfig(**values)
     _check_together(cfg)
     return cfg, rest
+
+
+# --- a task's own flags (trainers.task re-exports these) ------------------------------------------------------------
+
+class TaskArgError(ValueError):
+    """A task flag that cannot be used, as one line, in the trainer flags' pattern (trainers.config.ConfigError):
+    what was given; valid: what would be. HINT: what to do."""
+
+
+class TaskArgParser(argparse.ArgumentParser):
+    """argparse for a task's own flags, raising TaskArgError instead of printing a usage block and exiting: every
+    rank parses the same flags, and a mistake must read as one line, not as a SystemExit traceback per rank. Long
+    options match exactly (a prefix of a trainer flag would otherwise be taken). `--help` prints and exits as usual
+    (`python -m trainers help TASK` shows it)."""
+
+    def __init__(self, prog: str, **kwargs: Any) -> None:
+        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise TaskArgError(self.explain(message)) from None  # argparse's own exception adds nothing to the log
+
+    def explain(self, message: str) -> str:
+        """argparse's message with what is valid and what to do."""
+        flags = sorted(o for a in self._actions for o in a.option_strings if o not in ("-h", "--help"))
+        hint = f"`python -m trainers help {self.prog}` lists them"
+        if message.startswith("argument "):
+            names, _, why = message[len("argument "):].partition(": ")
+            why = why.split(" (choose from ")[0]  # `valid:` lists them
+            action = next((a for a in self._actions if set(a.option_strings) & set(names.split("/"))), None)
+            valid = _valid_task_flag(action) if action is not None else " ".join(flags)
+            return f"{self.prog}: {names}: {why}; valid: {valid}. HINT: {hint}"
+        unknown = message.removeprefix("unrecognized arguments: ").split()
+        if message.startswith("unrecognized arguments: ") and unknown:
+            close = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
+            hint = f"did you mean {close[0]}? {hint}" if close else hint
+            return (f"{self.prog}: {' '.join(unknown)} is not a flag of this task or of the trainer; valid task "
+                    f"flags: {' '.join(flags) or 'none'}. HINT: {hint}")
+        return f"{self.prog}: {message}; valid task flags: {' '.join(flags) or 'none'}. HINT: {hint}"
+
+
+def _valid_task_flag(action: argparse.Action) -> str:
+    flag = action.option_strings[0] if action.option_strings else action.dest
+    if action.choices is not None:
+        return f"{flag} {'|'.join(str(c) for c in action.choices)}"
+    kind = {int: "N (a whole number)", float: "X (a number)"}.get(action.type, "VALUE")  # type: ignore[call-overload]
+    return f"{flag} {kind}" if action.nargs != 0 else f"{flag} alone"

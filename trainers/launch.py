@@ -1,7 +1,11 @@
 """What every rank runs first, however the job was started (srun in a rendered script, submitit, the local
-launcher, torchrun): derive the rank's environment, read the launch contract, open its per-restart log, install the
-stop handler, enforce the restart cap, then run the entry: a task for the shared trainer, or the user's own script
-or module.
+launcher, torchrun): derive the rank's environment, read the launch contract, install the stop handler, take the run
+folder's lock (rank 0; trainers.runlock), open its per-restart log, enforce the restart cap, then run the entry: a
+task for the shared trainer, or the user's own script or module.
+
+A start is refused (exit 2, one line, final.json left as it was) for a contract or flag that cannot be used, a run
+folder another job holds, or a resume under other settings. A rank that fails keeps its traceback in its log file;
+the terminal gets one line, and final.json the reason: `rank R: ExcType: message (log: PATH)`.
 
     python -m trainers.launch --contract JSON --kind task|script|module -- ENTRY ARGS     (as rendered)
     python -m trainers.launch --run-dir RUN [--kind ...] -- ENTRY ARGS                      (by hand: the defaults)
@@ -14,23 +18,29 @@ Importing this module does not import torch: the submit side pickles SubmititEnt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hpcjobs.contract import ContractError, LaunchContract
 from hpcjobs.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.states import FinalState
-from trainers import preemption
-from trainers.distenv import DistEnv, from_environ
+from trainers import preemption, runlock
+from trainers.config import ConfigError, TaskArgError
+from trainers.distenv import DistEnv, DistEnvError, from_environ
 from trainers.logtee import Tee
 
 KINDS = ("task", "script", "module")
-BAD_CONTRACT_EXIT = 2
-"""Exit code of a rank whose contract cannot be read: a usage error, like argparse's, not a training failure."""
+REFUSED_EXIT = 2
+"""Exit code of a refused start: a contract or environment that cannot be read, a run folder another job holds, a
+trainer or task flag that cannot be used, a resume under other settings. A usage error, like argparse's, not a
+training failure: final.json is left as it was (except for a task flag, see `fail`)."""
+BAD_CONTRACT_EXIT = REFUSED_EXIT
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -87,27 +97,127 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
-    env: DistEnv = from_environ(os.environ)
     try:
+        env: DistEnv = from_environ(os.environ)
         contract = start_contract(read_contract(ns), env, os.environ, time.time())
-    except ContractError as e:
-        print(f"hpcjobs: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return BAD_CONTRACT_EXIT
+    except (ContractError, DistEnvError) as e:
+        print(f"hpcjobs: {one_line(e)}", file=sys.stderr, flush=True)
+        return REFUSED_EXIT
     os.environ.update(env.as_env())
     contract.export()
     run = RunFolder(contract.run_dir)
     preemption.install(contract)  # after submitit's runner installed its own: ours replace them
+    refused = claim_run_folder(run, env)
+    if refused is not None:
+        return refused
     tee = Tee(run.rank_log(env.restart, env.rank))
     try:
         return run_rank(ns, env, run, contract)
+    except ConfigError as e:  # a refused start (a flag, a resume that would not continue the run): not a run's end
+        say(env, tee, f"hpcjobs: {one_line(e)}")
+        return REFUSED_EXIT
     except BaseException as e:  # noqa: BLE001 - record why, then let the exit code speak
-        traceback.print_exc()
-        run.write_final(FinalState.FAILED,
-                        f"rank {env.rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return 1
+        return fail(e, env, run, tee)
     finally:
         preemption.ignore_from_now(contract)  # the work is over: a late signal must not turn it into a failure
         tee.close()
+
+
+def claim_run_folder(run: RunFolder, env: DistEnv) -> int | None:
+    """Rank 0 locks the run folder (held until the process exits, however it exits); the other ranks write nothing
+    there until their rank 0 holds it. Returns the exit code of a refused start, None to go on."""
+    if env.rank == 0:
+        try:
+            _held.append(runlock.take(run, env))
+        except (runlock.RunFolderBusy, runlock.RunFolderUnwritable) as e:
+            print(f"hpcjobs: {e}", file=sys.stderr, flush=True)
+            return REFUSED_EXIT
+        return None
+    wait = min(float(os.environ.get("HPCJOBS_INIT_TIMEOUT", "300")), runlock.WAIT_FOR_RANK0_S)
+    if runlock.wait_for_rank0(run, env, wait, preemption.requested_locally) or not preemption.requested_locally():
+        return None  # rank 0 holds the folder, or is late: the rendezvous waits for it and says so if it never comes
+    return REFUSED_EXIT  # stopped before it began (its rank 0 was refused and the launcher stops the rest): quiet
+
+
+_held: list[runlock.RunLock] = []
+"""The run folder's lock, open for the life of the process (the kernel releases it when the process ends)."""
+
+
+def one_line(e: BaseException, limit: int = 500) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def say(env: DistEnv, tee: Tee, line: str) -> None:
+    """One line for a refused start: rank 0 prints it (terminal and log); the others, whose line would be the same,
+    only log it."""
+    if env.rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        tee.log_only(line)
+
+
+def fail(e: BaseException, env: DistEnv, run: RunFolder, tee: Tee) -> int:
+    """A rank failed: its traceback goes into its log file only, final.json's reason says which rank, what and where
+    the log is, and the terminal gets one line: from rank 0, or from the rank whose failure is the one recorded. A
+    task flag is the same on every rank: rank 0 speaks for all."""
+    log_path = run.rank_log(env.restart, env.rank)
+    tee.log_only(traceback.format_exc())
+    line = f"hpcjobs: rank {env.rank} failed: {describe_failure(e)} (traceback in {log_path})"
+    same_everywhere = isinstance(e, TaskArgError) and env.rank != 0
+    recorded = False if same_everywhere else record_rank_failure(e, env, run)
+    first = run.read("final")
+    if env.rank == 0 and not recorded and failed_in_this_start(first, env, run):
+        # Most likely it failed because another rank did (a collective whose peer left): point at that one.
+        line = f"hpcjobs: rank 0 failed ({one_line(e, 150)}) after the job's first failure: {first['reason']}"
+    if env.rank == 0 or recorded:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        tee.log_only(line)
+    return REFUSED_EXIT if isinstance(e, TaskArgError) else 1
+
+
+def describe_failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
+
+
+def record_rank_failure(e: BaseException, env: DistEnv, run: RunFolder) -> bool:
+    """Record `e` as this start's failure (see record_failure), once per exception; True if it is the one recorded.
+    trainers.run calls it before the process group goes, so the peers that fail because this rank left find the
+    first failure already written."""
+    known = getattr(e, "_hpcjobs_recorded", None)
+    if known is None:
+        known = record_failure(run, env, f"rank {env.rank}: {describe_failure(e)} (log: "
+                                         f"{run.rank_log(env.restart, env.rank)})")
+        with contextlib.suppress(AttributeError):
+            e._hpcjobs_recorded = known  # type: ignore[attr-defined]
+    return bool(known)
+
+
+def record_failure(run: RunFolder, env: DistEnv, reason: str) -> bool:
+    """final.json says the job failed, and why; True if this call wrote it. The first failure of a start wins (a
+    rank whose peer died fails next, for that reason alone), and a run's `finished` is never replaced: a start that
+    trains again removes it first (trainers.trainer), so only a failure of a start that never trained is left out."""
+    final = run.read("final")
+    if isinstance(final, dict) and (final.get("state") == str(FinalState.FINISHED) or
+                                    failed_in_this_start(final, env, run)):
+        return False
+    run.write_final(FinalState.FAILED, reason, job_id=env.job_id)
+    return True
+
+
+def failed_in_this_start(final: Any, env: DistEnv, run: RunFolder) -> bool:
+    """Whether final.json records a failure of this start of this job: its job id, written since the start took the
+    run folder's lock (job ids repeat: a plain `python -m trainers` is job 0 every time, and the lock keeps starts
+    apart). The lock's time is rank 0's clock, taken before anything of the start happens."""
+    holder = runlock.read_holder(run)
+    if holder is not None and runlock.same_start(holder, env):
+        since = float(holder["time"])
+    else:  # a rank 0 that never took it (late, or a filesystem that cannot lock): this rank's own start
+        contract = LaunchContract.current()
+        since = contract.start_time if contract else 0.0
+    return (isinstance(final, dict) and final.get("state") == str(FinalState.FAILED) and
+            final.get("job_id") == env.job_id and float(final.get("time") or 0) >= since)
 
 
 def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: LaunchContract) -> int:
@@ -123,11 +233,11 @@ def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: Lau
         msg = f"restart {env.restart} is past the cap of {cap} restarts: not training again"
         print(f"hpcjobs: {msg}. The job ends failed.", flush=True)
         if env.rank == 0:
-            run.write_final(FinalState.FAILED, msg)
+            run.write_final(FinalState.FAILED, msg, job_id=env.job_id)
         return 1
     rc = run_entry(ns.kind, ns.entry, list(ns.args), run, contract)
-    if rc and not run.final.exists():
-        run.write_final(FinalState.FAILED, f"rank {env.rank} exited with code {rc}")
+    if rc:
+        record_failure(run, env, f"rank {env.rank} exited with code {rc} (log: {run.rank_log(env.restart, env.rank)})")
     return rc
 
 

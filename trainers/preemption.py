@@ -273,8 +273,13 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     elif outcome == StopOutcome.CAP:
         print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; restart cap "
               f"{cap} reached, not requeuing. The job ends failed.", flush=True)
+    if run and outcome in (StopOutcome.LOCAL, StopOutcome.STOPPED):
+        when = "to resume" if outcome == StopOutcome.LOCAL else "if Slurm does not bring the job back, to resume"
+        print(f"hpcjobs: stopped at step {step} with a committed checkpoint; {when}, run the same command with "
+              f"--run-dir {run.path}", flush=True)
     if run and outcome == StopOutcome.CAP:
-        run.write_final(FinalState.FAILED, f"restart cap {cap} reached ({reason})", step)
+        run.write_final(FinalState.FAILED, f"restart cap {cap} reached ({reason})", step,
+                        job_id=env.get("HPCJOBS_JOB_ID") or job_id or None)
     return outcome
 
 

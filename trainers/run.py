@@ -1,43 +1,77 @@
-"""Run a task with the shared trainer on this rank: parse the trainer's flags, load the task, join the group."""
+"""Run a task with the shared trainer on this rank: parse the trainer's flags, load the task, join the group. Also
+`task_help`, which shows the flags and touches nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder
-from hpcjobs.states import FinalState
 from trainers.config import ConfigError, parse_trainer_args, trainer_help
 from trainers.dist import distributed
-from trainers.task import load_task
+from trainers.task import Task, TaskArgError, load_task
 from trainers.trainer import train
 
 HELP = ("-h", "--help")
-BAD_FLAGS_EXIT = 2
-"""Exit code of a rank refused its trainer flags: a usage error, as argparse's, not a crash."""
 
 
 def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchContract | None = None) -> int:
-    """Train `task_ref` with `args` (trainer flags and the task's own, in any order); returns the exit code."""
-    try:
-        _, task_args = parse_trainer_args(args)
-        if any(a in HELP for a in task_args):
-            return show_help(task_ref, task_args)
-        task = load_task(task_ref, task_args)
-        cfg, _ = parse_trainer_args(args, task.defaults)  # the task's suggestions under the flags given
-    except ConfigError as e:
-        print(f"hpcjobs: {e}", file=sys.stderr, flush=True)
-        run.write_final(FinalState.FAILED, f"trainer flag {e}")
-        return BAD_FLAGS_EXIT
+    """Train `task_ref` with `args` (trainer flags and the task's own, in any order); returns the exit code. Raises
+    ConfigError for a trainer flag or a resume that cannot be used (the launcher refuses the start: one line, exit 2,
+    nothing recorded) and TaskArgError for a task flag."""
+    _, task_args = parse_trainer_args(args)
+    if any(a in HELP for a in task_args):
+        return task_help(task_ref)
+    task = load_task_checked(task_ref, task_args)
+    cfg, _ = parse_trainer_args(args, task.defaults)  # the task's suggestions under the flags given
     with distributed() as ctx:
-        return train(task, cfg, run, ctx, contract)
+        try:
+            return train(task, cfg, run, ctx, contract)
+        except ConfigError:
+            raise  # a refused start, not a failure
+        except BaseException as e:  # recorded while the group still stands, then passed on
+            from trainers.launch import record_rank_failure
+
+            record_rank_failure(e, ctx.env, run)
+            raise
 
 
-def show_help(task_ref: str, task_args: list[str]) -> int:
-    """The trainer's flags, then the task's own (a task whose parser handles --help prints them and exits)."""
-    print(trainer_help(), flush=True)
+def load_task_checked(task_ref: str, task_args: list[str]) -> Task:
+    """load_task, where a task whose own argparse parser exits on a bad flag (a usage block and SystemExit(2), once
+    per rank) raises one TaskArgError line instead; what the task printed otherwise is passed on."""
+    said = io.StringIO()
     try:
-        load_task(task_ref, task_args)
+        with contextlib.redirect_stderr(said):
+            task = load_task(task_ref, task_args)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0
+        lines = [line for line in said.getvalue().splitlines() if line.strip()]
+        why = e.code if isinstance(e.code, str) else lines[-1] if lines else f"exit code {e.code}"
+        raise TaskArgError(f"{task_ref} refused its arguments {task_args}: {why}") from None
+    except BaseException:
+        sys.stderr.write(said.getvalue())
+        raise
+    sys.stderr.write(said.getvalue())
+    return task
+
+
+def task_help(task_ref: str) -> int:
+    """The trainer's flags, then the task's own (its parser prints them for --help). Imports the task's module and
+    nothing else: no run folder, no process group."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            load_task(task_ref, ["--help"])
+        own = f"{task_ref} takes no flags of its own.\n"
+    except SystemExit as e:
+        own = out.getvalue() if e.code in (0, None) else f"{task_ref} has no --help of its own.\n"
+    except TaskArgError:
+        own = f"{task_ref} has no --help of its own.\n"
+    except ImportError as e:
+        print(f"hpcjobs: task {task_ref} cannot be imported ({type(e).__name__}: {e}). HINT: run from the folder "
+              "that holds it, or check its name", file=sys.stderr, flush=True)
+        return 2
+    print(trainer_help(), flush=True)
+    print(f"task flags ({task_ref}):\n{own}", end="", flush=True)
     return 0

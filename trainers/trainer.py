@@ -1,12 +1,11 @@
-"""The shared DDP trainer. Reads top to bottom: set up, resume if a finished checkpoint exists, loop, stop."""
+"""The shared DDP trainer. Reads top to bottom: set up, resume from the newest readable finished checkpoint, loop,
+stop (at the end, or at a checkpoint when asked to)."""
 
 from __future__ import annotations
 
-import math
 import random
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,14 +18,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder, append_jsonl
 from hpcjobs.states import FinalState, StopOutcome
-from trainers import checkpoint, faults, preemption
-from trainers.config import TrainConfig
+from trainers import checkpoint, faults, preemption, resume
+from trainers.config import ConfigError, ResumeError, TrainConfig
 from trainers.dist import DistContext
+from trainers.logtee import Tee
+from trainers.progress import Bar, Terminal, summary
+from trainers.resume import check_compatible, lr_lambda
 from trainers.task import Task
 
-
-class ResumeError(ValueError):
-    pass
+__all__ = ["ResumeError", "Training", "check_compatible", "lr_lambda", "train"]  # also trainers.trainer's names
 
 
 @dataclass
@@ -47,15 +47,6 @@ def resolve_precision(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:  # a closure LambdaLR calls with the step
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
 
 
 def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -158,140 +149,196 @@ def evaluate(model: nn.Module, task: Task, dataset: Any, ctx: DistContext, micro
     return (totals[0] / totals[1]).item()
 
 
-def check_compatible(meta: dict[str, Any], cfg: TrainConfig, task: Task, world: int, where: str) -> None:
-    saved_cfg = meta.get("config", {})
-    diffs = [f"{k}: {saved_cfg.get(k)!r} → {getattr(cfg, k)!r}" for k in TrainConfig.RESUME_KEYS
-             if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
-    if meta.get("task") != task.name:
-        diffs.append(f"task: {meta.get('task')!r} → {task.name!r}")
-    if meta.get("task_config", {}) != task.config:
-        diffs.append(f"task config: {meta.get('task_config')} → {task.config}")
-    if diffs:
-        raise ResumeError(f"checkpoint {where} was written with other settings ({'; '.join(diffs)}); resuming "
-                          "would not continue the same run. HINT: use the same settings, or a new --run-dir.")
-    if meta.get("world_size") != world:
-        raise ResumeError(f"checkpoint {where} was written by {meta.get('world_size')} ranks, this run has {world}; "
-                          "the data order and per-rank RNG states would not continue exactly. HINT: resume with "
-                          f"{meta.get('world_size')} ranks, or start a new --run-dir.")
-
-
 def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext, contract: LaunchContract | None = None,
           ) -> int:
     """Train to cfg.steps; returns the process exit code (0 also when stopped and requeued). `contract` is the
-    rank's launch contract (None: the one the launcher exported, else the defaults with `run` as the run folder)."""
+    rank's launch contract (None: the one the launcher exported, else the defaults with `run` as the run folder).
+    Raises ResumeError (a ConfigError: the launcher refuses the start) when the run folder's checkpoint was written
+    under other settings."""
     contract = contract or LaunchContract.current() or LaunchContract(run_dir=str(run.path))
-    device, world = ctx.device, ctx.world_size
-    micro = cfg.micro_batch(world)
-    precision = resolve_precision(cfg.precision, device)
-    lr = cfg.lr * cfg.lr_factor(world)
-    log(ctx, f"task {task.name} | {world} rank(s), {ctx.backend} on {device.type} | batch {micro}×{cfg.grad_accum}"
-             f" per rank, {micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × {cfg.lr_factor(world):g} "
-             f"({cfg.lr_scaling} scaling) = {lr:g} | precision {precision}")
+    return Training(task, cfg, run, ctx, contract).loop()
 
-    # Same initial weights on every rank, then per-rank RNG streams (dropout differs across ranks).
-    seed_all(cfg.seed)
-    model = task.model().to(device)
-    optimizer = (task.optimizer(model.parameters(), lr) if task.optimizer else default_optimizer(model, lr, cfg))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    seed_all(cfg.seed * 100003 + ctx.rank + 1)
-    pos = Position()
 
-    # Always try to resume: the newest finished checkpoint in this run folder wins.
-    ref = checkpoint.latest(run.checkpoints)
-    if ref is not None:
-        meta = ref.meta()
-        check_compatible(meta, cfg, task, world, str(ref.path))
-        shared, mine = checkpoint.load_checkpoint(ref, ctx.rank)
-        model.load_state_dict(shared["model"])
-        optimizer.load_state_dict(shared["optimizer"])
-        scheduler.load_state_dict(shared["scheduler"])
-        scaler.load_state_dict(shared["scaler"])
-        pos = Position(**shared["position"])
-        set_rng_state(mine["rng"])
-        log(ctx, f"resumed from {ref.path} (step {pos.step}, epoch {pos.epoch}, micro-batch {pos.micro})")
-    else:
-        log(ctx, f"no finished checkpoint in {run.checkpoints}: starting at step 0")
+class Training:
+    """One start of a run on this rank: set up and resume when made, then `loop()` to the end or to a stop."""
 
-    val_set = task.val_data() if cfg.eval_every and task.val_data else None
-    if cfg.eval_every and val_set is None:
-        raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name} has no validation set; HINT: give the "
-                         "Task a val_data, or drop --eval-every")
-    best = checkpoint.read_best(run.checkpoints) if cfg.keep_best else None
+    def __init__(self, task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext,
+                 contract: LaunchContract) -> None:
+        self.task, self.cfg, self.folder, self.ctx, self.contract = task, cfg, run, ctx, contract
+        self.t0 = time.time()
+        if cfg.eval_every and task.val_data is None:
+            raise ConfigError(f"--eval-every {cfg.eval_every}: task {task.name} has no validation set; valid: "
+                              "--eval-every 0 for it. HINT: give the Task a val_data, or drop --eval-every")
+        device, world = ctx.device, ctx.world_size
+        self.micro = cfg.micro_batch(world)
+        self.precision = resolve_precision(cfg.precision, device)
+        self.lr = cfg.lr * cfg.lr_factor(world)
+        log(ctx, f"task {task.name} | {world} rank(s), {ctx.backend} on {device.type} | batch {self.micro}×"
+                 f"{cfg.grad_accum} per rank, {self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × "
+                 f"{cfg.lr_factor(world):g} ({cfg.lr_scaling} scaling) = {self.lr:g} | precision {self.precision}")
 
-    net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
-    agreement = preemption.Agreement(ctx.control_group)
-    dataset = task.train_data()
-    data = micro_batches(dataset, ctx, cfg, micro, pos)
-    autocast = torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
-                              enabled=precision in ("bf16", "fp16"))
-    if world > 1:
-        settle_ddp_buckets(net, task, dataset, micro, device, autocast, optimizer)
-    meter = Meter(ctx, cfg, task, run, micro * cfg.grad_accum * world, pos.step)
-    last_saved = pos.step if ref is not None else -1
+        # Same initial weights on every rank, then per-rank RNG streams (dropout differs across ranks).
+        seed_all(cfg.seed)
+        self.model = task.model().to(device)
+        self.optimizer = (task.optimizer(self.model.parameters(), self.lr) if task.optimizer
+                          else default_optimizer(self.model, self.lr, cfg))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        seed_all(cfg.seed * 100003 + ctx.rank + 1)
+        self.pos = Position()
+        self.resumed_from = self.resume()
+        self.prepare()
+        self.take_over_run_folder()
 
-    def save() -> None:
-        """Commit a checkpoint of this step, once: a stop or an end right after a periodic save reuses it."""
-        nonlocal last_saved
-        if last_saved == pos.step:
+    def resume(self) -> checkpoint.CheckpointRef | None:
+        """Always try to resume: the newest finished checkpoint that every rank can read wins; its LR schedule goes
+        on (re-planned only by --extend). Every state is read before any is applied, and none is kept once applied
+        (the loaded tensors would double the memory of the model and optimizer for the whole run)."""
+        cfg, ctx = self.cfg, self.ctx
+
+        def check(meta: dict[str, Any], where: str) -> None:
+            check_compatible(meta, cfg, self.task, ctx.world_size, where)
+
+        found = resume.newest_readable(self.folder, ctx, check)
+        self.anchor, note = resume.lr_anchor(found.meta, cfg, self.lr) if found else (None, "")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.anchor))
+        if found is None:
+            log(ctx, f"no finished checkpoint in {self.folder.checkpoints}: starting at step 0")
+            return None
+        shared = found.shared
+        self.model.load_state_dict(shared["model"])
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.scheduler.load_state_dict(shared["scheduler"])
+        self.scaler.load_state_dict(shared["scaler"])
+        self.pos = Position(**shared["position"])
+        set_rng_state(found.mine["rng"])
+        log(ctx, f"resumed from {found.ref.path} (step {self.pos.step}, epoch {self.pos.epoch}, micro-batch "
+                 f"{self.pos.micro})")
+        if note:
+            log(ctx, f"schedule: {note}")
+        return found.ref
+
+    def prepare(self) -> None:
+        """Everything the loop reads: the validation set, the DDP wrapper, the data from the resumed position."""
+        cfg, ctx, task = self.cfg, self.ctx, self.task
+        self.val_set = task.val_data() if cfg.eval_every and task.val_data else None
+        if cfg.eval_every and self.val_set is None:
+            raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name}'s val_data gave no dataset")
+        self.best = checkpoint.read_best(self.folder.checkpoints) if cfg.keep_best else None
+        device, world = ctx.device, ctx.world_size
+        self.net = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1
+                    else self.model)
+        self.agreement = preemption.Agreement(ctx.control_group)
+        dataset = task.train_data()
+        self.data = micro_batches(dataset, ctx, cfg, self.micro, self.pos)
+        self.autocast = torch.autocast(device.type, dtype=torch.float16 if self.precision == "fp16" else
+                                       torch.bfloat16, enabled=self.precision in ("bf16", "fp16"))
+        if world > 1:
+            settle_ddp_buckets(self.net, task, dataset, self.micro, device, self.autocast, self.optimizer)
+        self.first_step = self.pos.step
+        self.last_saved = self.pos.step if self.resumed_from is not None else -1
+        self.meter = Meter(ctx, cfg, task, self.folder, self.micro * cfg.grad_accum * world, self.pos.step,
+                           Tee.active)
+
+    def take_over_run_folder(self) -> None:
+        """Rank 0, once this start is sure to train and before it logs anything: metrics.jsonl loses the records a
+        start interrupted after its last checkpoint left past this step (never a step twice), and a final word of
+        an earlier end no longer holds while the run trains again."""
+        if not self.ctx.is_main:
             return
-        shared_state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "position": vars(pos).copy()}
-        checkpoint.save_checkpoint(run.checkpoints, pos.step, shared_state, {"rng": rng_state()}, rank=ctx.rank,
-                                   world_size=world, barrier=ctx.barrier, keep=cfg.keep,
-                                   meta={"config": cfg.as_dict(), "task": task.name, "task_config": task.config})
-        last_saved = pos.step
+        dropped = resume.trim_metrics(self.folder.metrics, self.pos.step)
+        if dropped:
+            log(self.ctx, f"metrics.jsonl: dropped {dropped} line(s) past step {self.pos.step}, logged after the "
+                          "checkpoint this start resumes from (it logs those steps again)")
+        if self.pos.step < self.cfg.steps:
+            self.folder.final.unlink(missing_ok=True)
 
-    fault_armed = faults.armed()
-    net.train()
-    while pos.step < cfg.steps:
+    def loop(self) -> int:
+        cfg, pos = self.cfg, self.pos
+        fault_armed = faults.armed()
+        self.net.train()
+        try:
+            while pos.step < cfg.steps:
+                self.step()
+                if fault_armed:
+                    faults.maybe_die("step", pos.step)
+                self.after_step()
+                if pos.step % cfg.stop_check_every == 0 and self.agreement.any_rank_pipelined(
+                        preemption.requested_locally()):
+                    return self.stop()
+            return self.finish()
+        finally:
+            self.meter.close()
+
+    def step(self) -> None:
+        """One optimizer step: grad_accum micro-batches (gradients all-reduced on the last one only)."""
+        cfg, multi = self.cfg, self.ctx.world_size > 1
         for i in range(cfg.grad_accum):
-            pos.epoch, pos.micro, batch = next(data)
-            batch = to_device(batch, device)
+            self.pos.epoch, self.pos.micro, batch = next(self.data)
+            batch = to_device(batch, self.ctx.device)
             last = i == cfg.grad_accum - 1
-            with (cast(DDP, net).no_sync() if world > 1 and not last else _nullcontext), autocast:
-                loss = task.loss(net, batch) / cfg.grad_accum
-            scaler.scale(loss).backward()
-            meter.add(loss)
+            with (cast(DDP, self.net).no_sync() if multi and not last else _nullcontext), self.autocast:
+                loss = self.task.loss(self.net, batch) / cfg.grad_accum
+            self.scaler.scale(loss).backward()
+            self.meter.add(loss)
         if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        pos.step += 1
-        if fault_armed:
-            faults.maybe_die("step", pos.step)
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pos.step += 1
 
-        if pos.step % cfg.log_every == 0 or pos.step == cfg.steps:
-            meter.flush(pos.step, float(scheduler.get_last_lr()[0]))
-        if val_set is not None and (pos.step % cfg.eval_every == 0 or pos.step == cfg.steps):
-            val_loss = evaluate(model, task, val_set, ctx, micro, autocast)
-            meter.record_eval(pos.step, val_loss)
-            if cfg.keep_best and (best is None or val_loss < best["value"]):
-                save()
-                if ctx.is_main:
-                    checkpoint.mark_best(run.checkpoints, pos.step, "val_loss", val_loss)
-                best = {"step": pos.step, "value": val_loss}
-        if cfg.ckpt_every and pos.step % cfg.ckpt_every == 0 and pos.step < cfg.steps:
-            save()
-        if pos.step % cfg.stop_check_every == 0 and agreement.any_rank_pipelined(preemption.requested_locally()):
-            agreement.close()
-            save()
-            log(ctx, f"stop requested: checkpoint step-{pos.step} committed")
-            meter.close()
-            return 1 if preemption.finish_stop(pos.step, contract) == StopOutcome.CAP else 0
+    def after_step(self) -> None:
+        cfg, step = self.cfg, self.pos.step
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            self.meter.flush(step, float(self.scheduler.get_last_lr()[0]))
+        self.meter.tick(step)
+        if self.val_set is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            self.evaluate()
+        if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
+            self.save()
 
-    agreement.close()
-    save()
-    meter.close()
-    if ctx.is_main:
-        run.write_final(FinalState.FINISHED, f"reached step {pos.step}", pos.step)
-    log(ctx, f"finished at step {pos.step}; checkpoints in {run.checkpoints}, metrics in {run.metrics}")
-    return 0
+    def evaluate(self) -> None:
+        step = self.pos.step
+        val_loss = evaluate(self.model, self.task, self.val_set, self.ctx, self.micro, self.autocast)
+        self.meter.record_eval(step, val_loss)
+        if self.cfg.keep_best and (self.best is None or val_loss < self.best["value"]):
+            self.save()
+            if self.ctx.is_main:
+                checkpoint.mark_best(self.folder.checkpoints, step, "val_loss", val_loss)
+            self.best = {"step": step, "value": val_loss}
 
+    def save(self) -> None:
+        """Commit a checkpoint of this step, once: a stop or an end right after a periodic save reuses it."""
+        if self.last_saved == self.pos.step:
+            return
+        shared_state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                        "position": vars(self.pos).copy()}
+        meta = {"config": self.cfg.as_dict(), "task": self.task.name, "task_config": self.task.config,
+                "lr_anchor": list(self.anchor) if self.anchor else None}  # how a resume re-plans the schedule
+        checkpoint.save_checkpoint(self.folder.checkpoints, self.pos.step, shared_state, {"rng": rng_state()},
+                                   rank=self.ctx.rank, world_size=self.ctx.world_size, barrier=self.ctx.barrier,
+                                   keep=self.cfg.keep, meta=meta)
+        self.last_saved = self.pos.step
+
+    def stop(self) -> int:
+        self.agreement.close()
+        self.save()
+        log(self.ctx, f"stop requested: checkpoint step-{self.pos.step} committed")
+        self.meter.close()
+        return 1 if preemption.finish_stop(self.pos.step, self.contract) == StopOutcome.CAP else 0
+
+    def finish(self) -> int:
+        self.agreement.close()
+        self.save()
+        self.meter.close()
+        step = self.pos.step
+        if self.ctx.is_main:
+            self.folder.write_final(FinalState.FINISHED, f"reached step {step}", step, job_id=self.ctx.env.job_id)
+            log(self.ctx, summary(self.folder, step, self.first_step, time.time() - self.t0))
+        return 0
 
 class _NullContext:
     def __enter__(self) -> None:
@@ -305,10 +352,11 @@ _nullcontext = _NullContext()
 
 
 class Meter:
-    """Loss and throughput between logging intervals; the only host-device syncs happen in flush()."""
+    """Loss and throughput between logging intervals; the only host-device syncs happen in flush(). On rank 0 it
+    also draws the progress bar when the rank was started on a terminal (`terminal.was_tty`)."""
 
     def __init__(self, ctx: DistContext, cfg: TrainConfig, task: Task, run: RunFolder, samples_per_step: int,
-                 start_step: int) -> None:
+                 start_step: int, terminal: Terminal | None) -> None:
         self.ctx, self.run, self.samples_per_step = ctx, run, samples_per_step
         self.tokens_per_sample = task.tokens_per_sample
         self.loss_sum = torch.zeros((), device=ctx.device)
@@ -316,18 +364,19 @@ class Meter:
         self.t0 = time.perf_counter()
         self.restart = ctx.env.restart
         self.tb = None
-        self.bar = None
+        self.bar: Bar | None = None
         if ctx.is_main and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(run.path / "tensorboard"))
-        if ctx.is_main and sys.stdout.isatty():
-            from rich.progress import Progress
-            self.bar = Progress(transient=True)
-            self.bar.start()
-            self.task_id = self.bar.add_task("training", total=cfg.steps)
+        if ctx.is_main and terminal is not None and terminal.was_tty:
+            self.bar = Bar(terminal, cfg.steps, start_step)
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss.detach()
+
+    def tick(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step)
 
     def flush(self, step: int, lr: float) -> None:
         if self.ctx.world_size > 1:
@@ -353,8 +402,6 @@ class Meter:
         if self.tb is not None:
             self.tb.add_scalar("loss", loss, step)
             self.tb.add_scalar("lr", lr, step)
-        if self.bar is not None:
-            self.bar.update(self.task_id, completed=step)
 
     def record_eval(self, step: int, val_loss: float) -> None:
         if not self.ctx.is_main:
@@ -366,7 +413,10 @@ class Meter:
             self.tb.add_scalar("val_loss", val_loss, step)
 
     def close(self) -> None:
+        """Idempotent: the loop's `finally` closes it again after a stop or a failure."""
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
         if self.bar is not None:
-            self.bar.stop()
+            self.bar.close()
+            self.bar = None

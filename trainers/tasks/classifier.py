@@ -5,14 +5,12 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from trainers.task import Task
+from trainers.task import Task, TaskArgParser
 
 
 def blobs(n: int, features: int, classes: int, seed: int = 1234, split: int = 0) -> TensorDataset:
@@ -27,7 +25,7 @@ def blobs(n: int, features: int, classes: int, seed: int = 1234, split: int = 0)
 
 
 def make_task(args: list[str]) -> Task:
-    p = argparse.ArgumentParser(prog="trainers.tasks.classifier", allow_abbrev=False)
+    p = TaskArgParser(prog="trainers.tasks.classifier")  # a bad flag: one line, not a usage block per rank
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--hidden", type=int, default=256)

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainers.task import Task
+from trainers.task import Task, TaskArgError, TaskArgParser
 
 VOCAB = 256  # bytes: any text file works without a tokenizer
 
@@ -113,7 +112,7 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def make_task(args: list[str]) -> Task:
-    p = argparse.ArgumentParser(prog="trainers.tasks.lm", allow_abbrev=False)
+    p = TaskArgParser(prog="trainers.tasks.lm")  # a bad flag: one line, not a usage block per rank
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--text", type=Path, help="train on this text file's bytes instead of synthetic tokens")
     p.add_argument("--seq-len", type=int, help="context length (default: the size's)")
@@ -125,7 +124,8 @@ def make_task(args: list[str]) -> Task:
     if ns.text:
         text = ns.text.expanduser()
         if not text.is_file():
-            raise FileNotFoundError(f"--text {text} does not exist")
+            raise TaskArgError(f"trainers.tasks.lm: --text {text} is not a file; valid: --text PATH of a text file. "
+                               "HINT: give the path from the folder the job starts in, or an absolute one")
         source = str(text.resolve())
 
         def split(part: int) -> Sequences:  # the last 5% of the bytes are the validation set
