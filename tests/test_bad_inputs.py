@@ -43,6 +43,7 @@ BAD_FLAGS = [
     (["--nodes", "0"], "--nodes 0: valid: 1 or more"),
     (["--time", "2-00:00:00"], "allows at most 1-00:00:00"),
     (["--time", "abc"], "is not a Slurm time"),
+    (["--time", "99:99"], "has a field past its unit"),  # it silently became 01:40:39
     (["--time", "0:30"], "is not longer than the preemption warning"),
     (["--name", "bad name!"], "--name 'bad name!'"),
     (["--env", "NOEQUALS"], "is not NAME=VALUE"),

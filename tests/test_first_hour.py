@@ -127,3 +127,14 @@ def test_entry_help_lists_the_flags_and_touches_nothing(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "--steps" in out.stdout and "--size" in out.stdout  # the trainer's flags and the task's
     assert not list(tmp_path.iterdir()) and json.loads(hpcjobs("list", "--json").stdout) == []
+
+
+def test_a_bad_task_argument_is_one_line_not_a_traceback_per_rank(tmp_path: Path) -> None:
+    """`--size huge` printed the same traceback once per rank (100+ lines)."""
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / "r"),
+                  "trainers.tasks.lm", "--size", "huge", cwd=REPO, timeout=300)
+    said = out.stdout + out.stderr
+    assert out.returncode == 2 and "Traceback" not in said, said
+    errors = [line for line in said.splitlines() if "invalid choice: 'huge'" in line]
+    assert errors and all("rank 0" in line for line in errors) and len(said.splitlines()) <= 6, said
+    assert "Traceback" in (tmp_path / "r" / "logs" / "restart-0" / "rank-0.log").read_text()  # kept for debugging
