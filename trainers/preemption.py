@@ -216,13 +216,27 @@ class StopGuard:
         return self.contract
 
     def should_stop(self) -> bool:
-        if self._agreement is None:
-            self._agreement = Agreement(self.group)
+        if self._agreement is None:  # made at the first check, which every rank makes at the same step
+            self._agreement = Agreement(cpu_group(self.group))
         return self._agreement.any_rank(requested_locally())
 
     def requeue_and_exit(self, step: int | None = None) -> None:
         outcome = finish_stop(step, self.launch_contract)
         raise SystemExit(1 if outcome == StopOutcome.CAP else 0)
+
+
+def cpu_group(group: Any = None) -> Any:
+    """A group that can all-reduce the CPU stop flag: `group` when given, the default group when it has a CPU
+    backend, else a new gloo group over all ranks (collective: every rank must call it at the same point). A script
+    that called init_process_group("nccl") has no CPU backend on its default group: the flag's all-reduce fails
+    there ("No backend type associated with device type cpu"), as the trainer's control group already knows."""
+    import torch.distributed as dist
+
+    if group is not None or not (dist.is_available() and dist.is_initialized()):
+        return group
+    config = getattr(dist, "get_backend_config", None)
+    has_cpu = "cpu:" in config() if config else dist.get_backend() == "gloo"
+    return None if has_cpu else dist.new_group(backend="gloo")
 
 
 def _barrier() -> None:
