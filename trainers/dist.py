@@ -50,8 +50,21 @@ def pick_backend(env: DistEnv) -> tuple[str, torch.device]:
         return "gloo", torch.device("cpu")
     if not torch.cuda.is_available():
         raise RendezvousError(f"HPCJOBS_BACKEND={forced} but no CUDA device is visible on rank {env.rank}")
-    count = torch.cuda.device_count()
-    return "nccl", torch.device("cuda", env.local_rank % count)
+    return "nccl", torch.device("cuda", rank_gpu(env, torch.cuda.device_count()))
+
+
+def rank_gpu(env: DistEnv, visible: int) -> int:
+    """This rank's GPU among the `visible` ones: its local rank when every rank of the node sees every GPU, 0 when
+    each rank sees only its own (Slurm's --gpus-per-task binding). Anything in between would put two ranks on one
+    GPU, which NCCL refuses much later with a confusing error: say so now."""
+    if visible == 1:
+        return 0
+    if visible >= env.local_world_size:
+        return env.local_rank
+    raise RendezvousError(
+        f"rank {env.rank} (local {env.local_rank} of {env.local_world_size} on {os.uname().nodename}) sees "
+        f"{visible} GPUs: valid: 1 per rank, or at least {env.local_world_size} (one per rank of the node). "
+        "HINT: ask for as many GPUs per node as ranks per node (--gpus), or check CUDA_VISIBLE_DEVICES.")
 
 
 def cpu_threads(env: DistEnv) -> int:
