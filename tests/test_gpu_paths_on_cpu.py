@@ -49,3 +49,60 @@ def test_each_rank_gets_a_gpu_of_its_own_or_a_clear_error() -> None:
     assert [rank_gpu(env(r), 1) for r in range(8)] == [0] * 8  # one GPU per task (--gpus-per-task)
     with pytest.raises(RendezvousError, match="sees 4 GPUs: valid: 1 per rank, or at least 8"):
         rank_gpu(env(5), 4)
+
+
+def test_torch_threads_never_exceed_the_cpus_the_rank_may_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm 22.05-23.02 do not pass --cpus-per-task from sbatch to srun: a rank bound to 1 CPU was told to run
+    SLURM_CPUS_PER_TASK threads on it."""
+    from trainers.dist import cpu_threads
+
+    env = DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=4, master_addr="h", master_port=1,
+                  job_id="1", restart=0, source="slurm")
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    assert cpu_threads(env, usable=1) == 1  # bound to one CPU
+    assert cpu_threads(env, usable=16) == 8  # task/none: the mask is the node, the share is Slurm's
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    assert cpu_threads(env, usable=3) == 3  # a mask of the rank's own
+    assert cpu_threads(env, usable=16) == 4  # the machine shared by four ranks
+
+
+def test_gpu_peaks_for_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from trainers.perf import peak_flops
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(cuda, "bf16", tf32=False) == pytest.approx(989.4e12)
+    assert peak_flops(cuda, "fp32", tf32=True) == pytest.approx(494.7e12)
+    assert peak_flops(cuda, "fp32", tf32=False) == pytest.approx(66.9e12)
+    assert peak_flops(torch.device("cpu"), "bf16", tf32=False) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_flops(cuda, "bf16", tf32=False) is None
+
+
+MATH = """
+import os, torch
+from trainers.perf import configure_math
+said = configure_math({precision!r}, {deterministic}, torch.device({device!r}))
+print(said, torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled(),
+      os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.backends.cudnn.allow_tf32, sep="|")
+"""
+
+
+@pytest.mark.parametrize("precision,deterministic,device,expected", [
+    ("fp32", False, "cuda", "TF32 matmuls|high|False|None|True"),
+    ("bf16", False, "cuda", "|highest|False|None|True"),  # bf16 matmuls are bf16 anyway: nothing to say
+    ("fp32", True, "cuda", "deterministic|highest|True|:4096:8|False"),
+    ("fp32", False, "cpu", "|highest|False|None|True"),
+])
+def test_tf32_for_fp32_on_gpus_unless_deterministic(precision: str, deterministic: bool, device: str,
+                                                    expected: str) -> None:
+    import subprocess
+    import sys
+
+    code = MATH.format(precision=precision, deterministic=deterministic, device=device)
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == expected

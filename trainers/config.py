@@ -57,7 +57,13 @@ class TrainConfig:
     """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int, in the background:
     a stop takes effect at the check after the one that saw it)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    """DataLoader worker processes per rank (kept across epochs; each sample's randomness is seeded from the seed,
+    the rank, the epoch and its index, so results do not depend on the worker count or on where a resume began)."""
+    deterministic: bool = False
+    """Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, no TF32, deterministic SDPA):
+    needed for a bit-exact resume on GPUs; slower (bench/gpu.py measures by how much)."""
+    compile: bool = False
+    """torch.compile the model (the first steps take longer while it compiles)."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to RUN/tensorboard (needs the tensorboard package)."""
     extend: bool = False

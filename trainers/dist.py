@@ -67,12 +67,19 @@ def rank_gpu(env: DistEnv, visible: int) -> int:
         "HINT: ask for as many GPUs per node as ranks per node (--gpus), or check CUDA_VISIBLE_DEVICES.")
 
 
-def cpu_threads(env: DistEnv) -> int:
-    """Threads per rank: Slurm's CPUs per task, else the machine's CPUs shared among this node's ranks."""
+def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
+    """Threads per rank, never more than the CPUs this process may run on (`usable`: its affinity mask): Slurm's
+    CPUs per task when it says (srun binds each task to them, or, under task/none, they are its share), else the
+    mask itself when it is already this rank's alone (narrower than the machine), else the machine shared among
+    this node's ranks. More threads than CPUs only makes them take turns."""
+    if usable is None:
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     per_task = os.environ.get("SLURM_CPUS_PER_TASK")
     if per_task and per_task.isdigit():
-        return max(1, int(per_task))
-    return max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+        return max(1, min(int(per_task), usable))
+    if usable < (os.cpu_count() or usable):
+        return usable
+    return max(1, usable // max(1, env.local_world_size))
 
 
 @contextlib.contextmanager

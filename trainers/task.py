@@ -48,6 +48,9 @@ class Task:
     """optimizer(params, lr) -> Optimizer; default AdamW with decoupled weight decay on matrices only."""
     tokens_per_sample: int = 0
     """If > 0, logs report tokens/s as well as samples/s."""
+    flops_per_sample: float = 0.0
+    """Training FLOPs (forward and backward) per sample; if > 0, logs report the model FLOPs utilisation (MFU) on
+    GPUs whose peak is known (trainers.perf.PEAK_TFLOPS)."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """Trainer settings this task suggests (e.g. lr); flags on the command line still win."""
 

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder, append_jsonl
 from hpcjobs.states import FinalState, StopOutcome
-from trainers import checkpoint, faults, preemption, resume
+from trainers import checkpoint, faults, perf, preemption, resume
 from trainers.config import ConfigError, ResumeError, TrainConfig
 from trainers.dist import DistContext
 from trainers.logtee import Tee
@@ -53,7 +53,9 @@ def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.op
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=None)
+    # The fused CUDA kernel updates every parameter in one launch per group (torch's default is the foreach path).
+    on_cuda = all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if on_cuda else None)
 
 
 def rng_state() -> dict[str, Any]:
@@ -91,22 +93,66 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+class EpochOrder(Sampler[Any]):
+    """This rank's samples of one epoch (DistributedSampler's shuffle), from micro-batch `start` on; `at()` moves it
+    before each pass over the loader. With workers it yields (epoch, index) pairs for SeededSamples."""
+
+    def __init__(self, dataset: Any, ctx: DistContext, cfg: TrainConfig, micro: int) -> None:
+        self.shards: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=ctx.world_size,
+                                                                  rank=ctx.rank, shuffle=True, seed=cfg.seed,
+                                                                  drop_last=True)
+        self.micro, self.with_epoch = micro, cfg.num_workers > 0
+        self.per_epoch = len(self.shards) // micro
+        if self.per_epoch == 0:
+            raise ValueError(f"the dataset ({len(dataset)} samples) is too small for one micro-batch of {micro} on "
+                             f"each of {ctx.world_size} ranks")
+        self.epoch = self.start = 0
+
+    def at(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+        self.shards.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return (self.per_epoch - self.start) * self.micro
+
+    def __iter__(self) -> Iterator[Any]:
+        order = list(self.shards)[self.start * self.micro: self.per_epoch * self.micro]
+        return iter([(self.epoch, i) for i in order] if self.with_epoch else order)
+
+
+class SeededSamples(Dataset[Any]):
+    """The dataset as worker processes read it: each sample's Python, NumPy and torch RNGs are seeded from (seed,
+    epoch, index) before it is read. A worker's stream would otherwise depend on which worker got the sample and on
+    how many it read before, so random augmentation would differ across worker counts and after a mid-epoch resume.
+    Only used with workers: in the main process it would reset the training RNG (dropout)."""
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        s = int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
+        random.seed(s)
+        np.random.seed(s)
+        torch.manual_seed(s)
+        return self.dataset[index]
+
+
 def micro_batches(dataset: Any, ctx: DistContext, cfg: TrainConfig, micro: int, pos: Position) -> Iterator[Any]:
-    """Micro-batches forever, epoch after epoch, starting exactly at `pos` (so a resume reads what comes next)."""
-    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank,
-                                                          shuffle=True, seed=cfg.seed, drop_last=True)
-    per_epoch = len(sampler) // micro
-    if per_epoch == 0:
-        raise ValueError(f"the dataset ({len(dataset)} samples) is too small for one micro-batch of {micro} on "
-                         f"each of {ctx.world_size} ranks")
+    """Micro-batches forever, epoch after epoch, starting exactly at `pos` (so a resume reads what comes next).
+    One loader for the whole run: its workers (if any) stay up across epochs."""
+    order = EpochOrder(dataset, ctx, cfg, micro)
+    workers = cfg.num_workers
+    loader = DataLoader(SeededSamples(dataset, cfg.seed) if workers else dataset, batch_size=micro, sampler=order,
+                        drop_last=True, num_workers=workers, pin_memory=ctx.device.type == "cuda",
+                        persistent_workers=workers > 0,
+                        generator=torch.Generator().manual_seed(cfg.seed))  # not the global RNG: it is checkpointed
     epoch, start = pos.epoch, pos.micro
     while True:
-        sampler.set_epoch(epoch)
-        order = list(sampler)[start * micro: per_epoch * micro]
-        loader = DataLoader(dataset, batch_size=micro, sampler=order, drop_last=True,
-                            num_workers=cfg.num_workers, pin_memory=ctx.device.type == "cuda",
-                            generator=torch.Generator().manual_seed(cfg.seed + epoch),
-                            persistent_workers=False)
+        order.at(epoch, start)
         for i, batch in enumerate(loader, start):
             yield epoch, i + 1, batch
         epoch, start = epoch + 1, 0
@@ -173,9 +219,11 @@ class Training:
         self.micro = cfg.micro_batch(world)
         self.precision = resolve_precision(cfg.precision, device)
         self.lr = cfg.lr * cfg.lr_factor(world)
+        self.math = perf.configure_math(self.precision, cfg.deterministic, device)
         log(ctx, f"task {task.name} | {world} rank(s), {ctx.backend} on {device.type} | batch {self.micro}×"
                  f"{cfg.grad_accum} per rank, {self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × "
-                 f"{cfg.lr_factor(world):g} ({cfg.lr_scaling} scaling) = {self.lr:g} | precision {self.precision}")
+                 f"{cfg.lr_factor(world):g} ({cfg.lr_scaling} scaling) = {self.lr:g} | precision {self.precision}"
+                 + "".join(f", {word}" for word in (self.math, "compiled" if cfg.compile else "") if word))
 
         # Same initial weights on every rank, then per-rank RNG streams (dropout differs across ranks).
         seed_all(cfg.seed)
@@ -225,8 +273,11 @@ class Training:
             raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name}'s val_data gave no dataset")
         self.best = checkpoint.read_best(self.folder.checkpoints) if cfg.keep_best else None
         device, world = ctx.device, ctx.world_size
-        self.net = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1
-                    else self.model)
+        # Gradients as views into DDP's buckets: no copy into the buckets and no second copy of the gradients.
+        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True) if world > 1 else None)
+        net = self.ddp or self.model
+        self.net = cast(nn.Module, torch.compile(net)) if cfg.compile else net
         self.agreement = preemption.Agreement(ctx.control_group)
         dataset = task.train_data()
         self.data = micro_batches(dataset, ctx, cfg, self.micro, self.pos)
@@ -236,8 +287,9 @@ class Training:
             settle_ddp_buckets(self.net, task, dataset, self.micro, device, self.autocast, self.optimizer)
         self.first_step = self.pos.step
         self.last_saved = self.pos.step if self.resumed_from is not None else -1
+        peak = perf.peak_flops(device, self.precision, tf32=self.math == "TF32 matmuls")
         self.meter = Meter(ctx, cfg, task, self.folder, self.micro * cfg.grad_accum * world, self.pos.step,
-                           Tee.active)
+                           Tee.active, peak_flops=peak * world if peak and task.flops_per_sample else None)
 
     def take_over_run_folder(self) -> None:
         """Rank 0, once this start is sure to train and before it logs anything: metrics.jsonl loses the records a
@@ -271,12 +323,12 @@ class Training:
 
     def step(self) -> None:
         """One optimizer step: grad_accum micro-batches (gradients all-reduced on the last one only)."""
-        cfg, multi = self.cfg, self.ctx.world_size > 1
+        cfg = self.cfg
         for i in range(cfg.grad_accum):
             self.pos.epoch, self.pos.micro, batch = next(self.data)
             batch = to_device(batch, self.ctx.device)
             last = i == cfg.grad_accum - 1
-            with (cast(DDP, self.net).no_sync() if multi and not last else _nullcontext), self.autocast:
+            with (self.ddp.no_sync() if self.ddp is not None and not last else _nullcontext), self.autocast:
                 loss = self.task.loss(self.net, batch) / cfg.grad_accum
             self.scaler.scale(loss).backward()
             self.meter.add(loss)
@@ -356,9 +408,10 @@ class Meter:
     also draws the progress bar when the rank was started on a terminal (`terminal.was_tty`)."""
 
     def __init__(self, ctx: DistContext, cfg: TrainConfig, task: Task, run: RunFolder, samples_per_step: int,
-                 start_step: int, terminal: Terminal | None) -> None:
+                 start_step: int, terminal: Terminal | None, peak_flops: float | None = None) -> None:
         self.ctx, self.run, self.samples_per_step = ctx, run, samples_per_step
         self.tokens_per_sample = task.tokens_per_sample
+        self.flops_per_sample, self.peak_flops = task.flops_per_sample, peak_flops  # peak: all ranks together
         self.loss_sum = torch.zeros((), device=ctx.device)
         self.steps = start_step
         self.t0 = time.perf_counter()
@@ -394,11 +447,14 @@ class Meter:
                "restart": self.restart}
         if self.tokens_per_sample:
             rec["tokens_per_s"] = samples_s * self.tokens_per_sample
+        if self.peak_flops:
+            rec["mfu"] = samples_s * self.flops_per_sample / self.peak_flops
         append_jsonl(self.run.metrics, rec)
         self.run.write_heartbeat(step, loss=loss, restart=self.restart)
         tokens = f" | {rec['tokens_per_s']:,.0f} tok/s" if self.tokens_per_sample else ""
-        print(f"[hpcjobs rank 0] step {step} | loss {loss:.4f} | lr {lr:.3g} | {samples_s:,.1f} samples/s{tokens}",
-              flush=True)
+        mfu = f" | MFU {rec['mfu']:.1%}" if self.peak_flops else ""
+        print(f"[hpcjobs rank 0] step {step} | loss {loss:.4f} | lr {lr:.3g} | {samples_s:,.1f} samples/s{tokens}"
+              f"{mfu}", flush=True)
         if self.tb is not None:
             self.tb.add_scalar("loss", loss, step)
             self.tb.add_scalar("lr", lr, step)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from trainers.task import Task, TaskArgParser
 
@@ -24,6 +24,21 @@ def blobs(n: int, features: int, classes: int, seed: int = 1234, split: int = 0)
     return TensorDataset(x, y)
 
 
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Random augmentation as data pipelines do it: Gaussian noise on each input, drawn when the sample is read (in a
+    loader worker, when there are workers)."""
+
+    def __init__(self, data: TensorDataset, std: float) -> None:
+        self.data, self.std = data, std
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[i]
+        return x + self.std * torch.randn_like(x), y
+
+
 def make_task(args: list[str]) -> Task:
     p = TaskArgParser(prog="trainers.tasks.classifier")  # a bad flag: one line, not a usage block per rank
     p.add_argument("--features", type=int, default=32)
@@ -31,13 +46,15 @@ def make_task(args: list[str]) -> Task:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--samples", type=int, default=8192)
+    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to each training input")
     ns = p.parse_args(args)
 
     def model() -> nn.Module:
         return nn.Sequential(nn.Linear(ns.features, ns.hidden), nn.ReLU(), nn.Dropout(ns.dropout),
                              nn.Linear(ns.hidden, ns.hidden), nn.ReLU(), nn.Linear(ns.hidden, ns.classes))
 
-    return Task(name="classifier", model=model, train_data=lambda: blobs(ns.samples, ns.features, ns.classes),
+    return Task(name="classifier", model=model,
+                train_data=lambda: Noisy(blobs(ns.samples, ns.features, ns.classes), ns.noise),
                 val_data=lambda: blobs(max(64, ns.samples // 8), ns.features, ns.classes, split=1),
                 loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), config=vars(ns).copy(),
                 defaults={"lr": 1e-3, "batch_size": 32})

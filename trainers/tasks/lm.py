@@ -42,6 +42,14 @@ SIZES = {
 }
 
 
+def train_flops_per_token(c: GPTConfig) -> float:
+    """Forward + backward FLOPs per token: 6 per weight (the tied embedding counts once, as the output head's
+    matmul) plus attention's score and value matmuls, 12·layers·width·context (PaLM's appendix B estimate)."""
+    d = c.d_model
+    weights = VOCAB * d + c.n_layer * (12 * d * d + 13 * d) + 2 * d
+    return 6 * weights + 12 * c.n_layer * d * c.seq_len
+
+
 class Block(nn.Module):
     # Modules are registered in the order forward uses them: DDP's first (reverse-order) gradient buckets then
     # match the order it rebuilds them in, so a resumed run reduces gradients exactly as the uninterrupted one.
@@ -140,4 +148,5 @@ def make_task(args: list[str]) -> Task:
             return Sequences(synthetic_tokens(n, c.seq_len, seed=1234 + part), c.seq_len)
     return Task(name=f"lm-{ns.size}", model=lambda: GPT(c), train_data=lambda: split(0),
                 val_data=lambda: split(1), loss=lm_loss,
-                config={**asdict(c), "data": source}, tokens_per_sample=c.seq_len, defaults={"lr": 1e-3})
+                config={**asdict(c), "data": source}, tokens_per_sample=c.seq_len,
+                flops_per_sample=train_flops_per_token(c) * c.seq_len, defaults={"lr": 1e-3})

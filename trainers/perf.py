@@ -1,0 +1,62 @@
+"""How fast and how reproducibly the math runs on this rank: TF32, deterministic kernels, and the GPU's peak for MFU.
+
+One call, `configure_math`, before the model is built; it returns the words the start line shows, so a user can see
+from the log whether a run was deterministic and whether fp32 matmuls ran as TF32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS's workspace setting that makes its reductions run in a fixed order (CUDA's reproducibility notes)."""
+
+# Dense peak TFLOP/s per GPU (the vendor's figures without sparsity), by a substring of the device name. TF32 is what
+# an fp32 matmul runs as when TF32 is on; with it off, fp32 is the plain FMA figure.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+}
+
+
+def configure_math(precision: str, deterministic: bool, device: torch.device) -> str:
+    """Set this process's kernel choices for `precision` ('fp32', 'bf16', 'fp16'; resolved) and `deterministic`;
+    returns what the start line says about them.
+
+    fp32 on CUDA runs its matmuls as TF32 unless deterministic: Ampere and later do them ~8× faster with a 10-bit
+    mantissa, which training tolerates (torch leaves it off by default for matmuls). Deterministic mode trades speed
+    for runs that repeat bit for bit on the same hardware: deterministic algorithms (torch raises on an op that has
+    none), cuBLAS's fixed-order workspace, cuDNN without autotuning, and SDPA limited to its flash and math kernels
+    (the memory-efficient and cuDNN attention backward passes accumulate with atomics)."""
+    if deterministic:
+        # Read when cuBLAS makes its first handle, so it must be set before the first matmul on the GPU.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        if device.type == "cuda":
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        return "deterministic"
+    if device.type == "cuda" and precision == "fp32":
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        return "TF32 matmuls"
+    return ""
+
+
+def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None:
+    """The GPU's dense peak FLOP/s for this precision (None: not a GPU in PEAK_TFLOPS, or the CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            kind = "tf32" if precision == "fp32" and tf32 else precision
+            return peaks[kind] * 1e12
+    return None
