@@ -24,9 +24,10 @@ def launch_contract(spec: JobSpec) -> LaunchContract:
     return LaunchContract(run_dir=spec.run_dir, preemption=spec.profile.preemption, time_limit_s=spec.time_seconds)
 
 
-def launcher_argv(spec: JobSpec) -> list[str]:
-    """The command every rank runs, whichever way the job is started (sbatch, submitit, local)."""
-    argv = [*signal_guard(spec), spec.python, "-u", "-m", LAUNCHER_MODULE, "--contract",
+def launcher_argv(spec: JobSpec, python: str | None = None) -> list[str]:
+    """The command every rank runs, whichever way the job is started (sbatch, submitit, local); `python` replaces
+    the spec's (a renderer that resolves it on the node)."""
+    argv = [*signal_guard(spec), python or spec.python, "-u", "-m", LAUNCHER_MODULE, "--contract",
             launch_contract(spec).to_json(), "--kind", spec.entry.kind, "--", spec.entry.target]
     return argv + list(spec.entry.args)
 

@@ -100,6 +100,17 @@ class JobSpec:
         }
 
 
+AFTER_SETUP = "python3"
+"""The nodes' Python when the profile names none and has a setup: found on the node's PATH after the setup."""
+
+
+def node_python(profile: ClusterProfile) -> str:
+    """The Python the ranks run (ClusterProfile.python says which and why)."""
+    if profile.python:
+        return profile.python
+    return AFTER_SETUP if profile.setup and backend_for(profile.scheduler).runs_setup else sys.executable
+
+
 def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path) -> Entry:
     """Decide what kind of entry this is and check it exists (finding, not importing, a module)."""
     hint = ("e.g. `hpcjobs submit --profile local trainers.tasks.lm --steps 50`, `... train.py --config x.yaml` "
@@ -215,7 +226,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
         run_dir = str(root / f"{name}-{stamp}{'-%j' if job_id_in_run_dir else ''}")
     spec = JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
-        run_dir=run_dir, workdir=str(workdir), python=profile.python or sys.executable,
+        run_dir=run_dir, workdir=str(workdir), python=node_python(profile),
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env,
     )

@@ -34,6 +34,7 @@ from trainers import preemption, runlock
 from trainers.config import ConfigError, TaskArgError
 from trainers.distenv import DistEnv, DistEnvError, from_environ
 from trainers.logtee import Tee
+from trainers.versions import TorchTooOld, require_torch
 
 KINDS = ("task", "script", "module")
 REFUSED_EXIT = 2
@@ -98,9 +99,10 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        require_torch()
         env: DistEnv = from_environ(os.environ)
         contract = start_contract(read_contract(ns), env, os.environ, time.time())
-    except (ContractError, DistEnvError) as e:
+    except (ContractError, DistEnvError, TorchTooOld) as e:
         print(f"hpcjobs: {one_line(e)}", file=sys.stderr, flush=True)
         return REFUSED_EXIT
     os.environ.update(env.as_env())

@@ -70,6 +70,8 @@ class Backend(Protocol):
     """Whether submit returns while the job waits or runs (Slurm), or only once it ended (local)."""
     requests_gpus: bool
     """Whether the scheduler allocates GPUs (so a rank counts as a GPU), or ranks are just processes."""
+    runs_setup: bool
+    """Whether the profile's `setup` lines run before the ranks (so the nodes' Python is the one found after them)."""
 
     def check(self, spec: JobSpec) -> None: ...
     def dry_run(self, spec: JobSpec) -> SubmitRequest: ...

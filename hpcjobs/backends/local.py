@@ -121,6 +121,7 @@ class LocalBackend(RunFolderLogs):
     multi_node = False
     queued = False
     requests_gpus = False
+    runs_setup = False
 
     def check(self, spec: JobSpec) -> None:
         if spec.nodes != 1:

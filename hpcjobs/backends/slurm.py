@@ -49,6 +49,7 @@ class SlurmBackend(RunFolderLogs):
     multi_node = True
     queued = True
     requests_gpus = True
+    runs_setup = True
 
     def __init__(self, runner: Runner = run_command) -> None:
         self.run = runner

@@ -17,6 +17,7 @@ from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
 from hpcjobs.spec import JobSpec
+from trainers.versions import TORCH_FLOOR
 
 SBATCH_TEMPLATE = "sbatch.sh.j2"
 SUBMITIT_NATIVE = frozenset({
@@ -80,6 +81,35 @@ def environment_lines(spec: JobSpec) -> list[str]:
     return lines
 
 
+PYTHON_VAR = "HPCJOBS_PYTHON"
+NODE_PYTHON = f'"${PYTHON_VAR}"'
+"""The nodes' Python in a job script: resolved by `python_lines` after the setup, then used by every rank."""
+
+
+def python_lines(spec: JobSpec, modules: str = "torch, trainers.launch") -> list[str]:
+    """Shell lines (after the setup) that find the nodes' Python and end the job with one line, before any rank
+    starts, when it cannot import `modules`: otherwise every rank would fail alone, or the wrong environment would
+    train. The interpreter of the submitting host is often not the one the setup activates on the nodes."""
+    why = "$(printf '%s' \"$hpcjobs_why\" | tail -n 1)"
+    check = f"import {modules}; from trainers.versions import require_torch; require_torch()"
+    floor = ".".join(map(str, TORCH_FLOOR))
+    return [
+        f"hpcjobs_python={shlex.quote(spec.python)}",
+        f'export {PYTHON_VAR}="$(command -v "$hpcjobs_python" || true)"',
+        f'if ! hpcjobs_why="$("${{{PYTHON_VAR}:-$hpcjobs_python}}" -c {shlex.quote(check)} 2>&1)"; then',
+        f'  echo "hpcjobs: the nodes\' Python ($hpcjobs_python -> ${{{PYTHON_VAR}:-not found}}) on $(hostname) cannot '
+        f'start the ranks: {why}; valid: a Python with torch >= {floor} and hpcjobs installed. HINT: set python: in '
+        'the profile, or make its setup activate that environment" >&2',
+        "  exit 2",
+        "fi",
+    ]
+
+
+def shell_words(words: list[str]) -> str:
+    """Words quoted for the job script, except the nodes' Python, which the script's shell expands."""
+    return " ".join(w if w == NODE_PYTHON else shlex.quote(w) for w in words)
+
+
 def srun_flags(spec: JobSpec) -> list[str]:
     """Every rank's srun flags. --cpus-per-task again: Slurm 22.05 to 23.02 do not pass sbatch's to srun, and each
     rank would run its `cpus_per_gpu` threads on one core."""
@@ -100,14 +130,15 @@ def render_sbatch(spec: JobSpec) -> str:
         version=__version__, profile_name=spec.profile.name, profile_source=spec.profile.source,
         world=spec.world(), entry=spec.entry.describe().replace("\n", " "),
         directives=[sbatch_directive(k, v) for k, v in sorted(flags.items())], setup=list(spec.profile.setup),
-        environment=environment_lines(spec), srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
-        launcher=" ".join(shlex.quote(w) for w in launcher_argv(spec)),
+        python=python_lines(spec), environment=environment_lines(spec),
+        srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
+        launcher=shell_words(launcher_argv(spec, python=NODE_PYTHON)),
     )
 
 
 def submitit_python(spec: JobSpec) -> str:
     """submitit's `python` (a shell command prefix): the same signal guard and interpreter as the other paths."""
-    return " ".join(shlex.quote(w) for w in [*signal_guard(spec), spec.python])
+    return shell_words([*signal_guard(spec), NODE_PYTHON])
 
 
 def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
@@ -124,7 +155,8 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
             extra[key if key in SUBMITIT_DASHED else name] = value
     params["signal_delay_s"] = spec.profile.preemption.seconds_before
     params["additional_parameters"] = extra
-    params["setup"] = [*spec.profile.setup, *environment_lines(spec)]
+    params["setup"] = [*spec.profile.setup, *python_lines(spec, "torch, trainers.launch, submitit"),
+                       *environment_lines(spec)]
     params["srun_args"] = srun_flags(spec)
     params["stderr_to_stdout"] = True
     return params

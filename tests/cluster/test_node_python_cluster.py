@@ -1,0 +1,75 @@
+"""The nodes' Python on the real cluster, both paths: the one the profile's setup puts first on PATH runs the ranks,
+and one that cannot import torch ends the job with one line before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, hpcjobs, slurm, wait_for_state
+
+pytestmark = pytest.mark.cluster
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+LM = ["trainers.tasks.lm", "--size", "tiny", "--steps", "4", "--log-every", "2"]
+
+
+def profile_with_setup(cluster_profile: Path, setup: list[str]) -> Path:
+    data = yaml.safe_load(cluster_profile.read_text())
+    data["setup"] = setup
+    path = cluster_profile.with_name("with-setup.yaml")
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start(path: str, profile: Path, shared_tmp: Path) -> tuple[str, Path]:
+    """Submit (submitit) or render + sbatch 2 nodes × 2 ranks; returns the job id and its run folder."""
+    run = shared_tmp / "runs" / f"{path}-run"
+    args = ["--profile", str(profile), "--nodes", "2", "--gpus", "2", "--run-dir", str(run)]
+    if path == "submit":
+        out = hpcjobs("submit", *args, "--json", *LM, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["job_id"], run
+    script = shared_tmp / "job.sbatch"
+    out = hpcjobs("render", *args, "-o", str(script), *LM, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return slurm("sbatch", "--parsable", str(script)).strip(), run
+
+
+@pytest.mark.parametrize("path", ["submit", "sbatch"])
+def test_the_ranks_run_the_python_the_setup_puts_first(path: str, cluster_profile: Path, shared_tmp: Path) -> None:
+    env_bin = shared_tmp / "env" / "bin"
+    env_bin.mkdir(parents=True)
+    used = shared_tmp / "used"
+    (env_bin / "python3").write_text(f'#!/bin/sh\necho "$*" >> {shlex.quote(str(used))}\n'
+                                     f'exec {shlex.quote(sys.executable)} "$@"\n')
+    (env_bin / "python3").chmod(0o755)
+    profile = profile_with_setup(cluster_profile, [f"export PATH={env_bin}:$PATH"])
+    job, run = start(path, profile, shared_tmp)
+    assert wait_for_state(job, DONE) == "COMPLETED"
+    calls = used.read_text().splitlines()
+    assert "import torch, trainers.launch" in calls[0]  # the check, once, before srun
+    assert sum(1 for c in calls if c.startswith("-u -m ")) == 4, calls  # every rank (submitit's runner or ours)
+    assert "finished at step 4" in (run / "logs" / "restart-0" / "rank-0.log").read_text()
+
+
+@pytest.mark.parametrize("path", ["submit", "sbatch"])
+def test_a_python_without_torch_ends_the_job_before_any_rank(path: str, cluster_profile: Path,
+                                                             shared_tmp: Path) -> None:
+    base = Path(sys.base_prefix) / "bin"  # this venv's own interpreter, without the venv: no torch
+    assert subprocess.run([str(base / "python3"), "-c", "import torch"], capture_output=True).returncode != 0
+    profile = profile_with_setup(cluster_profile, [f"export PATH={base}:$PATH"])
+    job, run = start(path, profile, shared_tmp)
+    assert wait_for_state(job, DONE) == "FAILED"
+    assert slurm("sacct", "-n", "-X", "-P", "-j", job, "-o", "ExitCode").strip() == "2:0"
+    assert not (run / "logs").exists()  # no rank started
+    logs = [*(shared_tmp / "runs" / "slurm-logs").glob(f"*{job}*"), *(run / "submitit").glob(f"{job}*.out")]
+    said = "".join(p.read_text() for p in logs)
+    lines = [line for line in said.splitlines() if line.startswith("hpcjobs: the nodes' Python")]
+    assert len(lines) == 1 and f"(python3 -> {base}/python3) on node1 cannot start the ranks: ModuleNotFoundError"\
+        in lines[0], said
