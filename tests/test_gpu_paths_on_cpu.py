@@ -106,3 +106,25 @@ def test_tf32_for_fp32_on_gpus_unless_deterministic(precision: str, deterministi
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_a_rank_without_cuda_where_slurm_allocated_gpus_is_an_error_naming_it() -> None:
+    """It used to fall back to gloo on the CPU while the other ranks used NCCL: a hang until the rendezvous timeout.
+    This machine has no CUDA: it is such a rank."""
+    import torch
+
+    from trainers.dist import pick_backend
+
+    assert not torch.cuda.is_available()
+    env = DistEnv(rank=5, local_rank=1, world_size=16, local_world_size=8, master_addr="h", master_port=1,
+                  job_id="1", restart=0, source="slurm")
+    with pytest.raises(RendezvousError) as e:
+        pick_backend(env, {"SLURM_GPUS_ON_NODE": "8"})
+    msg = str(e.value)
+    assert msg.startswith(f"rank 5 (local 1) on {os.uname().nodename}: Slurm allocated GPUs (SLURM_GPUS_ON_NODE=8) "
+                          "but CUDA is unavailable to torch") and "HINT: check nvidia-smi" in msg and "\n" not in msg
+    assert pick_backend(env, {"SLURM_GPUS_ON_NODE": "8", "HPCJOBS_BACKEND": "gloo"})[0] == "gloo"  # on purpose
+    assert pick_backend(env, {"SLURM_GPUS_ON_NODE": "0"})[0] == "gloo"  # a CPU job on a GPU cluster
+    assert pick_backend(env, {})[0] == "gloo"  # a laptop
+    with pytest.raises(RendezvousError, match="HPCJOBS_BACKEND=nccl but CUDA is unavailable"):
+        pick_backend(env, {"HPCJOBS_BACKEND": "nccl"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +44,45 @@ class DistContext:
             dist.barrier(group=self.control_group)
 
 
-def pick_backend(env: DistEnv) -> tuple[str, torch.device]:
-    forced = os.environ.get("HPCJOBS_BACKEND")
-    if forced == "gloo" or (forced is None and not torch.cuda.is_available()):
+GPU_ALLOCATION_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+"""What Slurm sets on a node when it gave the job GPUs there (the first that is set and not 0 says so)."""
+
+
+def allocated_gpus(environ: Mapping[str, str]) -> str | None:
+    """`NAME=value` of the variable saying Slurm allocated GPUs on this node, or None."""
+    for name in GPU_ALLOCATION_VARS:
+        value = environ.get(name, "").strip()
+        if value and value != "0":
+            return f"{name}={value}"
+    return None
+
+
+def cuda_missing_reason() -> str:
+    try:
+        torch.cuda.init()
+    except Exception as e:  # noqa: BLE001 - torch says why in several types (AssertionError, RuntimeError)
+        return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return "torch.cuda.is_available() is False"
+
+
+def pick_backend(env: DistEnv, environ: Mapping[str, str] = os.environ) -> tuple[str, torch.device]:
+    """NCCL on this rank's GPU when CUDA works; gloo on the CPU when there is none to use, or HPCJOBS_BACKEND=gloo
+    says so. A rank without CUDA on a node where Slurm allocated GPUs is an error: falling back to gloo there would
+    leave the other ranks (on NCCL) waiting for it until the rendezvous times out, with a message about the wrong
+    thing."""
+    forced = environ.get("HPCJOBS_BACKEND")
+    if forced == "gloo":
         return "gloo", torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RendezvousError(f"HPCJOBS_BACKEND={forced} but no CUDA device is visible on rank {env.rank}")
+        allocated = allocated_gpus(environ)
+        if forced is None and allocated is None:
+            return "gloo", torch.device("cpu")
+        why = f"HPCJOBS_BACKEND={forced}" if forced is not None else f"Slurm allocated GPUs ({allocated})"
+        raise RendezvousError(
+            f"rank {env.rank} (local {env.local_rank}) on {os.uname().nodename}: {why} but CUDA is unavailable "
+            f"to torch {torch.__version__} ({cuda_missing_reason()}); valid: a node where torch sees its GPUs. "
+            "HINT: check nvidia-smi and the driver on that node against torch's CUDA build "
+            f"({torch.version.cuda or 'none: a CPU-only torch'}); HPCJOBS_BACKEND=gloo runs on the CPU on purpose")
     return "nccl", torch.device("cuda", rank_gpu(env, torch.cuda.device_count()))
 
 

@@ -73,3 +73,18 @@ def test_a_python_without_torch_ends_the_job_before_any_rank(path: str, cluster_
     lines = [line for line in said.splitlines() if line.startswith("hpcjobs: the nodes' Python")]
     assert len(lines) == 1 and f"(python3 -> {base}/python3) on node1 cannot start the ranks: ModuleNotFoundError"\
         in lines[0], said
+
+
+def test_a_rank_without_cuda_where_slurm_allocated_gpus_ends_the_job_naming_it(cluster_profile: Path,
+                                                                               shared_tmp: Path) -> None:
+    """The test cluster's GPUs are placeholders: without HPCJOBS_BACKEND=gloo every rank is such a rank. The job
+    fails at once (it used to train on gloo here, and hang against NCCL ranks on a real cluster)."""
+    data = yaml.safe_load(cluster_profile.read_text())
+    del data["env"]["HPCJOBS_BACKEND"]
+    profile = cluster_profile.with_name("no-forced-backend.yaml")
+    profile.write_text(yaml.safe_dump(data))
+    job, run = start("submit", profile, shared_tmp)
+    assert wait_for_state(job, DONE, timeout=120) == "FAILED"
+    status = hpcjobs("status", job).stdout
+    assert "Slurm allocated GPUs (SLURM_GPUS_ON_NODE=2) but CUDA is unavailable" in status, status
+    assert any(f"on {host}:" in status for host in ("node1", "node2")), status
