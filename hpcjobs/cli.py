@@ -314,6 +314,9 @@ def run_status(ns: argparse.Namespace) -> int:
             ("run folder", st.run_dir), ("logs", f"hpcjobs logs {st.job_id} [--rank R] [--restart N]")]
     if st.final_reason:
         rows.insert(2, ("ended", st.final_reason))
+    if st.nccl_traces:
+        rows.append(("nccl trace", f"{st.nccl_traces} (NCCL's flight recorder: which rank stopped in which "
+                                   "collective; torchfrtrace reads it)"))
     for key, value in rows:
         print(f"{key + ':':12} {value}")
     return 0

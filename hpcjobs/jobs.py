@@ -38,6 +38,8 @@ class JobStatus:
     run_dir: str
     logs: dict[str, Any]
     submitted: float
+    nccl_traces: str | None = None
+    """The folder of NCCL flight recorder dumps, when a collective timed out and some rank wrote one."""
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": str(self.state)}
@@ -71,8 +73,9 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     state, source = answer or (JobState.UNKNOWN, "none")
     step, when = last_step(run)
     age = time.time() - when if when is not None else None
+    traces = str(run.nccl_traces) if run.nccl_traces.is_dir() and any(run.nccl_traces.iterdir()) else None
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
-                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted)
+                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces)
 
 
 def last_step(run: RunFolder) -> tuple[int | None, float | None]:

@@ -65,6 +65,7 @@ class RunFolder:
     spec = property(lambda self: self.path / "spec.json")
     logs = property(lambda self: self.path / "logs")
     local_process = property(lambda self: self.path / "local-process.json")  # who runs a local job: pid, host
+    nccl_traces = property(lambda self: self.path / "nccl-trace")  # NCCL flight recorder dumps, rank-R each
     lock = property(lambda self: self.path / ".lock")  # flock of the running job's rank 0; holds who holds it
 
     def rank_log(self, restart: int, rank: int) -> Path:

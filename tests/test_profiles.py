@@ -94,7 +94,7 @@ def test_the_table_shows_defaults_docs_and_bounds() -> None:
     assert "at most 64" in rows["gpus_per_node"]
     assert rows["preemption.signal"].startswith("| `preemption.signal` | `USR2` | The signal Slurm sends")
     assert "at least 10, at most 3600" in rows["preemption.seconds_before"]
-    assert rows["python"].startswith("| `python` | the one running hpcjobs |")
+    assert rows["python"].startswith("| `python` | `python3` after `setup`, else the one running hpcjobs |")
     assert rows["setup"].startswith("| `setup` | `[]` |")
 
 

@@ -7,12 +7,13 @@ import datetime
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainers.distenv import DistEnv, from_environ
+from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnv, from_environ, setting_seconds
 
 
 class RendezvousError(RuntimeError):
@@ -25,7 +26,8 @@ class DistContext:
     device: torch.device
     backend: str
     control_group: Any = None
-    """A gloo group for tiny CPU collectives (the stop flag) when the main backend is NCCL; None: the default."""
+    """A gloo group of its own for the tiny CPU collectives (the stop flag, checkpoint barriers), which keep the
+    start-up timeout; None with one rank."""
 
     @property
     def rank(self) -> int:
@@ -42,6 +44,26 @@ class DistContext:
     def barrier(self) -> None:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier(group=self.control_group)
+
+    def training_timeout(self) -> float | None:
+        """Once the first step has finished: the training group's collectives get the (shorter) collective timeout,
+        as torchtitan does. Returns it (None with one rank, or where this torch cannot change it)."""
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if not dist.is_initialized() or self.world_size == 1 or set_timeout is None:
+            return None
+        seconds = setting_seconds(COLLECTIVE_TIMEOUT, os.environ)
+        set_timeout(datetime.timedelta(seconds=seconds), None)
+        return seconds
+
+
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+"""NCCL's flight recorder: the last 2000 collectives of each rank, dumped when a collective times out, so the dump
+says which rank stopped where. The profile's nccl: section may set these otherwise."""
+
+
+def flight_recorder_env(trace_prefix: Path) -> dict[str, str]:
+    """The variables (read when the NCCL group is made) that dump to `trace_prefix`RANK."""
+    return {**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_prefix)}
 
 
 GPU_ALLOCATION_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
@@ -116,14 +138,19 @@ def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
 
 
 @contextlib.contextmanager
-def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
-    """Join the job's process group (if more than one rank) and always leave it, whatever happens inside."""
+def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None) -> Iterator[DistContext]:
+    """Join the job's process group (if more than one rank) and always leave it, whatever happens inside.
+    `trace_prefix`: where NCCL's flight recorder dumps (RUN/nccl-trace/rank-) unless the environment says."""
     env = from_environ(os.environ)
     backend, device = pick_backend(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(cpu_threads(env))
-    timeout_s = timeout_s or float(os.environ.get("HPCJOBS_INIT_TIMEOUT", "300"))
+    timeout_s = timeout_s or setting_seconds(INIT_TIMEOUT, os.environ)
+    if backend == "nccl" and trace_prefix is not None:
+        trace_prefix.parent.mkdir(parents=True, exist_ok=True)
+        for name, value in flight_recorder_env(trace_prefix).items():
+            os.environ.setdefault(name, value)
     ctx = DistContext(env, device, backend)
     if env.world_size > 1:
         try:
@@ -136,9 +163,8 @@ def distributed(timeout_s: float | None = None) -> Iterator[DistContext]:
                 f"rank {env.rank}/{env.world_size} could not join the rendezvous at {env.master_addr}:"
                 f"{env.master_port} within {timeout_s:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
                 "HINT: check that every rank started, that MASTER_ADDR resolves from this node and the port is "
-                "free; HPCJOBS_INIT_TIMEOUT sets the wait.") from None
-        if backend == "nccl":
-            ctx.control_group = dist.new_group(backend="gloo")
+                f"free; {INIT_TIMEOUT[0]} sets the wait.") from None
+        ctx.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield ctx
     finally:

@@ -17,6 +17,28 @@ from hpcjobs.ports import port_for_job
 
 NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
+INIT_TIMEOUT = ("HPCJOBS_INIT_TIMEOUT", 300.0)
+"""Seconds every rank waits for the others at start-up: the rendezvous and every collective until the first step
+has finished (a cold node's imports, the first compile, loading a checkpoint)."""
+COLLECTIVE_TIMEOUT = ("HPCJOBS_COLLECTIVE_TIMEOUT", 120.0)
+"""Seconds a training collective may wait once the first step has finished: a rank that hangs (a dead GPU, a
+deadlock) ends the job this soon instead of after the start-up allowance. Checkpoint barriers and the stop agreement
+keep the start-up allowance (rank 0 may write for minutes)."""
+
+
+def setting_seconds(setting: tuple[str, float], environ: Mapping[str, str]) -> float:
+    """The setting's value from the environment (a positive number of seconds), else its default."""
+    name, default = setting
+    text = environ.get(name, "")
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        raise DistEnvError(f"{name}={text!r} is not a number of seconds; valid: a number > 0. HINT: e.g. "
+                           f"{name}={default:g}") from None
+    if not value > 0:
+        raise DistEnvError(f"{name}={text!r}; valid: a number of seconds > 0. HINT: e.g. {name}={default:g}")
+    return value
+
 
 class DistEnvError(ValueError):
     """The environment describes an impossible rank layout."""

@@ -32,7 +32,7 @@ from hpcjobs.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.states import FinalState
 from trainers import preemption, runlock
 from trainers.config import ConfigError, TaskArgError
-from trainers.distenv import DistEnv, DistEnvError, from_environ
+from trainers.distenv import INIT_TIMEOUT, DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.logtee import Tee
 from trainers.versions import TorchTooOld, require_torch
 
@@ -135,7 +135,7 @@ def claim_run_folder(run: RunFolder, env: DistEnv) -> int | None:
             print(f"hpcjobs: {e}", file=sys.stderr, flush=True)
             return REFUSED_EXIT
         return None
-    wait = min(float(os.environ.get("HPCJOBS_INIT_TIMEOUT", "300")), runlock.WAIT_FOR_RANK0_S)
+    wait = min(setting_seconds(INIT_TIMEOUT, os.environ), runlock.WAIT_FOR_RANK0_S)
     if runlock.wait_for_rank0(run, env, wait, preemption.requested_locally) or not preemption.requested_locally():
         return None  # rank 0 holds the folder, or is late: the rendezvous waits for it and says so if it never comes
     return REFUSED_EXIT  # stopped before it began (its rank 0 was refused and the launcher stops the rest): quiet

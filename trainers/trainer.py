@@ -311,6 +311,8 @@ class Training:
         try:
             while pos.step < cfg.steps:
                 self.step()
+                if pos.step == self.first_step + 1:
+                    self.first_step_done()
                 if fault_armed:
                     faults.maybe_die("step", pos.step)
                 self.after_step()
@@ -340,6 +342,12 @@ class Training:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pos.step += 1
+
+    def first_step_done(self) -> None:
+        """Start-up is over (compilation, loading, a cold node): a hung rank should now end the job quickly."""
+        seconds = self.ctx.training_timeout()
+        if seconds is not None:
+            log(self.ctx, f"first step done: training collectives now time out after {seconds:g} s")
 
     def after_step(self) -> None:
         cfg, step = self.cfg, self.pos.step
