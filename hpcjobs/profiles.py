@@ -107,7 +107,8 @@ class ClusterProfile:
     """Signal, warning time and restart cap (see Preemption)."""
     runs_dir: str = "~/hpcjobs-runs"
     """Where run folders go (a shared filesystem on a cluster); `~` and `$VARS` are expanded."""
-    python: str | None = field(default=None, metadata={"shown": "`python3` after `setup`, else the one running hpcjobs"})
+    python: str | None = field(default=None,
+                               metadata={"shown": "`python3` after `setup`, else the one running hpcjobs"})
     """Python on the nodes. Default: `python3` as found on the node after `setup` when there is a setup (which
     usually activates the environment), else the one running hpcjobs (a shared filesystem). A Slurm job checks that
     it imports torch and hpcjobs before any rank starts, and ends with one line if not."""

@@ -67,7 +67,7 @@ BAD_TRAINER_FLAGS = [
     (["--keep-best"], "--keep-best"),
     (["--eval-every", "-1"], "--eval-every"),
     (["--log-every", "0"], "--log-every"),
-    (["--stop-check-every", "0"], "--stop-check-every"),
+    (["--stop-check-every", "-1"], "--stop-check-every"),
     (["--seed", "1.5"], "--seed"),
     (["--weight-decay", "x"], "--weight-decay"),
     (["--num-workers", "many"], "--num-workers"),

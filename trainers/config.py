@@ -53,9 +53,10 @@ class TrainConfig:
     """Also keep the checkpoint with the lowest val_loss (RUN/checkpoints/best.json names it; never pruned)."""
     eval_every: int = 0
     """Steps between evaluations of the task's validation set, all ranks' shards averaged (0: never)."""
-    stop_check_every: int = 1
-    """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int, in the background:
-    a stop takes effect at the check after the one that saw it)."""
+    stop_check_every: int = 0
+    """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int, in the background: a stop
+    takes effect at the check after the one that saw it). 0: about once a second of training, from the step time
+    measured over this start's first steps (the slowest rank's; every rank checks at the same steps)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (kept across epochs; each sample's randomness is seeded from the seed,
     the rank, the epoch and its index, so results do not depend on the worker count or on where a resume began)."""
@@ -185,7 +186,7 @@ BOUNDS: dict[str, Bounds] = {
     "ckpt_every": Bounds(0, note="0: only at the end and on a stop", example="100"),
     "keep": Bounds(2, note="the newest checkpoint is never the only copy", example="2"),
     "eval_every": Bounds(0, note="0: never", example="100"),
-    "stop_check_every": Bounds(1, example="1"),
+    "stop_check_every": Bounds(0, note="0: about once a second, from the measured step time", example="1"),
     "num_workers": Bounds(0, example="4"),
 }
 """Every numeric setting's valid range; a test checks that no int or float field is missing here."""

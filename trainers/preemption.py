@@ -23,6 +23,7 @@ Which signal, how long before the end, the restart cap and the run folder all co
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -179,6 +180,46 @@ class Agreement:
         self._pending.wait()
         self._pending = None
         return bool(self._flag.item())
+
+
+class Cadence:
+    """At which steps the ranks agree on a stop: every `every` steps, or (every=0) about once per TARGET_S of
+    training. The agreement costs a step a fixed time in any case (bench/stop_agreement.py: ~0.2-2 ms at 2-64 ranks
+    on one host), which only matters for short steps; checking once a second keeps it negligible and delays a stop
+    by a second or two, against a warning of 10 s or more. The step time is measured over this start's steps
+    MEASURE[0]..MEASURE[1] (after the first, which compiles and warms up; checking every step meanwhile), and every
+    rank takes the slowest rank's, agreed by one all-reduce: the ranks must check at the same steps."""
+
+    TARGET_S = 1.0
+    MEASURE = (2, 12)
+
+    def __init__(self, every: int, first_step: int, group: Any = None) -> None:
+        self.every, self.first_step, self.group = every, first_step, group
+        self._t0 = 0.0
+        self.chosen: tuple[int, float] | None = None
+        """(every, the slowest rank's step time in s) once measured: the trainer logs it."""
+
+    def due(self, step: int) -> bool:
+        """Whether `step` (just finished) is a check. Call it after every step, on every rank."""
+        if self.every:
+            return step % self.every == 0
+        k = step - self.first_step
+        if k == self.MEASURE[0]:
+            self._t0 = time.perf_counter()
+        if k == self.MEASURE[1]:
+            self.every, step_s = self.decide((time.perf_counter() - self._t0) / (self.MEASURE[1] - self.MEASURE[0]))
+            self.chosen = (self.every, step_s)
+        return True
+
+    def decide(self, step_s: float) -> tuple[int, float]:
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            slowest = torch.tensor([step_s], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+            step_s = float(slowest.item())
+        return max(1, math.ceil(self.TARGET_S / max(step_s, 1e-6))), step_s
 
 
 @dataclass

@@ -279,6 +279,7 @@ class Training:
         net = self.ddp or self.model
         self.net = cast(nn.Module, torch.compile(net)) if cfg.compile else net
         self.agreement = preemption.Agreement(ctx.control_group)
+        self.cadence = preemption.Cadence(cfg.stop_check_every, self.pos.step, ctx.control_group)
         dataset = task.train_data()
         self.data = micro_batches(dataset, ctx, cfg, self.micro, self.pos)
         self.autocast = torch.autocast(device.type, dtype=torch.float16 if self.precision == "fp16" else
@@ -316,12 +317,21 @@ class Training:
                 if fault_armed:
                     faults.maybe_die("step", pos.step)
                 self.after_step()
-                if pos.step % cfg.stop_check_every == 0 and self.agreement.any_rank_pipelined(
-                        preemption.requested_locally()):
+                if self.stop_agreed():
                     return self.stop()
             return self.finish()
         finally:
             self.meter.close()
+
+    def stop_agreed(self) -> bool:
+        """Whether every rank agrees to stop at this step; asked only at the cadence's steps (the same on all)."""
+        if not self.cadence.due(self.pos.step):
+            return False
+        if self.cadence.chosen:
+            every, step_s = self.cadence.chosen
+            self.cadence.chosen = None
+            log(self.ctx, f"stop checks every {every} step(s) (slowest rank's step: {step_s * 1000:.1f} ms)")
+        return self.agreement.any_rank_pipelined(preemption.requested_locally())
 
     def step(self) -> None:
         """One optimizer step: grad_accum micro-batches (gradients all-reduced on the last one only)."""
