@@ -220,7 +220,9 @@ class Training:
         self.precision = resolve_precision(cfg.precision, device)
         self.lr = cfg.lr * cfg.lr_factor(world)
         self.math = perf.configure_math(self.precision, cfg.deterministic, device)
-        log(ctx, f"task {task.name} | {world} rank(s), {ctx.backend} on {device.type} | batch {self.micro}×"
+        threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
+        log(ctx, f"task {task.name} | {world} rank(s), {ctx.backend} on {device.type}, {threads} thread"
+                 f"{'s' * (threads != 1)} per rank | batch {self.micro}×"
                  f"{cfg.grad_accum} per rank, {self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × "
                  f"{cfg.lr_factor(world):g} ({cfg.lr_scaling} scaling) = {self.lr:g} | precision {self.precision}"
                  + "".join(f", {word}" for word in (self.math, "compiled" if cfg.compile else "") if word))

@@ -88,3 +88,23 @@ def test_a_rank_without_cuda_where_slurm_allocated_gpus_ends_the_job_naming_it(c
     status = hpcjobs("status", job).stdout
     assert "Slurm allocated GPUs (SLURM_GPUS_ON_NODE=2) but CUDA is unavailable" in status, status
     assert any(f"on {host}:" in status for host in ("node1", "node2")), status
+
+
+def test_torch_threads_follow_slurms_cpus_per_task_within_the_ranks_cpus(cluster_profile: Path,
+                                                                         shared_tmp: Path) -> None:
+    """srun is given --cpus-per-task itself (Slurm 22.05, this cluster, does not pass sbatch's on), and a rank runs
+    Slurm's CPUs per task as torch threads, never more than the CPUs it may run on (this host has few)."""
+    import os
+
+    data = yaml.safe_load(cluster_profile.read_text())
+    data["cpus_per_gpu"] = 4
+    del data["env"]["OMP_NUM_THREADS"]
+    profile = cluster_profile.with_name("four-cpus.yaml")
+    profile.write_text(yaml.safe_dump(data))
+    job, run = start("sbatch", profile, shared_tmp)
+    assert wait_for_state(job, DONE) == "COMPLETED"
+    steps = slurm("sacct", "-n", "-P", "-j", job, "-o", "JobID,AllocCPUS").split()
+    assert f"{job}.0|16" in steps, steps  # the srun step: 2 nodes × 2 ranks × 4 CPUs
+    expected = min(4, len(os.sched_getaffinity(0)))  # the nodes are namespaces of this host
+    log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert f"gloo on cpu, {expected} thread{'s' * (expected != 1)} per rank" in log, log
