@@ -27,6 +27,9 @@ EXAMPLES = {
   hpcjobs submit --profile mycluster -m mypkg.train --lr 3e-4                               # python -m style
   hpcjobs submit --profile local --gpus 2 trainers.tasks.lm --steps 50                     # this machine
   hpcjobs submit --profile mycluster --nodes 2 --gpus 8 --dry-run trainers.tasks.lm        # show, submit nothing""",
+    "doctor": """examples:
+  hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --time 4:00:00    # ✓/✗ per check, exit 0 if none failed
+  hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --json trainers.tasks.lm --size small""",
     "render": """examples:
   hpcjobs render --profile mycluster --nodes 2 --gpus 8 -o train.sbatch trainers.tasks.lm --size small
   sbatch train.sbatch""",
@@ -74,7 +77,7 @@ def _job_state(text: str) -> Any:
     return state
 
 
-def _job_flags() -> argparse.ArgumentParser:
+def _job_flags(entry_optional: bool = False) -> argparse.ArgumentParser:
     p = Parser(add_help=False)
     p.add_argument("--profile", required=True, help="cluster profile: a name (`hpcjobs profiles`) or a .yaml path")
     p.add_argument("--nodes", type=_int, default=1, help="nodes (default 1)")
@@ -89,8 +92,9 @@ def _job_flags() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="run folder (checkpoints, metrics, logs); an existing one is resumed")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment (repeat)")
     p.add_argument("-m", "--module", action="store_true", help="ENTRY is a module run like `python -m ENTRY`")
-    p.add_argument("entry", metavar="ENTRY", help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py "
-                                                   "script, or with -m a module")
+    p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=DOCTOR_ENTRY,
+                   help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
+                        + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")
     return p
 
@@ -391,8 +395,36 @@ def run_cancel(ns: argparse.Namespace) -> int:
     return 0
 
 
+# --- doctor -------------------------------------------------------------------------------------------------------
+
+DOCTOR_ENTRY = "trainers.tasks.lm"
+"""What doctor checks the request with when no entry is given (it must exist, like any entry)."""
+
+
+def add_doctor(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "doctor", "Check the exact request against the cluster before it queues (one row per check).",
+                parents=[_job_flags(entry_optional=True)])
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(run=run_doctor, own_flags=_option_strings(p))
+
+
+def run_doctor(ns: argparse.Namespace) -> int:
+    from hpcjobs.backends import backend_for
+    from hpcjobs.doctor import exit_code, table
+
+    spec = _spec(ns)  # as submit builds it
+    checks = backend_for(spec.profile.scheduler).doctor(spec)
+    if ns.json:
+        _print_json({"world": spec.world(), "profile": spec.profile.name, "checks": [c.as_dict() for c in checks],
+                     "ok": exit_code(checks) == 0})
+    else:
+        print(f"hpcjobs doctor: {spec.world()}, profile {spec.profile.name}, --time {spec.time}")
+        print(table(checks))
+    return exit_code(checks)
+
+
 COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
-    add_submit, add_render, add_profiles, add_status, add_list, add_logs, add_cancel]
+    add_submit, add_render, add_doctor, add_profiles, add_status, add_list, add_logs, add_cancel]
 
 
 def build_parser() -> argparse.ArgumentParser:

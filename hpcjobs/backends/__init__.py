@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hpcjobs.errors import UsageError
 
 if TYPE_CHECKING:
+    from hpcjobs.doctor import Check
     from hpcjobs.spec import JobSpec
     from hpcjobs.states import JobState
     from hpcjobs.store import JobRecord
@@ -80,6 +81,7 @@ class Backend(Protocol):
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None: ...
     def cancel(self, rec: JobRecord) -> str: ...
     def logs(self, rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path: ...
+    def doctor(self, spec: JobSpec) -> list[Check]: ...
 
 
 def backend_for(scheduler: str) -> Backend:

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
-from hpcjobs.backends.common import RunFolderLogs, prepare_run_folder
+from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
 from hpcjobs.backends.environment import clean
+from hpcjobs.doctor import Check, Result
 from hpcjobs.errors import UsageError
 from hpcjobs.render import launcher_argv
 from hpcjobs.runfolder import RunFolder, resolve_run_dir, write_json_atomic
@@ -127,6 +128,15 @@ class LocalBackend(RunFolderLogs):
         if spec.nodes != 1:
             raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",
                              "use a Slurm profile for more than one node.")
+
+    def doctor(self, spec: JobSpec) -> list[Check]:
+        """Nothing queues here: the request was checked when the spec was built; what is left is the run folder."""
+        checks = [Check("scheduler", Result.SKIP, f"profile {spec.profile.name} is local: nothing to ask a scheduler")]
+        try:
+            check_run_folder(spec.run_dir)
+        except UsageError as e:
+            return [*checks, Check("runs folder", Result.FAIL, e.one_line(), "another --run-dir or runs_dir")]
+        return [*checks, Check("runs folder", Result.PASS, f"{spec.run_dir} can be made")]
 
     def script(self, spec: JobSpec) -> Script:
         raise UsageError(f"profile {spec.profile.name} is local: there is no sbatch script to render.",

@@ -15,6 +15,7 @@ from hpcjobs.backends import Script, SubmitRequest, Submitted
 from hpcjobs.backends.common import RunFolderLogs, Runner, check_run_folder, prepare_run_folder, run_command
 from hpcjobs.backends.environment import cleaned_os_environ
 from hpcjobs.backends.slurm_render import render_sbatch, slurm_log_dir, submitit_parameters, submitit_python
+from hpcjobs.doctor import Check
 from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.runfolder import RunFolder, has_pattern, resolve_run_dir
 from hpcjobs.slurmtime import format_time
@@ -111,6 +112,11 @@ class SlurmBackend(RunFolderLogs):
             raise RuntimeFailure(f"scancel {rec.job_id} failed: {(out.stderr or out.stdout).strip()}",
                                  "check that the job is yours and Slurm answers (`squeue --me`).")
         return f"job {rec.job_id} cancelled"
+
+    def doctor(self, spec: JobSpec) -> list[Check]:
+        from hpcjobs.backends.slurm_doctor import doctor
+
+        return doctor(spec, render_sbatch(spec), self.run)
 
 
 def launcher_args(spec: JobSpec) -> list[str]:

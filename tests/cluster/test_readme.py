@@ -137,6 +137,7 @@ def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     assert "testcluster" in user.run("hpcjobs profiles").stdout
     user.run("cp cluster_profiles/a100-ib.yaml ~/.config/hpcjobs/profiles/mysite.yaml")
     user.edit_mysite(shared_tmp / "runs")
+    assert "✓ request " in user.run("hpcjobs doctor --profile mysite --nodes 2 --gpus 8 --time 4:00:00").stdout
     (user.cwd / "train.py").write_text(STAND_IN)
     (user.cwd / "mypkg").mkdir()
     (user.cwd / "mypkg" / "__init__.py").write_text("")

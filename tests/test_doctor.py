@@ -1,0 +1,137 @@
+"""`hpcjobs doctor`'s Slurm checks on text recorded from the test cluster (Slurm 22.05.8), each passing and failing
+for a planted reason; tests/cluster/test_doctor_cluster.py runs them against the live cluster."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from subprocess import CompletedProcess
+
+import pytest
+
+from conftest import REPO, hpcjobs
+from hpcjobs.backends import slurm_doctor as d
+from hpcjobs.doctor import Result, exit_code, table
+from hpcjobs.profiles import load_profile
+from hpcjobs.spec import JobSpec, Request, build_spec
+
+GOLDEN = REPO / "tests" / "golden"
+PARTITIONS = (GOLDEN / "testcluster-scontrol-partition.txt").read_text()  # scontrol show partition -o
+NODES = (GOLDEN / "testcluster-scontrol-node.txt").read_text()  # scontrol show node -o
+CONFIG = """\
+AccountingStorageEnforce = none
+AccountingStorageHost   = head
+AccountingStorageType   = accounting_storage/slurmdbd
+JobRequeue              = 1
+PreemptMode             = REQUEUE
+PreemptType             = preempt/partition_prio
+SlurmctldParameters     = preempt_send_user_signal
+"""
+ASSOC = CompletedProcess([], 0, "root||normal|\n", "")
+
+
+def spec(gpus: int = 8, nodes: int = 2, time: str = "30:00", **profile: object) -> JobSpec:
+    p = replace(load_profile(str(REPO / "cluster_profiles" / "testcluster.yaml")), **profile)
+    return build_spec(p, Request(entry="trainers.tasks.lm", nodes=nodes, gpus=gpus, time=time), workdir=REPO)
+
+
+def parts() -> dict[str, dict[str, str]]:
+    return d.records(PARTITIONS, "PartitionName")
+
+
+def test_parsers_read_the_recorded_text() -> None:
+    p, n, c = parts(), d.records(NODES, "NodeName"), d.config(CONFIG)
+    assert sorted(p) == ["high", "low"] and p["low"]["MaxTime"] == "UNLIMITED" and p["low"]["GraceTime"] == "20"
+    assert n["node1"]["Gres"] == "gpu:8" and n["node1"]["CPUTot"] == "16" and n["node2"]["OS"].startswith("Linux ")
+    assert c["SlurmctldParameters"] == "preempt_send_user_signal"
+    assert [d.gres_gpus(g) for g in ("gpu:8", "gpu:h100:8(S:0-1)", "gpu:a100:4,shard:8", "(null)", "")] == \
+        [8, 8, 4, 0, 0]
+
+
+def test_test_only() -> None:
+    ok = d.check_test_only(CompletedProcess([], 0, "", "sbatch: Job 14 to start at 2026-11-23T08:45:28 using 2 "
+                                                    "processors on nodes node[1-2] in partition low\n"))
+    assert ok.result == Result.PASS and ok.found.endswith("would start at 2026-11-23T08:45:28 on node[1-2]")
+    bad = d.check_test_only(CompletedProcess([], 1, "", "sbatch: error: invalid partition specified: nosuch\n"
+                                                     "allocation failure: Invalid partition name specified\n"))
+    assert bad.result == Result.FAIL and "invalid partition specified: nosuch" in bad.found
+
+
+def test_partition() -> None:
+    assert d.check_partition(spec(), parts()).result == Result.PASS
+    missing = d.check_partition(replace(spec(), partition="nosuch"), parts())
+    assert missing.result == Result.FAIL and missing.found == "partition 'nosuch' does not exist; valid: high, low"
+    down = {**parts(), "low": {**parts()["low"], "State": "DOWN"}}
+    assert d.check_partition(spec(), down).found == "low is DOWN"
+    short = {**parts(), "low": {**parts()["low"], "MaxTime": "01:00:00"}}
+    over = d.check_partition(spec(time="2:00:00"), short)
+    assert over.result == Result.FAIL and "--time 02:00:00 is over its MaxTime 01:00:00" in over.found
+    assert "--time 01:00:00 or less" in over.fix
+
+
+def test_nodes() -> None:
+    nodes = d.records(NODES, "NodeName")
+    assert d.check_nodes(spec(), parts(), nodes).result == Result.PASS
+    many = d.check_nodes(spec(gpus=16, gpus_per_node=16), parts(), nodes)
+    assert many.result == Result.FAIL
+    assert many.found == ("0 of 2 nodes in low have 16 GPUs and 16 CPUs and are up (they have: gpu:8 16 CPUs); the job "
+                          "needs 2")
+    cpus = d.check_nodes(spec(gpus=8, cpus_per_gpu=4), parts(), nodes)
+    assert cpus.result == Result.FAIL and "have 8 GPUs and 32 CPUs" in cpus.found
+    drained = {**nodes, "node2": {**nodes["node2"], "State": "IDLE+DRAIN"}}
+    assert d.check_nodes(spec(), parts(), drained).result == Result.FAIL
+    assert d.check_nodes(spec(nodes=1), parts(), drained).result == Result.PASS
+
+
+def test_account() -> None:
+    conf = d.config(CONFIG)
+    assert d.check_account(replace(spec(), account="root", qos="normal"), conf, ASSOC).result == Result.PASS
+    wrong = replace(spec(), account="nosuch", qos="fast")
+    loose = d.check_account(wrong, conf, ASSOC)
+    assert loose.result == Result.SKIP and "not enforced here" in loose.found
+    strict = d.check_account(wrong, {**conf, "AccountingStorageEnforce": "associations,limits,qos"}, ASSOC)
+    assert strict.result == Result.FAIL
+    assert strict.found == "account 'nosuch' is not one of yours (root); qos 'fast' is not one of yours (normal)"
+    none = d.check_account(spec(), {"AccountingStorageType": "accounting_storage/none"}, None)
+    assert none.result == Result.SKIP and none.found == "not checked: no accounting here (accounting_storage/none)"
+
+
+def test_requeue_and_signal() -> None:
+    conf, low = d.config(CONFIG), parts()["low"]
+    assert d.check_requeue(conf, low).found == "a preemption requeues the job (PreemptMode=REQUEUE)"
+    assert d.check_requeue(conf, {**low, "PreemptMode": "CANCEL"}).result == Result.FAIL
+    assert d.check_signal(spec(), conf, low).found.startswith("a preemption sends SIGUSR2")
+    no_user = {**conf, "SlurmctldParameters": ""}
+    term = d.check_signal(spec(), no_user, low)
+    assert term.result == Result.PASS and "SIGTERM, then SIGKILL after GraceTime=20 s" in term.found
+    assert d.check_signal(spec(), no_user, {**low, "GraceTime": "0"}).result == Result.FAIL
+
+
+def test_the_report() -> None:
+    runs = {("sbatch", "--test-only"): CompletedProcess([], 0, "", "sbatch: Job 1 to start at T using 16 processors "
+                                                                  "on nodes node[1-2] in partition low"),
+            ("scontrol", "show", "partition"): CompletedProcess([], 0, PARTITIONS, ""),
+            ("scontrol", "show", "node"): CompletedProcess([], 0, NODES, ""),
+            ("scontrol", "show", "config"): CompletedProcess([], 0, CONFIG, ""), ("sacctmgr", "-n", "-P"): ASSOC}
+
+    def run(argv: object) -> CompletedProcess[str]:
+        words = tuple(argv)  # type: ignore[call-overload]
+        return next(v for k, v in runs.items() if words[: len(k)] == k)
+
+    checks = d.doctor(spec(), "#!/bin/bash\n", run)
+    assert [c.name for c in checks] == ["request", "partition", "nodes", "account", "requeue", "signal"]
+    assert exit_code(checks) == 0 and table(checks).splitlines()[0].startswith("✓ request ")
+    assert exit_code([*checks, replace(checks[0], result=Result.FAIL)]) == 1
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--gpus", "99"], "--gpus 99"), (["--time", "soon"], "--time 'soon'"), (["--nodes", "0"], "--nodes 0")])
+def test_bad_requests_are_refused_before_any_check(args: list[str], said: str) -> None:
+    out = hpcjobs("doctor", "--profile", "testcluster", *args, cwd=REPO)
+    assert out.returncode == 2 and out.stdout == "" and said in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_local_doctor() -> None:
+    out = hpcjobs("doctor", "--profile", "local", "--gpus", "2", "--json", cwd=REPO)
+    said = json.loads(out.stdout)
+    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder"]
