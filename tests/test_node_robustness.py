@@ -14,7 +14,6 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcjobs.ports import free_port
 from hpcjobs.runfolder import RunFolder
 from trainers import checkpoint
 from trainers.config import TrainConfig
@@ -46,12 +46,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     drop = ("SLURM_", "HPCJOBS_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     return {**env, "OMP_NUM_THREADS": "1", "HPCJOBS_FAULT_INJECT": "", **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(run_dir: Path, args: list[str], ranks: int = 1, job: str = "job-a", fault: str = "",

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
+from hpcjobs.ports import free_port
 from trainers import preemption
 from trainers.preemption import Cadence
 
@@ -48,9 +48,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_every_rank_takes_the_slowest_ranks_step_time(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "said")
     mp.spawn(_rank, args=(port, out), nprocs=2)
     said = [json.loads(Path(f"{out}-{r}").read_text()) for r in (0, 1)]

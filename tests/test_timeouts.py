@@ -12,6 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from conftest import REPO, hpcjobs
+from hpcjobs.ports import free_port
 from trainers.dist import FLIGHT_RECORDER, flight_recorder_env
 from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnvError, setting_seconds
 
@@ -44,11 +45,7 @@ def _hung_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_after_the_first_step_a_hung_rank_ends_a_collective_at_the_training_timeout(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "said")
     mp.spawn(_hung_rank, args=(port, out), nprocs=2)
     said = json.loads(Path(f"{out}-0").read_text())

@@ -18,6 +18,7 @@ import torch
 
 from hpcjobs.contract import LaunchContract, Preemption
 from hpcjobs.errors import UsageError
+from hpcjobs.ports import free_port
 from hpcjobs.slurmtime import format_time, parse_mem_mb, parse_time
 from hpcjobs.states import StopReason
 from hpcjobs.store import JobRecord, JobStore
@@ -223,11 +224,7 @@ def _agree(rank: int, port: int, out: str) -> None:
 
 def test_ranks_agree_on_a_stop_at_the_same_call(tmp_path: Path) -> None:
     """Rank 1 alone is asked to stop at call 3: the pipelined check tells both ranks at call 4, not before."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_agree, args=(r, port, str(tmp_path))) for r in range(2)]
     for proc in procs:

@@ -23,6 +23,7 @@ from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run
 from hpcjobs.backends.environment import clean
 from hpcjobs.doctor import Check, Result
 from hpcjobs.errors import UsageError
+from hpcjobs.ports import free_port
 from hpcjobs.render import launcher_argv
 from hpcjobs.runfolder import RunFolder, resolve_run_dir, write_json_atomic
 from hpcjobs.spec import JobSpec
@@ -35,12 +36,6 @@ JOB_ID_PLACEHOLDER = "local-<id>"
 
 def local_job_id() -> str:
     return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str]) -> list[dict[str, str]]:
