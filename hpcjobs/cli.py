@@ -405,6 +405,10 @@ def add_doctor(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _parser(sub, "doctor", "Check the exact request against the cluster before it queues (one row per check).",
                 parents=[_job_flags(entry_optional=True)])
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument("--probe", action="store_true", help="also run a one-node, two-minute job that runs the setup and "
+                   "checks the node side: torch and the entry import, GPUs, interfaces, the runs folder")
+    p.add_argument("--probe-wait", type=_int, default=300, metavar="SECONDS",
+                   help="how long --probe waits for its job to start and end (default 300; then it is cancelled)")
     p.set_defaults(run=run_doctor, own_flags=_option_strings(p))
 
 
@@ -412,8 +416,10 @@ def run_doctor(ns: argparse.Namespace) -> int:
     from hpcjobs.backends import backend_for
     from hpcjobs.doctor import exit_code, table
 
+    if ns.probe and not 10 <= ns.probe_wait <= 86400:
+        raise UsageError(f"--probe-wait {ns.probe_wait}: valid: 10 to 86400 seconds.", "e.g. --probe-wait 600")
     spec = _spec(ns)  # as submit builds it
-    checks = backend_for(spec.profile.scheduler).doctor(spec)
+    checks = backend_for(spec.profile.scheduler).doctor(spec, ns.probe_wait if ns.probe else None)
     if ns.json:
         _print_json({"world": spec.world(), "profile": spec.profile.name, "checks": [c.as_dict() for c in checks],
                      "ok": exit_code(checks) == 0})

@@ -110,8 +110,9 @@ class ClusterProfile:
     python: str | None = field(default=None,
                                metadata={"shown": "`python3` after `setup`, else the one running hpcjobs"})
     """Python on the nodes. Default: `python3` as found on the node after `setup` when there is a setup (which
-    usually activates the environment), else the one running hpcjobs (a shared filesystem). A Slurm job checks that
-    it imports torch and hpcjobs before any rank starts, and ends with one line if not."""
+    usually activates the environment), then the one running hpcjobs (a shared filesystem); without a setup, the one
+    running hpcjobs. A Slurm job checks that it imports torch and hpcjobs before any rank starts, and ends with one
+    line if none does."""
     srun_args: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_ITEMS})
     """Extra srun flags, e.g. `--cpu-bind=cores`."""
 

@@ -71,6 +71,9 @@ class JobSpec:
     account: str | None
     qos: str | None
     env: dict[str, str] = field(default_factory=dict)
+    python_fallback: str | None = None
+    """The Python tried on the node when `python` (found after the setup) cannot start the ranks: the one hpcjobs
+    ran from, when the profile names none."""
 
     @property
     def ranks(self) -> int:
@@ -92,7 +95,8 @@ class JobSpec:
             "scheduler": self.profile.scheduler, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
             "ranks": self.ranks, "time": self.time, "entry": {"kind": self.entry.kind, "target": self.entry.target,
                                                               "args": list(self.entry.args)},
-            "run_dir": self.run_dir, "workdir": self.workdir, "python": self.python, "partition": self.partition,
+            "run_dir": self.run_dir, "workdir": self.workdir, "python": self.python,
+            "python_fallback": self.python_fallback, "partition": self.partition,
             "account": self.account, "qos": self.qos, "env": dict(self.env),
             "preemption": {"signal": self.profile.preemption.signal,
                            "seconds_before": self.profile.preemption.seconds_before,
@@ -227,6 +231,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     spec = JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
         run_dir=run_dir, workdir=str(workdir), python=node_python(profile),
+        python_fallback=sys.executable if node_python(profile) == AFTER_SETUP and not profile.python else None,
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env,
     )

@@ -4,7 +4,9 @@ for a planted reason; tests/cluster/test_doctor_cluster.py runs them against the
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 from subprocess import CompletedProcess
 
 import pytest
@@ -44,8 +46,8 @@ def test_parsers_read_the_recorded_text() -> None:
     assert sorted(p) == ["high", "low"] and p["low"]["MaxTime"] == "UNLIMITED" and p["low"]["GraceTime"] == "20"
     assert n["node1"]["Gres"] == "gpu:8" and n["node1"]["CPUTot"] == "16" and n["node2"]["OS"].startswith("Linux ")
     assert c["SlurmctldParameters"] == "preempt_send_user_signal"
-    assert [d.gres_gpus(g) for g in ("gpu:8", "gpu:h100:8(S:0-1)", "gpu:a100:4,shard:8", "(null)", "")] == \
-        [8, 8, 4, 0, 0]
+    assert [d.gres_gpus(g) for g in ("gpu:8", "gpu:h100:8(S:0-1)", "gpu:a100:4,shard:8", "(null)", "",
+                                     "gpu:h100:4(S:0,2),gpu:h100:4(S:1,3)")] == [8, 8, 4, 0, 0, 8]
 
 
 def test_test_only() -> None:
@@ -80,12 +82,17 @@ def test_nodes() -> None:
     assert cpus.result == Result.FAIL and "have 8 GPUs and 32 CPUs" in cpus.found
     drained = {**nodes, "node2": {**nodes["node2"], "State": "IDLE+DRAIN"}}
     assert d.check_nodes(spec(), parts(), drained).result == Result.FAIL
+    down = {**nodes, "node2": {**nodes["node2"], "State": "DOWN*"}}
+    assert d.check_nodes(spec(), parts(), down).result == Result.FAIL
+    cloud = {**nodes, "node2": {**nodes["node2"], "State": "IDLE+CLOUD+POWERED_DOWN"}}  # powered up on demand
+    assert d.check_nodes(spec(), parts(), cloud).result == Result.PASS
     assert d.check_nodes(spec(nodes=1), parts(), drained).result == Result.PASS
 
 
 def test_account() -> None:
     conf = d.config(CONFIG)
     assert d.check_account(replace(spec(), account="root", qos="normal"), conf, ASSOC).result == Result.PASS
+    assert d.check_account(replace(spec(), account="ROOT"), conf, ASSOC).result == Result.PASS  # kept lower case
     wrong = replace(spec(), account="nosuch", qos="fast")
     loose = d.check_account(wrong, conf, ASSOC)
     assert loose.result == Result.SKIP and "not enforced here" in loose.found
@@ -105,6 +112,9 @@ def test_requeue_and_signal() -> None:
     term = d.check_signal(spec(), no_user, low)
     assert term.result == Result.PASS and "SIGTERM, then SIGKILL after GraceTime=20 s" in term.found
     assert d.check_signal(spec(), no_user, {**low, "GraceTime": "0"}).result == Result.FAIL
+    assert d.check_signal(spec(), conf, {**low, "GraceTime": "0"}).result == Result.FAIL  # the user signal too
+    assert d.by_qos({**conf, "PreemptType": "preempt/qos"}).result == Result.SKIP  # type: ignore[union-attr]
+    assert d.by_qos(conf) is None
 
 
 def test_the_report() -> None:
@@ -135,3 +145,44 @@ def test_local_doctor() -> None:
     out = hpcjobs("doctor", "--profile", "local", "--gpus", "2", "--json", cwd=REPO)
     said = json.loads(out.stdout)
     assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder"]
+
+
+# --- --probe: the job's script and what its report says (tests/cluster/test_doctor_cluster.py runs it) -----------
+
+def test_the_probe_script_runs_the_setup_and_the_python_check_on_one_node(tmp_path: Path) -> None:
+    from hpcjobs.backends.slurm_probe import probe_script
+
+    s = replace(spec(), profile=replace(spec().profile, setup=("module load x",), runs_dir=str(tmp_path)))
+    text = probe_script(s, tmp_path / "probe" / "r.json")
+    assert "#SBATCH --nodes=1\n" in text and "#SBATCH --gpus-per-node=8\n" in text and "#SBATCH --time=00:02:00" in text
+    assert text.index("module load x") < text.index("for hpcjobs_python in ") < text.index('"$HPCJOBS_PYTHON" - task')
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("value,ok", [("eth0", True), ("eth", True), ("=eth0", True), ("=eth", False),
+                                      ("ib0", False), ("eth0,ib0", False), ("^docker,lo", True)])
+def test_interfaces_in_nccls_forms(value: str, ok: bool) -> None:
+    from hpcjobs.backends.slurm_probe import interface_problems
+
+    assert (interface_problems({"NCCL_SOCKET_IFNAME": value}, ["eth0", "lo"]) == []) == ok
+    assert interface_problems({"GLOO_SOCKET_IFNAME": "eth"}, ["eth0", "lo"]) != []  # gloo: exact names only
+
+
+REPORT = {"host": "node1", "python": "/venv/bin/python3", "torch": "2.13.0", "cuda": False, "gpus": 0, "entry": True,
+          "interfaces": ["eth0", "lo"]}
+
+
+def test_probe_rows() -> None:
+    from hpcjobs.backends.slurm_probe import probe_checks
+
+    rows = {c.name: c for c in probe_checks(spec(), "7", "COMPLETED", REPORT, "")}
+    assert [r.result for r in rows.values()] == [Result.PASS, Result.PASS, Result.PASS, Result.SKIP, Result.PASS]
+    assert rows["GPUs"].found == "not needed: HPCJOBS_BACKEND=gloo (torch sees 0 on node1)"
+    gpu = replace(spec(), env={**spec().env, "HPCJOBS_BACKEND": "nccl", "GLOO_SOCKET_IFNAME": "ib0"})
+    rows = {c.name: c for c in probe_checks(gpu, "7", "COMPLETED", REPORT, "")}
+    assert rows["GPUs"].result == Result.FAIL and rows["GPUs"].found.startswith("torch sees 0 CUDA GPU(s) on node1")
+    assert rows["interfaces"].result == Result.FAIL and "GLOO_SOCKET_IFNAME=ib0: no interface 'ib0'" in \
+        rows["interfaces"].found
+    failed = probe_checks(spec(), "8", "FAILED", None, "line 1\nhpcjobs: the nodes' Python (python3 -> x) ...\n")
+    assert [c.result for c in failed] == [Result.FAIL]
+    assert failed[0].found == "job 8 ended FAILED without a report: hpcjobs: the nodes' Python (python3 -> x) ..."

@@ -63,8 +63,9 @@ def test_torch_threads_never_exceed_the_cpus_the_rank_may_run_on(monkeypatch: py
     assert cpu_threads(env, usable=1) == 1  # bound to one CPU
     assert cpu_threads(env, usable=16) == 8  # task/none: the mask is the node, the share is Slurm's
     monkeypatch.delenv("SLURM_CPUS_PER_TASK")
-    assert cpu_threads(env, usable=3) == 3  # a mask of the rank's own
+    assert cpu_threads(env, usable=8) == 2  # a mask the four ranks share (salloc -c 8, a container's cpuset)
     assert cpu_threads(env, usable=16) == 4  # the machine shared by four ranks
+    assert cpu_threads(env, usable=3) == 1
 
 
 def test_gpu_peaks_for_mfu(monkeypatch: pytest.MonkeyPatch) -> None:

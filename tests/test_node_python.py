@@ -63,8 +63,9 @@ def test_the_nodes_python_is_found_after_the_setup_unless_the_profile_names_one(
     assert spec_for("testcluster").python == sys.executable  # no setup: the submitting Python (shared filesystem)
     assert spec_for("local", setup=("source x",)).python == sys.executable  # nothing runs a local setup
     text = render_sbatch(spec_for("h100"))
-    assert text.index("source /shared/envs/torch/bin/activate") < text.index("hpcjobs_python=python3") < text.index(
-        'hpcjobs-rank "$HPCJOBS_PYTHON" -u -m trainers.launch')
+    order = ["source /shared/envs/torch/bin/activate", "for hpcjobs_python in python3 ",
+             'hpcjobs-rank "$HPCJOBS_PYTHON" -u -m trainers.launch']
+    assert [text.index(x) for x in order] == sorted(text.index(x) for x in order)
 
 
 def run_lines(lines: list[str], path: str) -> subprocess.CompletedProcess[str]:
@@ -74,17 +75,28 @@ def run_lines(lines: list[str], path: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_python_check_ends_the_job_with_one_line_when_torch_is_missing(tmp_path: Path) -> None:
-    """The script's own lines in bash: a base interpreter without torch first on PATH (as a setup that activates
-    the wrong environment leaves it), then this venv's."""
-    base = Path(sys.base_prefix) / "bin"
-    lines = python_lines(spec_for("h100"))
-    bad = run_lines(lines, f"{base}:/usr/bin:/bin")
+    """The script's own lines in bash: a profile naming a base interpreter without torch (no fallback then)."""
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    bad = run_lines(python_lines(spec_for("h100", python=str(base))), "/usr/bin:/bin")
     assert bad.returncode == 2 and "ranks would start" not in bad.stdout
     assert bad.stderr.count("\n") == 1, bad.stderr
-    assert bad.stderr.startswith(f"hpcjobs: the nodes' Python (python3 -> {base}/python3) on ")
-    assert "cannot start the ranks: ModuleNotFoundError: No module named 'torch'; valid: a Python with torch >= " \
-           "2.7 and hpcjobs installed. HINT: set python: in the profile" in bad.stderr
+    assert bad.stderr.startswith("hpcjobs: the nodes' Python on ")
+    assert (f"cannot start the ranks ({base} -> {base}: ModuleNotFoundError: No module named 'torch'); valid: a "
+            "Python with torch >= 2.7 and hpcjobs installed. HINT: set python: in the profile") in bad.stderr
     missing = run_lines(python_lines(spec_for("h100", python="/nowhere/python")), "/usr/bin:/bin")
-    assert missing.returncode == 2 and "(/nowhere/python -> not found)" in missing.stderr
-    good = run_lines(lines, f"{Path(sys.executable).parent}:/usr/bin:/bin")
-    assert good.returncode == 0 and good.stdout.strip() == "ranks would start", good.stderr
+    assert missing.returncode == 2 and "(/nowhere/python -> not found: " in missing.stderr
+
+
+def test_python3_after_the_setup_then_the_python_hpcjobs_ran_from() -> None:
+    """A setup that only loads modules leaves the system's python3 first: the ranks run the submitting Python (the
+    old default, on a shared filesystem), and the job's log says so in one line."""
+    base = Path(sys.base_prefix) / "bin"
+    s = spec_for("h100")
+    assert (s.python, s.python_fallback) == (AFTER_SETUP, sys.executable)
+    fell_back = run_lines(python_lines(s), f"{base}:/usr/bin:/bin")
+    assert fell_back.returncode == 0 and fell_back.stdout.strip() == "ranks would start", fell_back.stderr
+    assert fell_back.stderr == (f"hpcjobs: python3 -> {base}/python3: ModuleNotFoundError: No module named 'torch'; "
+                                f"the ranks run {sys.executable} instead (the Python hpcjobs ran from)\n")
+    first = run_lines(python_lines(s), f"{Path(sys.executable).parent}:/usr/bin:/bin")
+    assert first.returncode == 0 and first.stderr == "" and first.stdout.strip() == "ranks would start"
+    assert spec_for("h100", python="/opt/py/bin/python").python_fallback is None  # named: that one or nothing

@@ -58,8 +58,10 @@ class TrainConfig:
     takes effect at the check after the one that saw it). 0: about once a second of training, from the step time
     measured over this start's first steps (the slowest rank's; every rank checks at the same steps)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (kept across epochs; each sample's randomness is seeded from the seed,
-    the rank, the epoch and its index, so results do not depend on the worker count or on where a resume began)."""
+    """DataLoader worker processes per rank, kept across epochs. With workers, each sample's randomness (data
+    augmentation) is seeded from the seed, the epoch and its index, so results do not depend on how many workers
+    there are or on where a resume began; without, it draws from the rank's checkpointed RNG (also exact, but other
+    values than with workers)."""
     deterministic: bool = False
     """Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, no TF32, deterministic SDPA):
     needed for a bit-exact resume on GPUs; slower (bench/gpu.py measures by how much)."""

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnv, from_environ, setting_seconds
+from trainers.distenv import (
+    COLLECTIVE_TIMEOUT,
+    CONTROL_TIMEOUT_MIN_S,
+    INIT_TIMEOUT,
+    DistEnv,
+    from_environ,
+    setting_seconds,
+)
 
 
 class RendezvousError(RuntimeError):
@@ -125,16 +132,13 @@ def rank_gpu(env: DistEnv, visible: int) -> int:
 def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
     """Threads per rank, never more than the CPUs this process may run on (`usable`: its affinity mask): Slurm's
     CPUs per task when it says (srun binds each task to them, or, under task/none, they are its share), else the
-    mask itself when it is already this rank's alone (narrower than the machine), else the machine shared among
-    this node's ranks. More threads than CPUs only makes them take turns."""
+    mask shared among this node's ranks. More threads than CPUs only makes them take turns."""
     if usable is None:
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     per_task = os.environ.get("SLURM_CPUS_PER_TASK")
     if per_task and per_task.isdigit():
         return max(1, min(int(per_task), usable))
-    if usable < (os.cpu_count() or usable):
-        return usable
-    return max(1, usable // max(1, env.local_world_size))
+    return max(1, usable // max(1, env.local_world_size))  # a mask the node's ranks share (salloc -c, a cpuset)
 
 
 @contextlib.contextmanager
@@ -164,7 +168,8 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
                 f"{env.master_port} within {timeout_s:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
                 "HINT: check that every rank started, that MASTER_ADDR resolves from this node and the port is "
                 f"free; {INIT_TIMEOUT[0]} sets the wait.") from None
-        ctx.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        control_s = max(timeout_s, CONTROL_TIMEOUT_MIN_S)
+        ctx.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_s))
     try:
         yield ctx
     finally:

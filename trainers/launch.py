@@ -32,7 +32,7 @@ from hpcjobs.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.states import FinalState
 from trainers import preemption, runlock
 from trainers.config import ConfigError, TaskArgError
-from trainers.distenv import INIT_TIMEOUT, DistEnv, DistEnvError, from_environ, setting_seconds
+from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.logtee import Tee
 from trainers.versions import TorchTooOld, require_torch
 
@@ -100,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         require_torch()
+        for setting in (INIT_TIMEOUT, COLLECTIVE_TIMEOUT):  # a typo refused now, not after the first step
+            setting_seconds(setting, os.environ)
         env: DistEnv = from_environ(os.environ)
         contract = start_contract(read_contract(ns), env, os.environ, time.time())
     except (ContractError, DistEnvError, TorchTooOld) as e:

@@ -205,11 +205,20 @@ class Cadence:
             return step % self.every == 0
         k = step - self.first_step
         if k == self.MEASURE[0]:
-            self._t0 = time.perf_counter()
+            self._t0 = self._now()
         if k == self.MEASURE[1]:
-            self.every, step_s = self.decide((time.perf_counter() - self._t0) / (self.MEASURE[1] - self.MEASURE[0]))
+            self.every, step_s = self.decide((self._now() - self._t0) / (self.MEASURE[1] - self.MEASURE[0]))
             self.chosen = (self.every, step_s)
         return True
+
+    @staticmethod
+    def _now() -> float:
+        """After the GPU caught up: a step queues its kernels and returns long before they ran (twice a start)."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def decide(self, step_s: float) -> tuple[int, float]:
         import torch

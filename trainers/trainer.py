@@ -287,7 +287,9 @@ class Training:
         self.autocast = torch.autocast(device.type, dtype=torch.float16 if self.precision == "fp16" else
                                        torch.bfloat16, enabled=self.precision in ("bf16", "fp16"))
         if world > 1:
-            settle_ddp_buckets(self.net, task, dataset, self.micro, device, self.autocast, self.optimizer)
+            # The uncompiled DDP module: its graph is the same, and compiling an eval-mode graph first would make
+            # the first step compile again for train mode.
+            settle_ddp_buckets(self.ddp or self.net, task, dataset, self.micro, device, self.autocast, self.optimizer)
         self.first_step = self.pos.step
         self.last_saved = self.pos.step if self.resumed_from is not None else -1
         peak = perf.peak_flops(device, self.precision, tf32=self.math == "TF32 matmuls")

@@ -124,7 +124,7 @@ class LocalBackend(RunFolderLogs):
             raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",
                              "use a Slurm profile for more than one node.")
 
-    def doctor(self, spec: JobSpec) -> list[Check]:
+    def doctor(self, spec: JobSpec, probe_wait_s: float | None = None) -> list[Check]:
         """Nothing queues here: the request was checked when the spec was built; what is left is the run folder."""
         checks = [Check("scheduler", Result.SKIP, f"profile {spec.profile.name} is local: nothing to ask a scheduler")]
         try:

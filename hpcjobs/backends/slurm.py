@@ -113,10 +113,12 @@ class SlurmBackend(RunFolderLogs):
                                  "check that the job is yours and Slurm answers (`squeue --me`).")
         return f"job {rec.job_id} cancelled"
 
-    def doctor(self, spec: JobSpec) -> list[Check]:
+    def doctor(self, spec: JobSpec, probe_wait_s: float | None = None) -> list[Check]:
         from hpcjobs.backends.slurm_doctor import doctor
+        from hpcjobs.backends.slurm_probe import run_probe
 
-        return doctor(spec, render_sbatch(spec), self.run)
+        checks = doctor(spec, render_sbatch(spec), self.run)
+        return checks + run_probe(spec, probe_wait_s) if probe_wait_s else checks
 
 
 def launcher_args(spec: JobSpec) -> list[str]:

@@ -20,7 +20,9 @@ from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.spec import JobSpec
 
 UNLIMITED = ("UNLIMITED", "INFINITE", "NONE")
-DOWN = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "MAINT", "FUTURE", "POWERED_DOWN", "INVAL")
+DOWN = frozenset({"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "MAINT", "FUTURE",
+                  "INVAL"})
+"""Node state words (`IDLE+DRAIN`, `DOWN*`) that keep a job off a node; a powered-down cloud node is not one."""
 MIN_GRACE_S = 10
 """A SIGTERM preemption leaves GraceTime to save: under this, no checkpoint of size can be committed in time."""
 
@@ -48,8 +50,8 @@ def config(text: str) -> dict[str, str]:
 def gres_gpus(gres: str) -> int:
     """GPUs in a node's Gres (`gpu:8`, `gpu:h100:8(S:0-1)`, `gpu:a100:4,shard:8`); 0 without any."""
     total = 0
-    for item in gres.split(","):
-        parts = re.sub(r"\(.*?\)", "", item).split(":")
+    for item in re.sub(r"\(.*?\)", "", gres).split(","):  # sockets first: `(S:0,2)` holds a comma
+        parts = item.split(":")
         if parts[0] == "gpu" and parts[-1].isdigit():
             total += int(parts[-1])
     return total
@@ -93,7 +95,7 @@ def check_nodes(spec: JobSpec, parts: dict[str, dict[str, str]], nodes: dict[str
     gpus = spec.gpus_per_node if spec.profile.gpu_request != "none" else 0
     cpus = spec.gpus_per_node * spec.profile.cpus_per_gpu
     fit = [n for n in members if gres_gpus(n.get("Gres", "")) >= gpus and int(n.get("CPUTot", "0")) >= cpus
-           and not any(s in n.get("State", "") for s in DOWN)]
+           and not DOWN & set(n.get("State", "").rstrip("*~#!%$@^-").split("+"))]
     want = f"{gpus} GPUs and {cpus} CPUs" if gpus else f"{cpus} CPUs"
     kinds = sorted({f"{n.get('Gres', '(null)')} {n.get('CPUTot')} CPUs" for n in members})
     found = f"{len(fit)} of {len(members)} nodes in {name} have {want} and are up (they have: {'; '.join(kinds)})"
@@ -110,13 +112,13 @@ def check_account(spec: JobSpec, conf: dict[str, str], assoc: CompletedProcess[s
     if assoc.returncode != 0:
         return Check("account", Result.SKIP, f"not checked: sacctmgr failed ({assoc.stderr.strip()[:120]})")
     rows = [line.split("|") for line in assoc.stdout.splitlines() if line.strip()]
-    accounts = sorted({r[0] for r in rows if r and r[0]})
-    qos = sorted({q for r in rows if len(r) > 2 for q in r[2].split(",") if q})
+    accounts = sorted({r[0].lower() for r in rows if r and r[0]})  # Slurm keeps them in lower case
+    qos = sorted({q.lower() for r in rows if len(r) > 2 for q in r[2].split(",") if q})
     enforced = conf.get("AccountingStorageEnforce", "").lower()
     problems = []
-    if spec.account and spec.account not in accounts:
+    if spec.account and spec.account.lower() not in accounts:
         problems.append(f"account {spec.account!r} is not one of yours ({', '.join(accounts) or 'none'})")
-    if spec.qos and spec.qos not in qos:
+    if spec.qos and spec.qos.lower() not in qos:
         problems.append(f"qos {spec.qos!r} is not one of yours ({', '.join(qos) or 'none'})")
     found = f"account {spec.account or '(your default)'}, qos {spec.qos or '(default)'}"
     if not problems:
@@ -124,6 +126,14 @@ def check_account(spec: JobSpec, conf: dict[str, str], assoc: CompletedProcess[s
     if "associations" in enforced or "qos" in enforced or "limits" in enforced:
         return Check("account", Result.FAIL, "; ".join(problems), "set account:/qos: in the profile to one of yours")
     return Check("account", Result.SKIP, "; ".join(problems) + " (not enforced here: Slurm would accept it)")
+
+
+def by_qos(conf: dict[str, str]) -> Check | None:
+    """Under preempt/qos the QOS's PreemptMode and GraceTime apply, which `scontrol` does not show: not guessed."""
+    if conf.get("PreemptType", "").endswith("/qos"):
+        return Check("preemption", Result.SKIP, "not checked: PreemptType=preempt/qos (the QOS's PreemptMode and "
+                     "GraceTime apply; `sacctmgr show qos` lists them)")
+    return None
 
 
 def check_requeue(conf: dict[str, str], part: dict[str, str] | None) -> Check:
@@ -143,13 +153,12 @@ def check_signal(spec: JobSpec, conf: dict[str, str], part: dict[str, str] | Non
     user_signal = "preempt_send_user_signal" in conf.get("SlurmctldParameters", "")
     grace = int((part or {}).get("GraceTime", "0") or 0)
     limit = f"the time limit sends SIG{p.signal} {p.seconds_before} s before it"
-    if user_signal:
-        return Check("signal", Result.PASS, f"a preemption sends SIG{p.signal} (preempt_send_user_signal); {limit}")
-    found = f"a preemption sends SIGTERM, then SIGKILL after GraceTime={grace} s; {limit}"
+    sent = f"SIG{p.signal} (preempt_send_user_signal)" if user_signal else "SIGTERM"
+    found = f"a preemption sends {sent}, then SIGKILL after GraceTime={grace} s; {limit}"
     if grace < MIN_GRACE_S and not (part or {}).get("PreemptMode", "").upper().startswith("OFF"):
-        return Check("signal", Result.FAIL, found, "ask the admins for GraceTime ≥ 60 on this partition, or "
-                     "SlurmctldParameters=preempt_send_user_signal")
-    return Check("signal", Result.PASS, found + " (the trainer saves and requeues on SIGTERM)")
+        return Check("signal", Result.FAIL, found + ": too little time to save",
+                     f"ask the admins for GraceTime ≥ {p.seconds_before} on this partition")
+    return Check("signal", Result.PASS, found + ("" if user_signal else " (the trainer saves and requeues on it)"))
 
 
 def doctor(spec: JobSpec, script: str, run: Runner) -> list[Check]:
@@ -167,8 +176,9 @@ def doctor(spec: JobSpec, script: str, run: Runner) -> list[Check]:
     accounting = not conf.get("AccountingStorageType", "accounting_storage/none").endswith("/none")
     assoc = run(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={_user()}",
                  "format=Account,Partition,QOS"]) if accounting else None
+    preemption = by_qos(conf)
     return [*checks, check_partition(spec, parts), check_nodes(spec, parts, nodes), check_account(spec, conf, assoc),
-            check_requeue(conf, part), check_signal(spec, conf, part)]
+            *([preemption] if preemption else [check_requeue(conf, part), check_signal(spec, conf, part)])]
 
 
 def _user() -> str:

@@ -87,21 +87,32 @@ NODE_PYTHON = f'"${PYTHON_VAR}"'
 
 
 def python_lines(spec: JobSpec, modules: str = "torch, trainers.launch") -> list[str]:
-    """Shell lines (after the setup) that find the nodes' Python and end the job with one line, before any rank
-    starts, when it cannot import `modules`: otherwise every rank would fail alone, or the wrong environment would
-    train. The interpreter of the submitting host is often not the one the setup activates on the nodes."""
-    why = "$(printf '%s' \"$hpcjobs_why\" | tail -n 1)"
+    """Shell lines (after the setup and the environment) that find the nodes' Python and end the job with one line,
+    before any rank starts, when it cannot import `modules`: otherwise every rank would fail alone, or the wrong
+    environment would train. `python3` after the setup is tried first when the profile names no Python, then the
+    Python hpcjobs ran from (a setup that only loads modules, with the environment on a shared filesystem), saying
+    so in the job's log."""
     check = f"import {modules}; from trainers.versions import require_torch; require_torch()"
     floor = ".".join(map(str, TORCH_FLOOR))
+    tried = "$hpcjobs_python -> ${HPCJOBS_PYTHON:-not found}: $(printf '%s' \"$hpcjobs_why\" | tail -n 1)"
+    candidates = [spec.python, *([spec.python_fallback] if spec.python_fallback else [])]
     return [
-        f"hpcjobs_python={shlex.quote(spec.python)}",
-        f'export {PYTHON_VAR}="$(command -v "$hpcjobs_python" || true)"',
-        f'if ! hpcjobs_why="$("${{{PYTHON_VAR}:-$hpcjobs_python}}" -c {shlex.quote(check)} 2>&1)"; then',
-        f'  echo "hpcjobs: the nodes\' Python ($hpcjobs_python -> ${{{PYTHON_VAR}:-not found}}) on $(hostname) cannot '
-        f'start the ranks: {why}; valid: a Python with torch >= {floor} and hpcjobs installed. HINT: set python: in '
-        'the profile, or make its setup activate that environment" >&2',
+        'hpcjobs_tried=""',
+        f"for hpcjobs_python in {' '.join(shlex.quote(c) for c in candidates)}; do",
+        f'  {PYTHON_VAR}="$(command -v "$hpcjobs_python" || true)"',
+        f'  if hpcjobs_why="$("${{{PYTHON_VAR}:-$hpcjobs_python}}" -c {shlex.quote(check)} 2>&1)"; then break; fi',
+        f'  hpcjobs_tried="${{hpcjobs_tried:+$hpcjobs_tried; then }}{tried}"',
+        f'  {PYTHON_VAR}=""',
+        "done",
+        f'if [ -z "${PYTHON_VAR}" ]; then',
+        '  echo "hpcjobs: the nodes\' Python on $(hostname) cannot start the ranks ($hpcjobs_tried); valid: a Python '
+        f'with torch >= {floor} and hpcjobs installed. HINT: set python: in the profile, or make its setup activate '
+        'that environment" >&2',
         "  exit 2",
         "fi",
+        f'[ -z "$hpcjobs_tried" ] || echo "hpcjobs: $hpcjobs_tried; the ranks run ${PYTHON_VAR} instead (the Python '
+        'hpcjobs ran from)" >&2',
+        f"export {PYTHON_VAR}",
     ]
 
 
@@ -155,8 +166,8 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
             extra[key if key in SUBMITIT_DASHED else name] = value
     params["signal_delay_s"] = spec.profile.preemption.seconds_before
     params["additional_parameters"] = extra
-    params["setup"] = [*spec.profile.setup, *python_lines(spec, "torch, trainers.launch, submitit"),
-                       *environment_lines(spec)]
+    params["setup"] = [*spec.profile.setup, *environment_lines(spec),
+                       *python_lines(spec, "torch, trainers.launch, submitit")]
     params["srun_args"] = srun_flags(spec)
     params["stderr_to_stdout"] = True
     return params

@@ -48,3 +48,50 @@ def test_more_gpus_than_a_node_has_fails(cluster_profile: Path, shared_tmp: Path
     code, result, found = doctor("--profile", str(profile), "--nodes", "2", "--gpus", "16")
     assert code == 1 and result["nodes"] == "fail" and result["request"] == "fail", found
     assert "0 of 2 nodes in low have 16 GPUs" in found["nodes"]
+
+
+def probe(profile: Path) -> tuple[int, dict[str, str], dict[str, str]]:
+    return doctor("--profile", str(profile), "--nodes", "2", "--gpus", "2", "--probe", "--probe-wait", "120")
+
+
+def variant(cluster_profile: Path, shared_tmp: Path, **changes: object) -> Path:
+    data = yaml.safe_load(cluster_profile.read_text())
+    for key, value in changes.items():
+        if key == "env":
+            data["env"].update(value)  # type: ignore[call-overload]
+        else:
+            data[key] = value
+    path = shared_tmp / "variant.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_the_probe_finds_the_node_side_ready(cluster_profile: Path, shared_tmp: Path) -> None:
+    code, result, found = probe(cluster_profile)
+    assert code == 0, found
+    assert {k: result[k] for k in ("probe", "runs folder", "entry", "GPUs", "interfaces")} == {
+        "probe": "pass", "runs folder": "pass", "entry": "pass", "GPUs": "skip", "interfaces": "pass"}, found
+    assert "torch " in found["probe"] and "GLOO_SOCKET_IFNAME=eth0 on node" in found["interfaces"]
+    assert list((shared_tmp / "runs" / "probe").iterdir()) == []  # its script, report and output are cleaned up
+
+
+def test_the_probe_names_a_setup_that_fails(cluster_profile: Path, shared_tmp: Path) -> None:
+    code, result, found = probe(variant(cluster_profile, shared_tmp, setup=["echo loading the site modules",
+                                                                            "module-that-does-not-exist load"]))
+    assert code == 1 and result["probe"] == "fail"
+    assert "ended FAILED without a report" in found["probe"] and "module-that-does-not-exist" in found["probe"]
+
+
+def test_the_probe_names_a_python_without_torch(cluster_profile: Path, shared_tmp: Path) -> None:
+    import sys
+
+    base = Path(sys.base_prefix) / "bin"
+    code, result, found = probe(variant(cluster_profile, shared_tmp, setup=[f"export PATH={base}:$PATH"]))
+    assert code == 1 and result["probe"] == "fail"
+    assert "hpcjobs: the nodes' Python (python3 ->" in found["probe"] and "No module named 'torch'" in found["probe"]
+
+
+def test_the_probe_names_a_missing_interface(cluster_profile: Path, shared_tmp: Path) -> None:
+    code, result, found = probe(variant(cluster_profile, shared_tmp, env={"GLOO_SOCKET_IFNAME": "ib0"}))
+    assert code == 1 and result["interfaces"] == "fail" and result["probe"] == "pass"
+    assert "GLOO_SOCKET_IFNAME=ib0: no interface 'ib0' on node" in found["interfaces"]

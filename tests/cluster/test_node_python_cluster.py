@@ -61,18 +61,35 @@ def test_the_ranks_run_the_python_the_setup_puts_first(path: str, cluster_profil
 @pytest.mark.parametrize("path", ["submit", "sbatch"])
 def test_a_python_without_torch_ends_the_job_before_any_rank(path: str, cluster_profile: Path,
                                                              shared_tmp: Path) -> None:
-    base = Path(sys.base_prefix) / "bin"  # this venv's own interpreter, without the venv: no torch
-    assert subprocess.run([str(base / "python3"), "-c", "import torch"], capture_output=True).returncode != 0
-    profile = profile_with_setup(cluster_profile, [f"export PATH={base}:$PATH"])
+    base = Path(sys.base_prefix) / "bin" / "python3"  # this venv's own interpreter, without the venv: no torch
+    assert subprocess.run([str(base), "-c", "import torch"], capture_output=True).returncode != 0
+    data = yaml.safe_load(cluster_profile.read_text())
+    data["python"] = str(base)
+    profile = cluster_profile.with_name("no-torch.yaml")
+    profile.write_text(yaml.safe_dump(data))
     job, run = start(path, profile, shared_tmp)
     assert wait_for_state(job, DONE) == "FAILED"
     assert slurm("sacct", "-n", "-X", "-P", "-j", job, "-o", "ExitCode").strip() == "2:0"
     assert not (run / "logs").exists()  # no rank started
-    logs = [*(shared_tmp / "runs" / "slurm-logs").glob(f"*{job}*"), *(run / "submitit").glob(f"{job}*.out")]
-    said = "".join(p.read_text() for p in logs)
+    said = job_log(job, run, shared_tmp)
     lines = [line for line in said.splitlines() if line.startswith("hpcjobs: the nodes' Python")]
-    assert len(lines) == 1 and f"(python3 -> {base}/python3) on node1 cannot start the ranks: ModuleNotFoundError"\
-        in lines[0], said
+    assert len(lines) == 1 and lines[0].startswith("hpcjobs: the nodes' Python on node1 cannot start the ranks (")
+    assert f"{base} -> {base}: ModuleNotFoundError: No module named 'torch'" in lines[0], said
+
+
+def test_a_setup_that_only_loads_modules_falls_back_to_the_submitting_python(cluster_profile: Path,
+                                                                            shared_tmp: Path) -> None:
+    base = Path(sys.base_prefix) / "bin"
+    profile = profile_with_setup(cluster_profile, [f"export PATH={base}:$PATH"])  # python3: no torch
+    job, run = start("sbatch", profile, shared_tmp)
+    assert wait_for_state(job, DONE) == "COMPLETED"
+    assert f"the ranks run {sys.executable} instead (the Python hpcjobs ran from)" in job_log(job, run, shared_tmp)
+
+
+def job_log(job: str, run: Path, shared_tmp: Path) -> str:
+    """Slurm's own output of the job (the batch script's lines), on either path."""
+    logs = [*(shared_tmp / "runs" / "slurm-logs").glob(f"*{job}*"), *(run / "submitit").glob(f"{job}*.out")]
+    return "".join(p.read_text() for p in logs)
 
 
 def test_a_rank_without_cuda_where_slurm_allocated_gpus_ends_the_job_naming_it(cluster_profile: Path,

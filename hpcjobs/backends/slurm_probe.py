@@ -1,0 +1,154 @@
+"""`hpcjobs doctor --probe` on Slurm: a one-node, two-minute job that runs the profile's setup and the nodes' Python,
+and reports what a rank would find there: torch and the entry importable, the GPUs torch sees, the network
+interfaces the profile names, and whether a file written into the runs folder on the node is visible here.
+
+`probe_script` and `probe_checks` are pure; `run_probe` is the one function that submits (and waits, and cleans up).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hpcjobs.backends.slurm_render import environment_lines, gpu_flags, python_lines, sbatch_directive
+from hpcjobs.doctor import Check, Result
+from hpcjobs.spec import JobSpec
+
+PROBE_TIME = "00:02:00"
+PROBE_NAME = "hpcjobs-probe"
+INTERFACE_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+# What the nodes' Python reports, as JSON into the runs folder (argv[1]); the entry is checked as the ranks import it.
+REPORT = r'''
+import importlib.util, json, os, socket, sys
+kind, target, out = sys.argv[1], sys.argv[2], sys.argv[3]
+import torch
+if kind == "script":
+    entry = os.path.isfile(target)
+else:
+    sys.path.insert(0, os.getcwd())
+    entry = importlib.util.find_spec(target.split(":")[0]) is not None
+report = {"host": socket.gethostname(), "python": sys.executable, "torch": torch.__version__,
+          "cuda": torch.cuda.is_available(), "gpus": torch.cuda.device_count(), "entry": entry,
+          "interfaces": sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []}
+with open(out, "w") as f:
+    json.dump(report, f)
+'''
+
+
+def probe_folder(spec: JobSpec) -> Path:
+    return spec.profile.runs_path() / "probe"
+
+
+def probe_script(spec: JobSpec, report: Path) -> str:
+    """The probe job: the job's own partition, account, QOS, GPUs of one node and setup; then the nodes' Python
+    check (which ends the job with its one line), then the report."""
+    flags: dict[str, Any] = {"job-name": f"{PROBE_NAME}-{report.stem}", "nodes": 1, "ntasks": 1, "time": PROBE_TIME,
+                             "partition": spec.partition, "account": spec.account, "qos": spec.qos,
+                             "chdir": spec.workdir, "output": str(probe_folder(spec) / "probe-%j.out"),
+                             **gpu_flags(spec)}
+    lines = ["#!/bin/bash", *(f"#SBATCH {sbatch_directive(k, v)}" for k, v in sorted(flags.items()) if v is not None),
+             "set -eo pipefail", *spec.profile.setup, *environment_lines(spec), *python_lines(spec),
+             f'"$HPCJOBS_PYTHON" - {shlex.quote(spec.entry.kind)} {shlex.quote(spec.entry.target)} '
+             f"{shlex.quote(str(report))} <<'HPCJOBS_PROBE'", REPORT.strip(), "HPCJOBS_PROBE"]
+    return "\n".join(lines) + "\n"
+
+
+def interface_problems(env: dict[str, str], interfaces: list[str]) -> list[str]:
+    """The profile's socket interface settings that name no interface of the node. NCCL's forms: a prefix, `=exact`,
+    a comma list, `^` to exclude (which names none to check); gloo takes exact names only."""
+    problems = []
+    for var in INTERFACE_VARS:
+        value = env.get(var, "")
+        if not value or value.startswith("^"):
+            continue
+        exact = value.startswith("=") or var.startswith("GLOO")
+        for name in value.removeprefix("=").split(","):
+            found = name in interfaces if exact else any(i.startswith(name) for i in interfaces)
+            if name and not found:
+                problems.append(f"{var}={value}: no interface {name!r}")
+    return problems
+
+
+def probe_checks(spec: JobSpec, job: str, state: str, report: dict[str, Any] | None, said: str) -> list[Check]:
+    """The probe's rows, from the job's end state, its report (None: none was readable here) and its output."""
+    last = next((line for line in reversed(said.splitlines()) if line.strip()), "")
+    if report is None:
+        why = f"job {job} ended {state} without a report" + (f": {last}" if last else "")
+        fix = ("the line above says what failed (the setup, or the nodes' Python); if the job COMPLETED, the runs "
+               f"folder {probe_folder(spec)} is not the same on the nodes and here: put runs_dir on a shared "
+               "filesystem")
+        return [Check("probe", Result.FAIL, why, fix)]
+    host = report["host"]
+    rows = [Check("probe", Result.PASS, f"job {job} ran on {host}: {report['python']}, torch {report['torch']}"),
+            Check("runs folder", Result.PASS, f"a file {host} wrote in {probe_folder(spec)} is readable here")]
+    if spec.entry.kind != "script" or report["entry"]:
+        rows.append(Check("entry", Result.PASS if report["entry"] else Result.FAIL,
+                          f"{spec.entry.target} {'is' if report['entry'] else 'is not'} importable on {host} from "
+                          f"{spec.workdir}", "run from the folder that holds it, or install it in the environment"))
+    else:
+        rows.append(Check("entry", Result.FAIL, f"{spec.entry.target} does not exist on {host}",
+                          "put the script on a filesystem the nodes share"))
+    wants = spec.gpus_per_node if spec.profile.gpu_request != "none" else 0
+    if spec.env.get("HPCJOBS_BACKEND") == "gloo" or not wants:
+        rows.append(Check("GPUs", Result.SKIP, f"not needed: {'HPCJOBS_BACKEND=gloo' if wants else 'no GPUs asked'}"
+                                               f" (torch sees {report['gpus']} on {host})"))
+    else:
+        seen = report["gpus"] if report["cuda"] else 0
+        rows.append(Check("GPUs", Result.PASS if seen >= wants else Result.FAIL,
+                          f"torch sees {seen} CUDA GPU(s) on {host}; a node's ranks need {wants}",
+                          "check the driver against torch's CUDA build (nvidia-smi on the node)"))
+    problems = interface_problems(spec.env, report["interfaces"])
+    named = [f"{v}={spec.env[v]}" for v in INTERFACE_VARS if spec.env.get(v)]
+    if not named:
+        rows.append(Check("interfaces", Result.SKIP, f"none named in the profile ({host} has "
+                                                      f"{', '.join(report['interfaces'])})"))
+    else:
+        rows.append(Check("interfaces", Result.FAIL if problems else Result.PASS,
+                          "; ".join(problems) + f" on {host} (it has {', '.join(report['interfaces'])})" if problems
+                          else f"{', '.join(named)} on {host}", "name an interface the nodes have in the profile"))
+    return rows
+
+
+def run_probe(spec: JobSpec, wait_s: float) -> list[Check]:
+    """Submit the probe, wait for its end (at most `wait_s`, then cancel it), read its report and output here."""
+    folder = probe_folder(spec)
+    folder.mkdir(parents=True, exist_ok=True)
+    report = folder / f"report-{uuid.uuid4().hex}.json"
+    with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
+        f.write(probe_script(spec, report))
+    t0, ended = time.monotonic(), False
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", "--wait", f.name], capture_output=True, text=True,
+                              timeout=wait_s)
+        ended = True
+        job, state = proc.stdout.strip().split(";")[0], "COMPLETED" if proc.returncode == 0 else "FAILED"
+        if not job.isdigit():
+            return [Check("probe", Result.FAIL, f"sbatch refused the probe: {proc.stderr.strip()[:300]}",
+                          "see the request row")]
+    except subprocess.TimeoutExpired:
+        return [Check("probe", Result.SKIP, f"the probe did not end within {wait_s:.0f} s (cancelled): the queue is "
+                                            "busy; the other rows still hold")]
+    except FileNotFoundError:
+        return [Check("probe", Result.FAIL, "no sbatch on this machine's PATH", "run doctor on a login node")]
+    finally:
+        Path(f.name).unlink()
+        if not ended:  # timed out or interrupted: sbatch's job id may never have reached us, its unique name does
+            subprocess.run(["scancel", "--name", f"{PROBE_NAME}-{report.stem}"], capture_output=True)
+            report.unlink(missing_ok=True)
+    output = folder / f"probe-{job}.out"
+    said = output.read_text(errors="replace") if output.exists() else ""
+    try:
+        data = json.loads(report.read_text()) if report.exists() else None
+    finally:
+        report.unlink(missing_ok=True)
+        output.unlink(missing_ok=True)
+    rows = probe_checks(spec, job, state, data, said)
+    return [replace(rows[0], found=f"{rows[0].found} ({time.monotonic() - t0:.0f} s)"), *rows[1:]]
