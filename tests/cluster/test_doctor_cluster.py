@@ -85,10 +85,11 @@ def test_the_probe_names_a_setup_that_fails(cluster_profile: Path, shared_tmp: P
 def test_the_probe_names_a_python_without_torch(cluster_profile: Path, shared_tmp: Path) -> None:
     import sys
 
-    base = Path(sys.base_prefix) / "bin"
-    code, result, found = probe(variant(cluster_profile, shared_tmp, setup=[f"export PATH={base}:$PATH"]))
+    base = Path(sys.base_prefix) / "bin" / "python3"  # named by the profile: that one or nothing
+    code, result, found = probe(variant(cluster_profile, shared_tmp, python=str(base)))
     assert code == 1 and result["probe"] == "fail"
-    assert "hpcjobs: the nodes' Python (python3 ->" in found["probe"] and "No module named 'torch'" in found["probe"]
+    assert "hpcjobs: the nodes' Python on node" in found["probe"]
+    assert f"({base} -> {base}: ModuleNotFoundError: No module named 'torch')" in found["probe"], found
 
 
 def test_the_probe_names_a_missing_interface(cluster_profile: Path, shared_tmp: Path) -> None:
