@@ -112,3 +112,17 @@ def test_random_augmentation_in_workers_resumes_exactly_whatever_the_worker_coun
     a, b, c = (checkpoint.load_checkpoint(checkpoint.latest(r / "checkpoints"), 0)[0]["model"]  # type: ignore[arg-type]
                for r in (straight, killed, one_worker))
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+
+
+def test_a_short_random_kill_campaign(tmp_path: Path) -> None:
+    """bench/kill_campaign.py's short version: three SIGKILLs of launcher and ranks at random moments past
+    start-up (a step, a save, between a save's files); each restart resumes from the newest checkpoint finished
+    before its kill, and the final weights are bit-identical to an uninterrupted run. The 100-kill campaign's
+    results are in bench/results/kill_campaign.json."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from kill_campaign import campaign
+
+    result = campaign(tmp_path, kills=3, seed=7)
+    assert result["bit_identical"] and result["kills"] >= 2, result
