@@ -16,7 +16,8 @@ from typing import Any
 
 from hpcjobs.runfolder import resolve_run_dir
 
-SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG")
+DEFAULT_SIGNAL = "USR2"
+SIGNALS = ("USR1", DEFAULT_SIGNAL, "TERM", "INT", "HUP", "URG")
 """Signals a profile may ask Slurm to send before it stops a job (`--signal`)."""
 ENV_VAR = "HPCJOBS_CONTRACT"
 """Where the launcher leaves the resolved contract for the rest of the rank (and its child processes)."""
@@ -31,7 +32,7 @@ class Preemption:
     """What happens when Slurm is about to stop the job (preemption or the time limit). The field metadata are the
     profile's constraints on the `preemption:` keys (see hpcjobs.profiles)."""
 
-    signal: str = field(default="USR2", metadata={"choices": SIGNALS})
+    signal: str = field(default=DEFAULT_SIGNAL, metadata={"choices": SIGNALS})
     """The signal Slurm sends before stopping the job (`--signal`); the trainer also always handles SIGTERM."""
     seconds_before: int = field(default=90, metadata={"min": 10, "max": 3600})
     """How many seconds before the end (time limit) Slurm sends `signal`; must leave time to save a checkpoint."""

@@ -29,7 +29,7 @@ INTERFACE_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 REPORT = r'''
 import importlib.util, json, os, socket, sys
 kind, target, out = sys.argv[1], sys.argv[2], sys.argv[3]
-import torch
+torch = importlib.import_module("torch")  # on the node only
 if kind == "script":
     entry = os.path.isfile(target)
 else:
