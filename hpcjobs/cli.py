@@ -318,6 +318,9 @@ def run_status(ns: argparse.Namespace) -> int:
             ("run folder", st.run_dir), ("logs", f"hpcjobs logs {st.job_id} [--rank R] [--restart N]")]
     if st.final_reason:
         rows.insert(2, ("ended", st.final_reason))
+    if st.first_failure:
+        rows.insert(3, ("failed first", st.first_failure))
+        rows.insert(4, ("its log", "\n".join([str(st.failure_log), *(f"{'':13}| {line}" for line in st.failure_tail)])))
     if st.nccl_traces:
         rows.append(("nccl trace", f"{st.nccl_traces} (NCCL's flight recorder: which rank stopped in which "
                                    "collective; torchfrtrace reads it)"))

@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.backends import Backend, backend_for
-from hpcjobs.errors import UsageError
+from hpcjobs.backends import SCHEDULERS, Backend, backend_for
+from hpcjobs.diagnosis import diagnose
+from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.runfolder import RunFolder
 from hpcjobs.states import FinalState, JobState
 from hpcjobs.store import JobRecord, JobStore
@@ -40,6 +41,11 @@ class JobStatus:
     submitted: float
     nccl_traces: str | None = None
     """The folder of NCCL flight recorder dumps, when a collective timed out and some rank wrote one."""
+    first_failure: str | None = None
+    """The rank that failed first, its host and why (hpcjobs.diagnosis), when one failed."""
+    failure_log: str | None = None
+    failure_tail: tuple[str, ...] = ()
+    """The last lines of that rank's log."""
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": str(self.state)}
@@ -52,9 +58,13 @@ def folder_state(run: RunFolder, job_id: str) -> tuple[JobState | None, str | No
     if isinstance(final, dict) and final.get("job_id") not in (None, job_id):
         return None, None
     if isinstance(final, dict):
-        done = final.get("state") == FinalState.FINISHED
-        return (JobState.COMPLETED if done else JobState.FAILED), final.get("reason")
+        return FOLDER_STATES.get(str(final.get("state")), JobState.FAILED), final.get("reason")
     return None, None
+
+
+FOLDER_STATES: dict[str, JobState] = {FinalState.FINISHED: JobState.COMPLETED, FinalState.FAILED: JobState.FAILED,
+                 FinalState.CANCELLED: JobState.CANCELLED}
+"""final.json's state as a job state."""
 
 
 def restart_count(run: RunFolder) -> int:
@@ -65,17 +75,28 @@ def restart_count(run: RunFolder) -> int:
 def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     run = RunFolder(rec.run_dir)
     fstate, reason = folder_state(run, rec.job_id)
-    answer = (backend or backend_for(rec.scheduler)).state(rec)
-    if answer is None and fstate is not None:
-        answer = fstate, "run folder"
+    backend = backend or backend_for(rec.scheduler)
+    answer = backend.state(rec)
+    if (answer is None or answer[0] == JobState.UNKNOWN) and fstate is not None:
+        answer = fstate, "run folder" + (f" ({answer[1]})" if answer else "")
     if answer is None and rec.cancelled:
         answer = JobState.CANCELLED, "store"
     state, source = answer or (JobState.UNKNOWN, "none")
+    if fstate is not None and state.finished and fstate != state and source != "run folder":
+        source += f"; the run folder says {fstate}"  # e.g. the ranks finished but the job script failed after
+    if state == JobState.UNKNOWN and not reason and not any(str(r.get("job_id")) == rec.job_id
+                                                          for r in run.read_restarts()):
+        reason = "no rank of this job ever started (cancelled while pending, or it never ran)"
     step, when = last_step(run)
     age = time.time() - when if when is not None else None
     traces = str(run.nccl_traces) if run.nccl_traces.is_dir() and any(run.nccl_traces.iterdir()) else None
+    found = diagnose(run, rec.job_id, backend.outer_logs(rec)) if state.finished and state != JobState.COMPLETED \
+        else None
+    first = found.first if found else None
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
-                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces)
+                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces,
+                     first.describe() if first else None, first.log if first else None,
+                     found.tail if found else ())
 
 
 def last_step(run: RunFolder) -> tuple[int | None, float | None]:
@@ -91,12 +112,30 @@ def last_step(run: RunFolder) -> tuple[int | None, float | None]:
 
 
 def find(job_id: str, store: JobStore) -> JobRecord:
-    rec = store.get(job_id)
+    """The job store's record of `job_id`, else the scheduler's: any job hpcjobs submitted carries its run folder
+    (Slurm: in its comment), so a job run from a rendered script, or one whose record was lost, is still found."""
+    try:
+        rec = store.get(job_id)
+    except RuntimeFailure:
+        rec = lookup(job_id)
+        if rec is None:
+            raise  # the store's own error says what is wrong with it
+        return rec
+    rec = rec or lookup(job_id)
     if rec is None:
         recent = ", ".join(r.job_id for r in store.recent(5)) or "none yet"
-        raise UsageError(f"no job {job_id!r} was submitted with hpcjobs here (recent: {recent}).",
+        raise UsageError(f"no job {job_id!r} was submitted with hpcjobs here (recent: {recent}), and the scheduler "
+                         "knows no hpcjobs job of that id.",
                          "`hpcjobs list` shows the jobs hpcjobs knows; HPCJOBS_HOME selects another record.")
     return rec
+
+
+def lookup(job_id: str) -> JobRecord | None:
+    for name in SCHEDULERS:
+        found = backend_for(name).lookup(job_id)
+        if found is not None:
+            return found
+    return None
 
 
 def log_path(rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path:
@@ -123,6 +162,10 @@ def cancel(rec: JobRecord, store: JobStore, backend: Backend | None = None) -> s
     st = status_of(rec, backend)
     if st.state.finished:
         return f"job {rec.job_id} already ended ({st.state}); nothing to cancel"
+    known = backend.state(rec)
+    if known is not None and known[0] == JobState.UNKNOWN:  # e.g. the id now names another job: never cancel that
+        raise RuntimeFailure(f"job {rec.job_id} was not cancelled: {known[1]}.",
+                             f"check `squeue -j {rec.job_id}`; scancel it yourself if it is the one.")
     said = backend.cancel(rec)
     if backend.queued:  # a queued job's cancel is final; a local job stops at a checkpoint and says so itself
         store.mark_cancelled(rec.job_id)

@@ -4,7 +4,9 @@ RUN/checkpoints/step-N/   finished checkpoints only (FINISHED marker written bef
 RUN/metrics.jsonl         rank 0, one line per logging interval (loss) and per evaluation (val_loss)
 RUN/heartbeat.json        last step and time, rewritten atomically (status without sacct)
 RUN/restarts.jsonl        one line per (re)start: when, restart count, why the previous one stopped
+RUN/startup.jsonl         one line per rank and start: launched, torch imported, group joined, first step done
 RUN/final.json            finished | failed, with the reason
+RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error (hpcjobs.diagnosis)
 RUN/local-process.json    a local job's launching process (pid, host), so status and cancel can reach it
 RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
 
@@ -61,7 +63,9 @@ class RunFolder:
     metrics = property(lambda self: self.path / "metrics.jsonl")
     heartbeat = property(lambda self: self.path / "heartbeat.json")
     restarts = property(lambda self: self.path / "restarts.jsonl")
+    startup = property(lambda self: self.path / "startup.jsonl")
     final = property(lambda self: self.path / "final.json")
+    failures = property(lambda self: self.path / "failures.jsonl")
     spec = property(lambda self: self.path / "spec.json")
     logs = property(lambda self: self.path / "logs")
     local_process = property(lambda self: self.path / "local-process.json")  # who runs a local job: pid, host
@@ -101,6 +105,9 @@ class RunFolder:
 
     def read_restarts(self) -> list[dict[str, Any]]:
         return read_jsonl(self.restarts)
+
+    def read_failures(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.failures)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -43,6 +43,7 @@ class FinalState(_Str):
 
     FINISHED = "finished"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 class JobState(_Str):

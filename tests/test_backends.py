@@ -24,7 +24,13 @@ from hpcjobs.backends import SCHEDULERS, backend_for
 from hpcjobs.backends.environment import clean, cleaned_os_environ
 from hpcjobs.backends.local import LocalBackend, rank_envs
 from hpcjobs.backends.slurm import SlurmBackend
-from hpcjobs.backends.slurm_render import SUBMITIT_NATIVE, render_sbatch, submitit_parameters
+from hpcjobs.backends.slurm_render import (
+    SUBMITIT_NATIVE,
+    job_comment,
+    render_sbatch,
+    run_dir_of_comment,
+    submitit_parameters,
+)
 from hpcjobs.contract import LaunchContract, Preemption
 from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.jobs import cancel, status_of
@@ -35,17 +41,20 @@ from hpcjobs.states import FinalState, JobState
 from hpcjobs.store import JobRecord, JobStore
 
 # Recorded on the test cluster (Slurm 22.05, tests/cluster/testcluster.sh): (exit code, stdout, stderr).
+# `{comment}`: the job's comment, hpcjobs:run=<its run folder> (slurm_render.job_comment).
 SQUEUE = {
-    "running": (0, "RUNNING\n", ""),
-    "pending": (0, "PENDING\n", ""),
-    "completed": (0, "COMPLETED\n", ""),
-    "cancelled": (0, "CANCELLED\n", ""),
+    "running": (0, "RUNNING|{comment}\n", ""),
+    "pending": (0, "PENDING|{comment}\n", ""),
+    "completed": (0, "COMPLETED|{comment}\n", ""),
+    "cancelled": (0, "CANCELLED|{comment}\n", ""),
+    "another-job": (0, "RUNNING|hpcjobs:run=/elsewhere/run\n", ""),  # the id again, on a rebuilt cluster
+    "not-hpcjobs": (0, "RUNNING|\n", ""),
     "forgotten": (1, "", "slurm_load_jobs error: Invalid job id specified\n"),  # past MinJobAge, or never existed
 }
-SACCT = {
-    "cancelled": (0, "CANCELLED by 0\n", ""),
-    "completed": (0, "COMPLETED\n", ""),
-    "failed": (0, "FAILED\n", ""),
+SACCT = {  # without AccountingStoreFlags=job_comment, sacct keeps no comment
+    "cancelled": (0, "CANCELLED by 0|\n", ""),
+    "completed": (0, "COMPLETED|\n", ""),
+    "failed": (0, "FAILED|\n", ""),
     "unknown-id": (0, "", ""),
     "no-accounting": (1, "", "Slurm accounting storage is disabled\n"),
 }
@@ -74,35 +83,82 @@ def record(tmp_path: Path, scheduler: str = "slurm", cancelled: float | None = N
     ("pending", "no-accounting", None, None, (JobState.PENDING, "squeue")),
     ("cancelled", "cancelled", None, None, (JobState.CANCELLED, "squeue")),
     ("forgotten", "cancelled", None, None, (JobState.CANCELLED, "sacct")),
-    ("forgotten", "failed", FinalState.FINISHED, None, (JobState.FAILED, "sacct")),
+    ("forgotten", "failed", FinalState.FINISHED, None, (JobState.FAILED, "sacct; the run folder says COMPLETED")),
     ("forgotten", "no-accounting", FinalState.FINISHED, None, (JobState.COMPLETED, "run folder")),
     ("forgotten", "no-accounting", FinalState.FAILED, None, (JobState.FAILED, "run folder")),
     ("forgotten", "unknown-id", None, 1.0, (JobState.CANCELLED, "store")),
+    ("forgotten", "no-accounting", FinalState.CANCELLED, None, (JobState.CANCELLED, "run folder")),
     ("forgotten", "no-accounting", None, None, (JobState.UNKNOWN, "none")),
+    ("completed", "no-accounting", FinalState.FAILED, None, (JobState.COMPLETED, "squeue; the run folder says FAILED")),
 ])
 def test_slurm_state_from_recorded_output(squeue: str, sacct: str, final: FinalState | None, cancelled: float | None,
                                           expected: tuple[JobState, str], tmp_path: Path) -> None:
     rec = record(tmp_path, cancelled=cancelled)
     if final is not None:
         RunFolder(rec.run_dir).write_final(final, "test", 10)
-    runner = Recorded(squeue=SQUEUE[squeue], sacct=SACCT[sacct])
+    runner = Recorded(squeue=answer(SQUEUE[squeue], rec), sacct=SACCT[sacct])
     st = status_of(rec, SlurmBackend(runner))
     assert (st.state, st.state_source) == expected
-    assert runner.calls[0] == ["squeue", "-h", "-t", "all", "-j", "42", "-o", "%T"]
+    assert runner.calls[0] == ["squeue", "-h", "-t", "all", "-j", "42", "-o", "%T|%k"]
+
+
+def test_a_forgotten_job_that_never_started_says_so(tmp_path: Path) -> None:
+    rec = record(tmp_path)
+    st = status_of(rec, SlurmBackend(Recorded(squeue=SQUEUE["forgotten"], sacct=SACCT["no-accounting"])))
+    assert st.state == JobState.UNKNOWN and st.final_reason == ("no rank of this job ever started (cancelled while "
+                                                                "pending, or it never ran)")
+    RunFolder(rec.run_dir).record_start(0, "42", 4)
+    st = status_of(rec, SlurmBackend(Recorded(squeue=SQUEUE["forgotten"], sacct=SACCT["no-accounting"])))
+    assert st.state == JobState.UNKNOWN and st.final_reason is None
+
+
+def answer(recorded: tuple[int, str, str], rec: JobRecord) -> tuple[int, str, str]:
+    rc, out, err = recorded
+    return rc, out.replace("{comment}", job_comment(rec.run_dir)), err
+
+
+@pytest.mark.parametrize("squeue", ["another-job", "not-hpcjobs"])
+def test_a_job_of_the_same_id_that_is_not_the_records_is_never_joined_with_it(squeue: str, tmp_path: Path) -> None:
+    rec = record(tmp_path)
+    runner = Recorded(squeue=SQUEUE[squeue], sacct=SACCT["no-accounting"])
+    st = status_of(rec, SlurmBackend(runner))
+    assert st.state == JobState.UNKNOWN and "squeue's job 42 is another job" in st.state_source, st
+    RunFolder(rec.run_dir).write_final(FinalState.FINISHED, "test", 10, job_id="42")
+    st = status_of(rec, SlurmBackend(runner))  # the run folder's own word, saying why Slurm's was not taken
+    assert st.state == JobState.COMPLETED and st.state_source.startswith("run folder (squeue's job 42 is another")
+    RunFolder(rec.run_dir).final.unlink()
+    store = JobStore(tmp_path / "jobs.sqlite")
+    with pytest.raises(RuntimeFailure, match="job 42 was not cancelled: squeue's job 42 is another job"):
+        cancel(rec, store, SlurmBackend(runner))
+    assert not any(c[0] == "scancel" for c in runner.calls)
+
+
+def test_a_job_not_in_the_store_is_found_by_its_comment(tmp_path: Path) -> None:
+    run_dir = tmp_path / "it's a run; %j"
+    comment = job_comment(str(run_dir))
+    assert "'" not in comment and " " not in comment and run_dir_of_comment(comment) == str(run_dir)
+    fields = (f"JobId=42 JobName=lm NumNodes=2 NumTasks=4 SubmitTime=2026-11-23T10:00:00 "
+              f"StdOut=/logs/lm-42.out Comment={comment}\n")
+    runner = Recorded(squeue=(0, f"RUNNING|{comment}\n", ""), scontrol=(0, fields, ""))
+    rec = SlurmBackend(runner).lookup("42")
+    assert rec is not None and rec.run_dir == str(tmp_path / "it's a run; 42")
+    assert (rec.name, rec.nodes, rec.gpus_per_node, rec.logs) == ("lm", 2, 2, {"slurm": "/logs/lm-42.out"})
+    assert SlurmBackend(Recorded(squeue=SQUEUE["not-hpcjobs"])).lookup("42") is None
 
 
 def test_slurm_cancel_refused_is_a_runtime_failure_and_records_nothing(tmp_path: Path) -> None:
     store = JobStore(tmp_path / "jobs.sqlite")
     rec = record(tmp_path)
     store.add(rec)
-    refuse = Recorded(squeue=SQUEUE["running"], scancel=(1, "", "scancel: error: Access/permission denied\n"))
+    refuse = Recorded(squeue=answer(SQUEUE["running"], rec),
+                      scancel=(1, "", "scancel: error: Access/permission denied\n"))
     with pytest.raises(RuntimeFailure, match="permission denied"):
         cancel(rec, store, SlurmBackend(refuse))
     assert store.get("42").cancelled is None
-    ok = Recorded(squeue=SQUEUE["running"], scancel=(0, "", ""))
+    ok = Recorded(squeue=answer(SQUEUE["running"], rec), scancel=(0, "", ""))
     assert cancel(rec, store, SlurmBackend(ok)) == "job 42 cancelled (was RUNNING)"
     assert store.get("42").cancelled is not None
-    done = Recorded(squeue=SQUEUE["completed"])
+    done = Recorded(squeue=answer(SQUEUE["completed"], rec))
     assert "already ended (COMPLETED)" in cancel(rec, store, SlurmBackend(done))
 
 

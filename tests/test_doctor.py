@@ -28,6 +28,8 @@ JobRequeue              = 1
 PreemptMode             = REQUEUE
 PreemptType             = preempt/partition_prio
 SlurmctldParameters     = preempt_send_user_signal
+AuthInfo                = cred_expire=5
+SlurmdTimeout           = 60 sec
 """
 ASSOC = CompletedProcess([], 0, "root||normal|\n", "")
 
@@ -117,6 +119,19 @@ def test_requeue_and_signal() -> None:
     assert d.by_qos(conf) is None
 
 
+def test_requeue_delay_and_node_failure() -> None:
+    conf = d.config(CONFIG)
+    assert d.check_requeue_delay(conf).found.startswith("a requeued job waits 6 s before it may run again")
+    assert "waits 121 s" in d.check_requeue_delay({}).found and "120, the default" in d.check_requeue_delay({}).found
+    fine = d.check_node_failure(spec(), conf)
+    assert fine.result == Result.PASS and fine.found.startswith("SlurmdTimeout=60 s, training collectives time out "
+                                                                "after 120 s")
+    site = d.check_node_failure(spec(), {**conf, "SlurmdTimeout": "300 sec"})  # Slurm's default
+    assert site.result == Result.FAIL and "HPCJOBS_COLLECTIVE_TIMEOUT: 360" in site.fix
+    longer = d.check_node_failure(spec(env={"HPCJOBS_COLLECTIVE_TIMEOUT": "400"}), {**conf, "SlurmdTimeout": "300"})
+    assert longer.result == Result.PASS
+
+
 def test_the_report() -> None:
     runs = {("sbatch", "--test-only"): CompletedProcess([], 0, "", "sbatch: Job 1 to start at T using 16 processors "
                                                                   "on nodes node[1-2] in partition low"),
@@ -129,7 +144,8 @@ def test_the_report() -> None:
         return next(v for k, v in runs.items() if words[: len(k)] == k)
 
     checks = d.doctor(spec(), "#!/bin/bash\n", run)
-    assert [c.name for c in checks] == ["request", "partition", "nodes", "account", "requeue", "signal"]
+    assert [c.name for c in checks] == ["request", "partition", "nodes", "account", "requeue", "signal",
+                                        "requeue delay", "node failure"]
     assert exit_code(checks) == 0 and table(checks).splitlines()[0].startswith("✓ request ")
     assert exit_code([*checks, replace(checks[0], result=Result.FAIL)]) == 1
 

@@ -81,7 +81,7 @@ def test_the_python_check_ends_the_job_with_one_line_when_torch_is_missing(tmp_p
     assert bad.returncode == 2 and "ranks would start" not in bad.stdout
     assert bad.stderr.count("\n") == 1, bad.stderr
     assert bad.stderr.startswith("hpcjobs: the nodes' Python on ")
-    assert (f"cannot start the ranks ({base} -> {base}: ModuleNotFoundError: No module named 'torch'); valid: a "
+    assert (f"cannot start the ranks ({base} -> {base}: torch is not installed for this Python); valid: a "
             "Python with torch >= 2.7 and hpcjobs installed. HINT: set python: in the profile") in bad.stderr
     missing = run_lines(python_lines(spec_for("h100", python="/nowhere/python")), "/usr/bin:/bin")
     assert missing.returncode == 2 and "(/nowhere/python -> not found: " in missing.stderr
@@ -95,7 +95,7 @@ def test_python3_after_the_setup_then_the_python_hpcjobs_ran_from() -> None:
     assert (s.python, s.python_fallback) == (AFTER_SETUP, sys.executable)
     fell_back = run_lines(python_lines(s), f"{base}:/usr/bin:/bin")
     assert fell_back.returncode == 0 and fell_back.stdout.strip() == "ranks would start", fell_back.stderr
-    assert fell_back.stderr == (f"hpcjobs: python3 -> {base}/python3: ModuleNotFoundError: No module named 'torch'; "
+    assert fell_back.stderr == (f"hpcjobs: python3 -> {base}/python3: torch is not installed for this Python; "
                                 f"the ranks run {sys.executable} instead (the Python hpcjobs ran from)\n")
     first = run_lines(python_lines(s), f"{Path(sys.executable).parent}:/usr/bin:/bin")
     assert first.returncode == 0 and first.stderr == "" and first.stdout.strip() == "ranks would start"

@@ -282,7 +282,9 @@ def test_a_rank_that_fails_prints_one_line_and_keeps_its_traceback_in_its_log(tm
     final = json.loads((run / "final.json").read_text())
     assert final["state"] == "failed" and final["job_id"] == "job-a"
     # The first failure wins: rank 0's own (its peer left mid-collective) does not replace it.
-    assert final["reason"] == f"rank 1: ValueError: boom at the third batch (log: {log1})"
+    assert final["reason"] == f"rank 1 on {os.uname().nodename}: ValueError: boom at the third batch (log: {log1})"
+    failures = [json.loads(line) for line in (run / "failures.jsonl").read_text().splitlines()]
+    assert failures[0]["rank"] == 1 and failures[0]["error"] == "ValueError: boom at the third batch", failures
     for r in out:
         assert len([line for line in (r.out + r.err).splitlines() if "failed" in line]) <= 1, terminal(out)
     assert f"hpcjobs: rank 1 failed: ValueError: boom at the third batch (traceback in {log1})" in out[1].out
@@ -319,7 +321,8 @@ def test_a_bad_task_flag_is_one_line_without_usage_or_traceback(tmp_path: Path) 
     assert "valid: --size large|medium|small|tiny" in said[0]
     final = json.loads((run / "final.json").read_text())
     log0 = run / "logs" / "restart-0" / "rank-0.log"
-    assert final["reason"].startswith("rank 0: TaskArgError: trainers.tasks.lm: --size: invalid choice: 'huge'")
+    assert final["reason"].startswith(f"rank 0 on {os.uname().nodename}: TaskArgError: trainers.tasks.lm: --size: "
+                                      "invalid choice: 'huge'")
     assert final["reason"].endswith(f"(log: {log0})")
 
 

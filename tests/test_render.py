@@ -94,7 +94,7 @@ def test_submitit_parameters_match_the_script() -> None:
     assert f"#SBATCH --time={params['additional_parameters']['time']}" in text
     assert params["setup"][:2] == ["module load cuda/12.4 nccl/2.21", "source ~/venvs/train/bin/activate"]
     missing = [line for line in params["setup"] if line not in text]  # submitit's check imports submitit too
-    assert len(missing) == 1 and "import torch, trainers.launch, submitit;" in missing[0]
+    assert len(missing) == 1 and "sys.exit(problem); import trainers.launch, submitit'" in missing[0]
     assert params["srun_args"] == ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--cpu-bind=cores"]
 
 

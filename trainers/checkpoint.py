@@ -17,6 +17,7 @@ at) and resumes from the next newest one (trainers.resume).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -104,18 +105,30 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
-    if rank == 0:
-        _write(shared, tmp / SHARED)
-    _write(per_rank, tmp / f"rank-{rank}.pt")
+    try:
+        if rank == 0:
+            _write(shared, tmp / SHARED)
+        _write(per_rank, tmp / f"rank-{rank}.pt")
+    except (OSError, RuntimeError) as e:
+        full = space_error(e, root, tmp, step, rank)
+        if full is None:
+            raise
+        raise full from None
     maybe_die("save-written", step)
     barrier()
     if rank == 0:
         info = {"step": step, "world_size": world_size, **(meta or {})}
-        (tmp / "meta.json").write_text(json.dumps(info, sort_keys=True, default=str))
-        _fsync_file(tmp / "meta.json")
-        (tmp / FINISHED).write_text(f"{step}\n")
-        _fsync_file(tmp / FINISHED)
-        _fsync_dir(tmp)
+        try:
+            (tmp / "meta.json").write_text(json.dumps(info, sort_keys=True, default=str))
+            _fsync_file(tmp / "meta.json")
+            (tmp / FINISHED).write_text(f"{step}\n")
+            _fsync_file(tmp / FINISHED)
+            _fsync_dir(tmp)
+        except OSError as e:
+            full = space_error(e, root, tmp, step, rank)
+            if full is None:
+                raise
+            raise full from None
         maybe_die("save-marked", step)
         if final.exists():  # the same step saved again (a stop request right after a periodic save)
             shutil.rmtree(final)
@@ -125,6 +138,32 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
         prune(root, keep)
     barrier()
     return final
+
+
+class CheckpointSpaceError(RuntimeError):
+    """A checkpoint did not fit: the disk or the quota is full."""
+
+
+def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -> CheckpointSpaceError | None:
+    """The error to raise when `e` (or what it wraps: torch.save turns the OSError into a RuntimeError) is a full
+    disk or quota, None otherwise. Rank 0 removes the unfinished folder at once: its space is what the user needs
+    back, and nothing in it was ever going to be loaded."""
+    cause: BaseException | None = e
+    while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest(root)
+    size = sum(p.stat().st_size for p in previous.path.iterdir()) if previous else None
+    free = shutil.disk_usage(root).free
+    return CheckpointSpaceError(
+        f"checkpoint step-{step} does not fit in {root}: {os.strerror(getattr(cause, 'errno', 0))} ({free:,} bytes "
+        "free; "
+        + (f"a checkpoint of this run takes {size:,} bytes, {previous.path.name} is intact and the run resumes from "
+           "it" if previous and size else "no finished checkpoint yet") +
+        "). HINT: free space there (or lower --keep), then submit the same run again")
 
 
 def prune(root: Path, keep: int) -> None:

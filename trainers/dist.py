@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainers import startup
 from trainers.distenv import (
     COLLECTIVE_TIMEOUT,
     CONTROL_TIMEOUT_MIN_S,
@@ -145,6 +146,7 @@ def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
 def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None) -> Iterator[DistContext]:
     """Join the job's process group (if more than one rank) and always leave it, whatever happens inside.
     `trace_prefix`: where NCCL's flight recorder dumps (RUN/nccl-trace/rank-) unless the environment says."""
+    startup.mark("imported")  # torch, the trainer and the task are loaded: what is left is the rendezvous
     env = from_environ(os.environ)
     backend, device = pick_backend(env)
     if device.type == "cuda":
@@ -170,6 +172,7 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
                 f"free; {INIT_TIMEOUT[0]} sets the wait.") from None
         control_s = max(timeout_s, CONTROL_TIMEOUT_MIN_S)
         ctx.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_s))
+    startup.mark("joined")
     try:
         yield ctx
     finally:

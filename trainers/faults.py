@@ -1,4 +1,5 @@
-"""Crash injection for tests: HPCJOBS_FAULT_INJECT=POINT@STEP[:RANK] SIGKILLs this process there.
+"""Fault injection for tests: HPCJOBS_FAULT_INJECT=POINT@STEP[:RANK] SIGKILLs this process there, or with
+HPCJOBS_FAULT_ACTION=raise raises RuntimeError (a crashing task), =stop sends it SIGSTOP (a hung rank).
 
 Points: `step` (after an optimizer step), `save-written` (checkpoint files written, not committed), `save-marked`
 (FINISHED written, folder not yet renamed), `save-renamed` (committed, older ones not yet pruned). Read once at
@@ -11,6 +12,11 @@ import os
 import signal
 
 _SPEC = os.environ.get("HPCJOBS_FAULT_INJECT", "")
+_ACTION = os.environ.get("HPCJOBS_FAULT_ACTION", "kill")
+
+
+class InjectedFault(RuntimeError):
+    pass
 
 
 def armed() -> bool:
@@ -21,5 +27,8 @@ def maybe_die(point: str, step: int) -> None:
     if not _SPEC:
         return
     where, _, rank = _SPEC.partition(":")
-    if where == f"{point}@{step}" and (not rank or rank == os.environ.get("RANK", "0")):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if where != f"{point}@{step}" or (rank and rank != os.environ.get("RANK", "0")):
+        return
+    if _ACTION == "raise":
+        raise InjectedFault(f"injected at {point} of step {step}")
+    os.kill(os.getpid(), signal.SIGSTOP if _ACTION == "stop" else signal.SIGKILL)

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpcjobs.contract import ContractError, LaunchContract
-from hpcjobs.runfolder import RunDirPatternError, RunFolder
+from hpcjobs.runfolder import RunDirPatternError, RunFolder, append_jsonl
 from hpcjobs.states import FinalState
 from trainers import preemption, runlock
 from trainers.config import ConfigError, TaskArgError
@@ -191,8 +191,12 @@ def record_rank_failure(e: BaseException, env: DistEnv, run: RunFolder) -> bool:
     first failure already written."""
     known = getattr(e, "_hpcjobs_recorded", None)
     if known is None:
-        known = record_failure(run, env, f"rank {env.rank}: {describe_failure(e)} (log: "
-                                         f"{run.rank_log(env.restart, env.rank)})")
+        log_path = run.rank_log(env.restart, env.rank)
+        append_jsonl(run.failures, {"time": time.time(), "job_id": env.job_id, "restart": env.restart,
+                                    "rank": env.rank, "host": os.uname().nodename, "error": describe_failure(e),
+                                    "log": str(log_path)})
+        known = record_failure(run, env, f"rank {env.rank} on {os.uname().nodename}: {describe_failure(e)} (log: "
+                                         f"{log_path})")
         with contextlib.suppress(AttributeError):
             e._hpcjobs_recorded = known  # type: ignore[attr-defined]
     return bool(known)
@@ -200,28 +204,35 @@ def record_rank_failure(e: BaseException, env: DistEnv, run: RunFolder) -> bool:
 
 def record_failure(run: RunFolder, env: DistEnv, reason: str) -> bool:
     """final.json says the job failed, and why; True if this call wrote it. The first failure of a start wins (a
-    rank whose peer died fails next, for that reason alone), and a run's `finished` is never replaced: a start that
-    trains again removes it first (trainers.trainer), so only a failure of a start that never trained is left out."""
+    rank whose peer died fails next, for that reason alone), and an earlier start's `finished` is never replaced: a
+    start that trains again removes it first (trainers.trainer), so only a failure of a start that never trained is
+    left out. This start's own `finished` (an own script's rank 0 exited 0 first) gives way to its failure."""
     final = run.read("final")
-    if isinstance(final, dict) and (final.get("state") == str(FinalState.FINISHED) or
-                                    failed_in_this_start(final, env, run)):
+    finished_before = final_of_this_start(final, env, run) is None and isinstance(final, dict) and \
+        final.get("state") == str(FinalState.FINISHED)
+    if finished_before or failed_in_this_start(final, env, run):
         return False
     run.write_final(FinalState.FAILED, reason, job_id=env.job_id)
     return True
 
 
 def failed_in_this_start(final: Any, env: DistEnv, run: RunFolder) -> bool:
-    """Whether final.json records a failure of this start of this job: its job id, written since the start took the
-    run folder's lock (job ids repeat: a plain `python -m trainers` is job 0 every time, and the lock keeps starts
-    apart). The lock's time is rank 0's clock, taken before anything of the start happens."""
+    return final_of_this_start(final, env, run) == str(FinalState.FAILED)
+
+
+def final_of_this_start(final: Any, env: DistEnv, run: RunFolder) -> str | None:
+    """final.json's state if this start of this job wrote it, else None: its job id, written since the start took
+    the run folder's lock (job ids repeat: a plain `python -m trainers` is job 0 every time, and the lock keeps
+    starts apart). The lock's time is rank 0's clock, taken before anything of the start happens."""
     holder = runlock.read_holder(run)
     if holder is not None and runlock.same_start(holder, env):
         since = float(holder["time"])
     else:  # a rank 0 that never took it (late, or a filesystem that cannot lock): this rank's own start
         contract = LaunchContract.current()
         since = contract.start_time if contract else 0.0
-    return (isinstance(final, dict) and final.get("state") == str(FinalState.FAILED) and
-            final.get("job_id") == env.job_id and float(final.get("time") or 0) >= since)
+    if isinstance(final, dict) and final.get("job_id") == env.job_id and float(final.get("time") or 0) >= since:
+        return str(final.get("state"))
+    return None
 
 
 def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: LaunchContract) -> int:
@@ -242,6 +253,9 @@ def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: Lau
     rc = run_entry(ns.kind, ns.entry, list(ns.args), run, contract)
     if rc:
         record_failure(run, env, f"rank {env.rank} exited with code {rc} (log: {run.rank_log(env.restart, env.rank)})")
+    elif env.rank == 0 and ns.kind != "task" and preemption.first_request() is None:
+        # A user's own script has no trainer to say it finished: its rank 0 exiting 0, unasked to stop, does.
+        run.write_final(FinalState.FINISHED, f"{ns.kind} {ns.entry} exited 0", job_id=env.job_id)
     return rc
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder, append_jsonl
 from hpcjobs.states import FinalState, StopOutcome
-from trainers import checkpoint, faults, perf, preemption, resume
+from trainers import checkpoint, faults, perf, preemption, resume, startup
 from trainers.config import ConfigError, ResumeError, TrainConfig
 from trainers.dist import DistContext
 from trainers.logtee import Tee
@@ -359,6 +359,8 @@ class Training:
 
     def first_step_done(self) -> None:
         """Start-up is over (compilation, loading, a cold node): a hung rank should now end the job quickly."""
+        startup.mark("first_step")
+        startup.record(self.folder, self.ctx.env)
         seconds = self.ctx.training_timeout()
         if seconds is not None:
             log(self.ctx, f"first step done: training collectives now time out after {seconds:g} s")

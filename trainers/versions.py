@@ -7,6 +7,7 @@ test keeps the two equal.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from importlib import metadata
 
@@ -24,16 +25,33 @@ def parse(version: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
-def require_torch(installed: str | None = None) -> None:
-    """Raise TorchTooOld (one line) when the installed torch is older than TORCH_FLOOR."""
+FLOOR_TEXT = ".".join(map(str, TORCH_FLOOR))
+
+
+def torch_problem(installed: str | None = None) -> str | None:
+    """What keeps this Python's torch from running the node side, in a few words (None: nothing). Torch is not
+    imported: the job script asks before every start, and an import costs seconds of a node's start-up."""
     if installed is None:
         try:
             installed = metadata.version("torch")
         except metadata.PackageNotFoundError:
-            raise TorchTooOld("torch is not installed for this Python; valid: torch >= "
-                              f"{'.'.join(map(str, TORCH_FLOOR))}. HINT: install it in the environment the nodes "
-                              "use (the profile's python or setup)") from None
+            return "torch is not installed for this Python"
+        if importlib.util.find_spec("torch") is None:  # metadata left behind by a half-removed install
+            return "torch is not installed for this Python"
     if parse(installed) < TORCH_FLOOR:
-        floor = ".".join(map(str, TORCH_FLOOR))
-        raise TorchTooOld(f"torch {installed} is installed; hpcjobs needs torch >= {floor}. HINT: pip install "
-                          f"'torch>={floor}' in the environment the nodes use (the profile's python or setup)")
+        return f"torch {installed} is installed; hpcjobs needs torch >= {FLOOR_TEXT}"
+    return None
+
+
+def require_torch(installed: str | None = None) -> None:
+    """Raise TorchTooOld (one line) when torch is missing or older than TORCH_FLOOR."""
+    problem = torch_problem(installed)
+    if problem is not None:
+        raise TorchTooOld(f"{problem}. HINT: pip install 'torch>={FLOOR_TEXT}' in the environment the nodes use (the "
+                          "profile's python or setup)")
+
+
+CHECK = ("import sys; from trainers.versions import torch_problem; problem = torch_problem(); "
+         "problem and sys.exit(problem)")
+"""Python statements that exit 1 with a short reason when torch is missing or too old, else go on (the job script's
+check, followed by the imports it needs)."""

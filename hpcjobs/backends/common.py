@@ -85,3 +85,7 @@ class RunFolderLogs:
                              f"{restarts or 'none'}, ranks of that restart: {', '.join(ranks) or 'none'}.",
                              "pick one of those with --rank and --restart.")
         return path
+
+    def outer_logs(self, rec: JobRecord) -> list[Path]:
+        """The scheduler's own output of the job, where it speaks about the ranks (none unless a backend says)."""
+        return []

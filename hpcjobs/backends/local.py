@@ -119,6 +119,9 @@ class LocalBackend(RunFolderLogs):
     requests_gpus = False
     runs_setup = False
 
+    def lookup(self, job_id: str) -> JobRecord | None:
+        return None  # a local job is known only to the job store of the shell that ran it
+
     def check(self, spec: JobSpec) -> None:
         if spec.nodes != 1:
             raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",

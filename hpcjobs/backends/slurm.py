@@ -6,15 +6,25 @@ ask Slurm themselves (requeue, EndTime, PreemptTime) is in hpcjobs/backends/slur
 
 from __future__ import annotations
 
+import datetime
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
 from hpcjobs.backends.common import RunFolderLogs, Runner, check_run_folder, prepare_run_folder, run_command
 from hpcjobs.backends.environment import cleaned_os_environ
-from hpcjobs.backends.slurm_render import render_sbatch, slurm_log_dir, submitit_parameters, submitit_python
+from hpcjobs.backends.slurm_render import (
+    render_sbatch,
+    run_dir_of_comment,
+    slurm_log_dir,
+    submitit_parameters,
+    submitit_python,
+)
 from hpcjobs.doctor import Check
 from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.runfolder import RunFolder, has_pattern, resolve_run_dir
@@ -24,18 +34,54 @@ from hpcjobs.states import JobState
 from hpcjobs.store import JobRecord
 
 
-def squeue_state(job_id: str, run: Runner) -> JobState | None:
+@dataclass(frozen=True)
+class SlurmJob:
+    """What Slurm says of a job id: its state, and the run folder its comment names (None: not an hpcjobs job, or
+    a comment sacct did not keep)."""
+
+    state: JobState
+    run_dir: str | None
+    stdout: str | None = None
+
+
+def squeue_job(job_id: str, run: Runner) -> SlurmJob | None:
     """squeue's word for the job, finished ones included (`-t all`), while Slurm still remembers it."""
-    out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"])
+    out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%k"])
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    return JobState.parse(lines[0]) if lines else None
+    if not lines:
+        return None
+    state, _, comment = lines[0].partition("|")
+    return SlurmJob(JobState.parse(state), run_dir_of_comment(comment.strip()))
 
 
-def sacct_state(job_id: str, run: Runner) -> JobState | None:
-    """sacct's word for the job's allocation (the last line: the newest start); None without accounting."""
-    out = run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+def sacct_job(job_id: str, run: Runner) -> SlurmJob | None:
+    """sacct's word for the job's allocation (the last line: the newest start); None without accounting. Its
+    comment only where the site keeps comments (AccountingStoreFlags=job_comment)."""
+    out = run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,Comment"])
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    return JobState.parse(lines[-1]) if lines else None
+    if not lines:
+        return None
+    state, _, comment = lines[-1].partition("|")
+    return SlurmJob(JobState.parse(state), run_dir_of_comment(comment.strip()))
+
+
+def scontrol_fields(job_id: str, run: Runner) -> dict[str, str]:
+    """`scontrol show job`'s KEY=VALUE fields (empty once Slurm forgot the job, after MinJobAge)."""
+    out = run(["scontrol", "show", "job", "-o", job_id])
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout)) if out.returncode == 0 else {}
+
+
+def record_of(job_id: str, run_dir: str, spec: dict[str, Any], fields: dict[str, str]) -> JobRecord:
+    """A job record for a job found by its comment: the run folder's spec.json (hpcjobs submit wrote it), else what
+    Slurm still says of it (a rendered script run with sbatch)."""
+    nodes = int(spec.get("nodes") or fields.get("NumNodes", "0").split("-")[0] or 0)
+    tasks = int(fields.get("NumTasks", "0") or 0)
+    gpus = int(spec.get("gpus_per_node") or (tasks // nodes if nodes else 0))
+    submitted = fields.get("SubmitTime", "")
+    when = datetime.datetime.fromisoformat(submitted).timestamp() if submitted[:1].isdigit() else 0.0
+    logs = {"slurm": fields["StdOut"]} if fields.get("StdOut") else {}
+    return JobRecord(job_id, str(spec.get("name") or fields.get("JobName") or "?"),
+                     str(spec.get("profile") or "?"), "slurm", nodes, gpus, run_dir, logs, spec, when)
 
 
 def sbatch_refusal(error: BaseException) -> str:
@@ -100,11 +146,39 @@ class SlurmBackend(RunFolderLogs):
         return sub
 
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
-        for source, ask in (("squeue", squeue_state), ("sacct", sacct_state)):
-            state = ask(rec.job_id, self.run)
-            if state is not None:
-                return state, source
+        """squeue's, then sacct's state, when the job they know by this id is the record's: job ids start again at
+        1 on a rebuilt cluster, so a job whose comment names another run folder (or, in squeue, none) is another
+        job: UNKNOWN, saying so, and the run folder answers."""
+        for source, ask in (("squeue", squeue_job), ("sacct", sacct_job)):
+            job = ask(rec.job_id, self.run)
+            if job is None:
+                continue
+            if job.run_dir is None and source == "sacct":
+                return job.state, source  # a site that keeps no comments: nothing to compare
+            if job.run_dir is None or resolve_run_dir(job.run_dir, {"SLURM_JOB_ID": rec.job_id}) != rec.run_dir:
+                return JobState.UNKNOWN, (f"{source}'s job {rec.job_id} is another job (run folder "
+                                          f"{job.run_dir or 'none named'}), not this record's")
+            return job.state, source
         return None
+
+    def lookup(self, job_id: str) -> JobRecord | None:
+        """A job hpcjobs did not record here (submitted with plain sbatch from a rendered script, or from another
+        login node, or the job store was lost): found by the run folder its comment names, read from its spec."""
+        job = squeue_job(job_id, self.run) or sacct_job(job_id, self.run)
+        if job is None or job.run_dir is None:
+            return None
+        run_dir = resolve_run_dir(job.run_dir, {"SLURM_JOB_ID": job_id})
+        spec = RunFolder(run_dir).read("spec")
+        return record_of(job_id, run_dir, spec if isinstance(spec, dict) else {}, scontrol_fields(job_id, self.run))
+
+    def outer_logs(self, rec: JobRecord) -> list[Path]:
+        """The batch script's output: one file for rendered scripts (--output), or submitit's pair, stdout and the
+        stderr where srun writes `srun: error: node2: task 3: Killed`."""
+        out = rec.logs.get("slurm")
+        if not out:
+            return []
+        path = Path(out)
+        return [path, path.with_suffix(".err")] if path.suffix == ".out" else [path]
 
     def cancel(self, rec: JobRecord) -> str:
         out = self.run(["scancel", rec.job_id])

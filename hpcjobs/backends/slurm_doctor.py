@@ -18,6 +18,7 @@ from hpcjobs.backends.common import Runner
 from hpcjobs.doctor import Check, Result
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.spec import JobSpec
+from trainers.distenv import COLLECTIVE_TIMEOUT
 
 UNLIMITED = ("UNLIMITED", "INFINITE", "NONE")
 DOWN = frozenset({"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "MAINT", "FUTURE",
@@ -161,6 +162,45 @@ def check_signal(spec: JobSpec, conf: dict[str, str], part: dict[str, str] | Non
     return Check("signal", Result.PASS, found + ("" if user_signal else " (the trainer saves and requeues on it)"))
 
 
+CRED_EXPIRE_DEFAULT_S = 120
+"""Slurm's own default for AuthInfo's cred_expire; a requeued job is held that long plus 1 s before it may run."""
+
+
+def seconds(value: str) -> int | None:
+    """`60 sec`, `300`: a config line's seconds; None when it holds none."""
+    m = re.match(r"\s*(\d+)", value)
+    return int(m.group(1)) if m else None
+
+
+def check_requeue_delay(conf: dict[str, str]) -> Check:
+    """How long a requeued job (every preemption, every time limit) waits before it may run again."""
+    m = re.search(r"cred_expire=(\d+)", conf.get("AuthInfo", ""))
+    expire = int(m.group(1)) if m else CRED_EXPIRE_DEFAULT_S
+    found = (f"a requeued job waits {expire + 1} s before it may run again (AuthInfo cred_expire="
+             f"{expire if m else f'{expire}, the default'} + 1 s)")
+    return Check("requeue delay", Result.PASS, found)
+
+
+def check_node_failure(spec: JobSpec, conf: dict[str, str]) -> Check:
+    """Whether a dead node gets the job requeued (Slurm notices after SlurmdTimeout) or failed (the other ranks'
+    collective timeout ends it first, and a failed job is not requeued)."""
+    name, default = COLLECTIVE_TIMEOUT
+    try:
+        collective = float(spec.env.get(name, default))
+    except ValueError:
+        collective = default
+    slurmd = seconds(conf.get("SlurmdTimeout", ""))
+    if not slurmd:
+        return Check("node failure", Result.SKIP, "not checked: SlurmdTimeout not shown (0: Slurm never marks a "
+                     "silent node down)")
+    found = f"SlurmdTimeout={slurmd} s, training collectives time out after {collective:g} s ({name})"
+    if slurmd < collective:
+        return Check("node failure", Result.PASS, f"{found}: a dead node is noticed first, the job is requeued")
+    return Check("node failure", Result.FAIL, f"{found}: when a node dies the other ranks time out first and the "
+                 "job ends FAILED instead of being requeued",
+                 f"env: {{{name}: {slurmd + 60}}} in the profile (a hung rank is then also found that late)")
+
+
 def doctor(spec: JobSpec, script: str, run: Runner) -> list[Check]:
     """Every check, running only read-only Slurm commands (and `sbatch --test-only`, which queues nothing)."""
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
@@ -178,7 +218,8 @@ def doctor(spec: JobSpec, script: str, run: Runner) -> list[Check]:
                  "format=Account,Partition,QOS"]) if accounting else None
     preemption = by_qos(conf)
     return [*checks, check_partition(spec, parts), check_nodes(spec, parts, nodes), check_account(spec, conf, assoc),
-            *([preemption] if preemption else [check_requeue(conf, part), check_signal(spec, conf, part)])]
+            *([preemption] if preemption else [check_requeue(conf, part), check_signal(spec, conf, part)]),
+            check_requeue_delay(conf), check_node_failure(spec, conf)]
 
 
 def _user() -> str:

@@ -5,6 +5,7 @@ parameters. Both come from the one flag table `slurm_flags`: a flag added there 
 from __future__ import annotations
 
 import shlex
+import urllib.parse
 from dataclasses import fields
 from typing import Any
 
@@ -17,7 +18,8 @@ from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
 from hpcjobs.spec import JobSpec
-from trainers.versions import TORCH_FLOOR
+from trainers.versions import CHECK as TORCH_CHECK
+from trainers.versions import FLOOR_TEXT
 
 SBATCH_TEMPLATE = "sbatch.sh.j2"
 SUBMITIT_NATIVE = frozenset({
@@ -60,7 +62,25 @@ def slurm_flags(spec: JobSpec) -> dict[str, Any]:
         "requeue": True, "signal": f"{p.preemption.signal}@{p.preemption.seconds_before}", "open-mode": "append",
         "chdir": spec.workdir, **gpu_flags(spec), **profile_flags(p),
     }
+    flags["comment"] = job_comment(spec.run_dir)
     return {k: v for k, v in flags.items() if v is not None}
+
+
+COMMENT_TAG = "hpcjobs:run="
+"""Every job carries its run folder in its Slurm comment, so `hpcjobs status ID` finds any hpcjobs job (one started
+from a rendered script with plain sbatch too, or after the job store was lost) and never takes another job that
+got the same id (a rebuilt cluster) for it."""
+
+
+def job_comment(run_dir: str) -> str:
+    """The tag and the run folder pattern, percent-encoded: no quote, space or newline of a hostile path can reach
+    the #SBATCH line."""
+    return COMMENT_TAG + urllib.parse.quote(run_dir, safe="/")
+
+
+def run_dir_of_comment(comment: str) -> str | None:
+    """The run folder pattern a job's comment names, None if hpcjobs did not submit it."""
+    return urllib.parse.unquote(comment[len(COMMENT_TAG):]) if comment.startswith(COMMENT_TAG) else None
 
 
 def profile_flags(profile: ClusterProfile) -> dict[str, Any]:
@@ -86,14 +106,14 @@ NODE_PYTHON = f'"${PYTHON_VAR}"'
 """The nodes' Python in a job script: resolved by `python_lines` after the setup, then used by every rank."""
 
 
-def python_lines(spec: JobSpec, modules: str = "torch, trainers.launch") -> list[str]:
+def python_lines(spec: JobSpec, modules: str = "trainers.launch") -> list[str]:
     """Shell lines (after the setup and the environment) that find the nodes' Python and end the job with one line,
-    before any rank starts, when it cannot import `modules`: otherwise every rank would fail alone, or the wrong
+    before any rank starts, when it cannot import `modules` or finds no torch at the floor version (by its metadata:
+    importing torch here would add seconds to every start): otherwise every rank would fail alone, or the wrong
     environment would train. `python3` after the setup is tried first when the profile names no Python, then the
     Python hpcjobs ran from (a setup that only loads modules, with the environment on a shared filesystem), saying
     so in the job's log."""
-    check = f"import {modules}; from trainers.versions import require_torch; require_torch()"
-    floor = ".".join(map(str, TORCH_FLOOR))
+    check = f"{TORCH_CHECK}; import {modules}"
     tried = "$hpcjobs_python -> ${HPCJOBS_PYTHON:-not found}: $(printf '%s' \"$hpcjobs_why\" | tail -n 1)"
     candidates = [spec.python, *([spec.python_fallback] if spec.python_fallback else [])]
     return [
@@ -106,8 +126,8 @@ def python_lines(spec: JobSpec, modules: str = "torch, trainers.launch") -> list
         "done",
         f'if [ -z "${PYTHON_VAR}" ]; then',
         '  echo "hpcjobs: the nodes\' Python on $(hostname) cannot start the ranks ($hpcjobs_tried); valid: a Python '
-        f'with torch >= {floor} and hpcjobs installed. HINT: set python: in the profile, or make its setup activate '
-        'that environment" >&2',
+        f'with torch >= {FLOOR_TEXT} and hpcjobs installed. HINT: set python: in the profile, or make its setup '
+        'activate that environment" >&2',
         "  exit 2",
         "fi",
         f'[ -z "$hpcjobs_tried" ] || echo "hpcjobs: $hpcjobs_tried; the ranks run ${PYTHON_VAR} instead (the Python '
@@ -167,7 +187,7 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
     params["signal_delay_s"] = spec.profile.preemption.seconds_before
     params["additional_parameters"] = extra
     params["setup"] = [*spec.profile.setup, *environment_lines(spec),
-                       *python_lines(spec, "torch, trainers.launch, submitit")]
+                       *python_lines(spec, "trainers.launch, submitit")]
     params["srun_args"] = srun_flags(spec)
     params["stderr_to_stdout"] = True
     return params

@@ -29,8 +29,10 @@ def test_a_request_that_fits_passes_every_check(cluster_profile: Path) -> None:
     before = queued()
     code, result, found = doctor("--profile", str(cluster_profile), "--nodes", "2", "--gpus", "8", "--time", "1:00:00")
     assert code == 0 and result == {"request": "pass", "partition": "pass", "nodes": "pass", "account": "pass",
-                                    "requeue": "pass", "signal": "pass"}, found
+                                    "requeue": "pass", "signal": "pass", "requeue delay": "pass",
+                                    "node failure": "pass"}, found
     assert "would start at" in found["request"] and "sends SIGUSR2" in found["signal"]
+    assert "waits 6 s" in found["requeue delay"] and "SlurmdTimeout=60 s" in found["node failure"]
     assert queued() == before  # --test-only queues nothing
 
 
@@ -89,7 +91,7 @@ def test_the_probe_names_a_python_without_torch(cluster_profile: Path, shared_tm
     code, result, found = probe(variant(cluster_profile, shared_tmp, python=str(base)))
     assert code == 1 and result["probe"] == "fail"
     assert "hpcjobs: the nodes' Python on node" in found["probe"]
-    assert f"({base} -> {base}: ModuleNotFoundError: No module named 'torch')" in found["probe"], found
+    assert f"({base} -> {base}: torch is not installed for this Python)" in found["probe"], found
 
 
 def test_the_probe_names_a_missing_interface(cluster_profile: Path, shared_tmp: Path) -> None:

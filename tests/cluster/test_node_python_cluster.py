@@ -53,7 +53,7 @@ def test_the_ranks_run_the_python_the_setup_puts_first(path: str, cluster_profil
     job, run = start(path, profile, shared_tmp)
     assert wait_for_state(job, DONE) == "COMPLETED"
     calls = used.read_text().splitlines()
-    assert "import torch, trainers.launch" in calls[0]  # the check, once, before srun
+    assert "from trainers.versions import require_torch" in calls[0]  # the check, once, before srun
     assert sum(1 for c in calls if c.startswith("-u -m ")) == 4, calls  # every rank (submitit's runner or ours)
     assert "finished at step 4" in (run / "logs" / "restart-0" / "rank-0.log").read_text()
 
@@ -74,7 +74,7 @@ def test_a_python_without_torch_ends_the_job_before_any_rank(path: str, cluster_
     said = job_log(job, run, shared_tmp)
     lines = [line for line in said.splitlines() if line.startswith("hpcjobs: the nodes' Python")]
     assert len(lines) == 1 and lines[0].startswith("hpcjobs: the nodes' Python on node1 cannot start the ranks (")
-    assert f"{base} -> {base}: ModuleNotFoundError: No module named 'torch'" in lines[0], said
+    assert f"{base} -> {base}: torch is not installed for this Python" in lines[0], said
 
 
 def test_a_setup_that_only_loads_modules_falls_back_to_the_submitting_python(cluster_profile: Path,

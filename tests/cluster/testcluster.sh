@@ -6,7 +6,7 @@
 # written). A bridge inside the "head" namespace joins them, so nothing is routed out of the machine.
 #   head   10.233.77.1   slurmctld, slurmdbd, MariaDB (socket only) and the clients: sbatch, squeue, pytest
 #   node1  10.233.77.11  slurmd, 16 CPUs, 8 count-only GPUs
-#   node2  10.233.77.12  slurmd, 16 CPUs, 8 count-only GPUs
+#   node2  10.233.77.12  slurmd, 16 CPUs, 8 count-only GPUs   ... up to nodeN (HPCJOBS_CLUSTER_NODES, default 2)
 # munged runs in the root namespace with its socket in the cluster folder, bind-mounted at /run/munge in every host
 # (Slurm's clients ignore AuthInfo's socket= when they talk to slurmdbd, so the default path must work).
 #
@@ -18,6 +18,8 @@
 #   node N    run CMD on compute node N (debugging)
 # Switches (environment):
 #   HPCJOBS_CLUSTER_DIR=/tmp/hpcjobs-cluster     where config, state, logs and the database live
+#   HPCJOBS_CLUSTER_NODES=2                      compute nodes `up` starts (1-64), node1..nodeN at 10.233.77.11...;
+#                                                the other commands keep the count the cluster was started with
 #   HPCJOBS_CLUSTER_ACCOUNTING=1                 0: no slurmdbd/MariaDB, sacct fails as on sites without accounting
 #   HPCJOBS_CLUSTER_USER_SIGNAL=1                1: preemption sends the job's own --signal (preempt_send_user_signal)
 #                                                0: preemption sends SIGTERM, then SIGKILL after GraceTime
@@ -26,7 +28,13 @@ set -euo pipefail
 D=${HPCJOBS_CLUSTER_DIR:-/tmp/hpcjobs-cluster}
 P=hpcj
 NET=10.233.77
-NODES=(node1 node2)
+NODE_COUNT=${HPCJOBS_CLUSTER_NODES:-2}  # `up` starts this many; the other commands act on the cluster that is up
+[ -z "${HPCJOBS_CLUSTER_NODES:-}" ] && [ "${1:-}" != up ] && [ -s "$D/node-count" ] && NODE_COUNT=$(cat "$D/node-count")
+[[ "$NODE_COUNT" =~ ^[0-9]+$ ]] && [ "$NODE_COUNT" -ge 1 ] && [ "$NODE_COUNT" -le 64 ] || {
+  printf '[testcluster] error: HPCJOBS_CLUSTER_NODES=%s; valid: 1-64. HINT: unset it for the default 2.\n' \
+    "$NODE_COUNT" >&2; exit 2; }
+NODES=()
+for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("node$i"); done
 ACCOUNTING=${HPCJOBS_CLUSTER_ACCOUNTING:-1}
 USER_SIGNAL=${HPCJOBS_CLUSTER_USER_SIGNAL:-1}
 SELF=$(readlink -f "$0")
@@ -139,6 +147,7 @@ write_config() {
   rm -rf "$D"
   mkdir -p "$D"/{etc/slurm,munge,munge-run,state,spool,run,log,mysql/data,mysql/run}
   chmod 755 "$D"
+  echo "$NODE_COUNT" >"$D/node-count"
   {
     echo "127.0.0.1 localhost"
     echo "$NET.1 head"
@@ -266,6 +275,8 @@ down() {
 
 restart() {
   [ -d "$D/etc/slurm" ] || die "no cluster at $D. HINT: testcluster.sh up"
+  [ "$NODE_COUNT" = "$(cat "$D/node-count")" ] || die "the cluster has $(cat "$D/node-count") nodes, \
+HPCJOBS_CLUSTER_NODES=$NODE_COUNT. HINT: a new node count needs \`testcluster.sh up\`."
   write_slurm_conf
   stop_pidfile "$D/run/slurmctld.pid"
   for n in "${NODES[@]}"; do stop_pidfile "$D/run/slurmd-$n.pid"; done

@@ -1,0 +1,248 @@
+"""The fault campaign on the real cluster (issue 13): a rank that crashes, one killed by a signal, one that hangs, a
+job store lost between submit and status, a job run from a rendered script with plain sbatch, a disk that fills
+during a checkpoint. Each ends with nothing lost and `hpcjobs status` saying what happened: which rank failed
+first, on which host, and the last lines of its log. 2 nodes × 2 ranks, the example LM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, hpcjobs, slurm, wait_for_state
+from trainers import checkpoint
+
+pytestmark = pytest.mark.cluster
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+LM = ["trainers.tasks.lm", "--size", "tiny", "--steps", "100000", "--log-every", "5", "--ckpt-every", "50"]
+
+
+@pytest.fixture(scope="module")
+def folder() -> Iterator[Path]:
+    path = Path(f"/tmp/hpcjobs-faults-{os.getpid()}")
+    path.mkdir(exist_ok=True)
+    path.chmod(0o755)
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    data["runs_dir"] = str(path / "runs")
+    (path / "profile.yaml").write_text(yaml.safe_dump(data))
+    yield path
+    if not os.environ.get("HPCJOBS_TEST_KEEP"):  # set it to look at the run folders after a failure
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def submit(folder: Path, name: str, *env: str, entry: list[str] = LM) -> tuple[str, Path]:
+    run = folder / "runs" / name
+    flags = [f"--env={e}" for e in env]
+    out = hpcjobs("submit", "--profile", str(folder / "profile.yaml"), "--nodes", "2", "--gpus", "2",
+                  "--run-dir", str(run), *flags, "--json", *entry, cwd=REPO, env={"HPCJOBS_HOME": str(folder)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["job_id"], run
+
+
+def status(folder: Path, job: str, home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return hpcjobs("status", job, env={"HPCJOBS_HOME": str(home or folder)})
+
+
+def restarts_of(job: str) -> int:
+    fields = dict(f.split("=", 1) for f in slurm("scontrol", "show", "job", "-o", job).split() if "=" in f)
+    return int(fields["Restarts"])
+
+
+def test_a_crashing_rank_fails_the_job_at_once_and_status_names_it(folder: Path) -> None:
+    job, run = submit(folder, "crash", "HPCJOBS_FAULT_INJECT=step@20:3", "HPCJOBS_FAULT_ACTION=raise")
+    assert wait_for_state(job, DONE, timeout=300) == "FAILED"
+    ended = time.time()
+    first = json.loads((run / "failures.jsonl").read_text().splitlines()[0])
+    assert ended - first["time"] <= 60, (ended, first)  # the job ended, it did not hang on its dead peer
+    print(f"FAULT REPORT crash: FAILED {ended - first['time']:.1f} s after the exception")
+    assert restarts_of(job) == 0  # a crash in the task is not retried: it would crash again
+    out = status(folder, job)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"failed first: rank 3 on node\d+: InjectedFault: injected at step of step 20\n", out.stdout), \
+        out.stdout
+    assert "restart-0/rank-3.log" in out.stdout and "| " in out.stdout  # where, and its last lines
+
+
+def test_a_killed_rank_is_named_from_sruns_word_not_the_peer_that_lost_it(folder: Path) -> None:
+    job, run = submit(folder, "killed", "HPCJOBS_FAULT_INJECT=step@20:3")
+    assert wait_for_state(job, DONE, timeout=300) == "FAILED"
+    out = status(folder, job)
+    assert re.search(r"failed first: rank 3 on node\d+: Killed \(said by srun; the rank wrote nothing\)", out.stdout), \
+        out.stdout
+    assert "rank 3 failed" not in (run / "final.json").read_text()  # what the others recorded is still there
+
+
+def test_a_hung_rank_ends_the_job_within_the_collective_timeout_and_is_named(folder: Path) -> None:
+    job, run = submit(folder, "hung", "HPCJOBS_FAULT_INJECT=step@20:3", "HPCJOBS_FAULT_ACTION=stop",
+                      "HPCJOBS_COLLECTIVE_TIMEOUT=15")
+    assert wait_for_state(job, DONE, timeout=300) == "FAILED"  # nothing left running forever
+    ended = time.time()
+    beat = json.loads((run / "heartbeat.json").read_text())
+    assert ended - beat["time"] <= 15 + 60, (ended, beat)
+    print(f"FAULT REPORT hang: FAILED {ended - beat['time']:.1f} s after the last heartbeat (timeout 15 s)")
+    out = status(folder, job)
+    assert re.search(r"failed first: rank 3 on node\d+: hung: the other ranks timed out waiting for it", out.stdout), \
+        out.stdout
+
+
+def test_status_answers_from_slurm_and_the_run_folder_when_the_job_store_is_lost(folder: Path) -> None:
+    home = folder / "lost-home"
+    run = folder / "runs" / "lost"
+    out = hpcjobs("submit", "--profile", str(folder / "profile.yaml"), "--nodes", "2", "--gpus", "2", "--run-dir",
+                  str(run), "--json", *LM, cwd=REPO, env={"HPCJOBS_HOME": str(home)})
+    job = json.loads(out.stdout)["job_id"]
+    try:
+        wait_for_state(job, {"RUNNING"}, timeout=120)
+        shutil.rmtree(home)  # deleted
+        out = status(folder, job, home)
+        assert out.returncode == 0 and "RUNNING (from squeue)" in out.stdout and str(run) in out.stdout, out
+        shutil.rmtree(home)  # (status made a new, empty store)
+        home.mkdir()
+        (home / "jobs.sqlite").write_text("this is not a database")  # corrupted
+        out = status(folder, job, home)
+        assert out.returncode == 0 and "RUNNING (from squeue)" in out.stdout, out
+        assert hpcjobs("logs", job, env={"HPCJOBS_HOME": str(home)}).returncode == 0
+    finally:
+        slurm("scancel", job, check=False)
+
+
+def test_a_rendered_script_run_with_plain_sbatch_is_followed_by_id(folder: Path) -> None:
+    run = folder / "runs" / "rendered-%j"
+    script = folder / "rendered.sbatch"
+    out = hpcjobs("render", "--profile", str(folder / "profile.yaml"), "--nodes", "2", "--gpus", "2", "--run-dir",
+                  str(run), "-o", str(script), "trainers.tasks.lm", "--size", "tiny", "--steps", "20", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    job = slurm("sbatch", "--parsable", str(script)).strip()
+    assert wait_for_state(job, DONE, timeout=300) == "COMPLETED"
+    out = status(folder, job, folder / "empty-home")
+    assert out.returncode == 0, out.stderr
+    assert "COMPLETED" in out.stdout and f"rendered-{job}" in out.stdout and "last step:   20" in out.stdout, out.stdout
+    logs = hpcjobs("logs", job, env={"HPCJOBS_HOME": str(folder / "empty-home")})
+    assert logs.returncode == 0 and "finished at step 20" in logs.stdout, logs
+
+
+@pytest.fixture
+def small_disk(folder: Path) -> Iterator[Path]:
+    """A 24 MiB ext4 filesystem on a loop device, mounted at the same path here and on every node (each node is a
+    mount namespace of its own: the mount goes into its slurmd's, which the job steps inherit). One block device, so
+    one filesystem: what a rank writes on a node is what the test reads here."""
+    image, mount = folder / "disk.img", folder / "small"
+    subprocess.run(["truncate", "-s", "24M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)  # no root reserve: ranks are root
+    loop = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    mount.mkdir()
+    slurmds = [int(p.read_text()) for p in (Path(os.environ["HPCJOBS_TEST_CLUSTER"]) / "run").glob("slurmd-*.pid")]
+    places = [[], *(["nsenter", "-t", str(pid), "-m"] for pid in slurmds)]
+    for place in places:
+        subprocess.run([*place, "mount", loop, str(mount)], check=True)
+    mount.chmod(0o777)
+    yield mount
+    for place in places:
+        subprocess.run([*place, "umount", "-l", str(mount)], check=False)
+    subprocess.run(["losetup", "-d", loop], check=False)
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_the_run_resumes(folder: Path,
+                                                                                    small_disk: Path) -> None:
+    run = small_disk / "run"
+    entry = ["trainers.tasks.lm", "--size", "tiny", "--steps", "60", "--log-every", "5", "--ckpt-every", "20"]
+    common = ["--profile", str(folder / "profile.yaml"), "--nodes", "2", "--gpus", "2", "--run-dir", str(run),
+              "--json"]
+    # Rank 0 stops itself once step-20 is committed; the disk is then filled to leave less than a checkpoint.
+    out = hpcjobs("submit", *common, "--env=HPCJOBS_FAULT_INJECT=save-renamed@20:0", "--env=HPCJOBS_FAULT_ACTION=stop",
+                  *entry, cwd=REPO, env={"HPCJOBS_HOME": str(folder)})
+    job = json.loads(out.stdout)["job_id"]
+    deadline = time.time() + 180
+    while not (run / "checkpoints" / "step-20").is_dir() and time.time() < deadline:
+        time.sleep(0.2)
+    size = sum(p.stat().st_size for p in (run / "checkpoints" / "step-20").iterdir())
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(small_disk).free - size // 2))
+    os.kill(json.loads((run / ".lock").read_text())["pid"], signal.SIGCONT)
+    assert wait_for_state(job, DONE, timeout=300) == "FAILED"
+    said = status(folder, job).stdout
+    assert re.search(rf"failed first: rank 0 on node\d+: CheckpointSpaceError: checkpoint step-40 does not fit in "
+                     rf"{re.escape(str(run))}/checkpoints: No space left on device \([\d,]+ bytes free; a checkpoint "
+                     rf"of this run takes {size:,} bytes, step-20 is intact", said), said
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-20"]  # nothing half-written left
+    ref = checkpoint.latest(run / "checkpoints")
+    assert ref is not None and ref.step == 20 and checkpoint.load_checkpoint(ref, 0)[0]["model"]
+    filler.unlink()  # the user frees space and submits the same run again
+    out = hpcjobs("submit", *common, *entry, cwd=REPO, env={"HPCJOBS_HOME": str(folder)})
+    again = json.loads(out.stdout)["job_id"]
+    assert wait_for_state(again, DONE, timeout=300) == "COMPLETED"
+    logs = sorted((run / "logs").glob("restart-*/rank-0.log"), key=lambda p: p.stat().st_mtime)
+    assert "resumed from" in logs[-1].read_text() and "(step 20," in logs[-1].read_text()
+    assert json.loads((run / "final.json").read_text())["step"] == 60
+
+
+def job_nodes(job: str) -> list[str]:
+    fields = dict(f.split("=", 1) for f in slurm("scontrol", "show", "job", "-o", job).split() if "=" in f)
+    return slurm("scontrol", "show", "hostnames", fields["NodeList"]).split()
+
+
+def test_a_dead_node_requeues_the_job_and_it_resumes_with_at_most_a_checkpoint_interval_lost(folder: Path) -> None:
+    """The node's link goes down first (a dead host sends no reset: its peers hang), then its slurmd and every
+    process on it die. Slurm notices (SlurmdTimeout) before the ranks' collective timeout, requeues the job, and it
+    runs again on the nodes left, or on the node once it is back."""
+    entry = ["trainers.tasks.lm", "--size", "tiny", "--steps", "400", "--log-every", "10", "--ckpt-every", "20"]
+    job, run = submit(folder, "node-death", entry=entry)
+    wait_for_state(job, {"RUNNING"}, timeout=120)
+    deadline = time.time() + 180
+    while time.time() < deadline and (json.loads(run.joinpath("heartbeat.json").read_text() or "{}")
+                                      if run.joinpath("heartbeat.json").exists() else {}).get("step", 0) < 60:
+        time.sleep(0.3)
+    victim = job_nodes(job)[-1]
+    net = f"/run/netns/hpcj-{victim}"
+    subprocess.run(["nsenter", f"--net={net}", "ip", "link", "set", "eth0", "down"], check=True)
+    died = json.loads(run.joinpath("heartbeat.json").read_text())["step"]
+    pids = subprocess.run(["ip", "netns", "pids", f"hpcj-{victim}"], capture_output=True, text=True).stdout.split()
+    subprocess.run(["kill", "-KILL", *pids], check=False)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and restarts_of(job) == 0:
+            time.sleep(1)
+        assert restarts_of(job) == 1, "Slurm did not requeue the job of the dead node"
+    finally:  # the node comes back: link up, slurmd again (ReturnToService=2 returns it to service)
+        subprocess.run(["nsenter", f"--net={net}", "ip", "link", "set", "eth0", "up"], check=True)
+        subprocess.run([str(REPO / "tests" / "cluster" / "testcluster.sh"), "node", victim.removeprefix("node"),
+                        "slurmd", "-N", victim], check=True)
+    assert wait_for_state(job, DONE, timeout=400) == "COMPLETED"
+    resumed = re.search(r"resumed from .* \(step (\d+),", (run / "logs" / "restart-1" / "rank-0.log").read_text())
+    assert resumed is not None and died - int(resumed.group(1)) <= 20, (died, resumed)
+    print(f"FAULT REPORT node death: heartbeat step {died} at the death, resumed from step {resumed.group(1)}")
+
+
+def test_every_way_a_job_ends_leaves_its_final_state_in_the_run_folder(folder: Path) -> None:
+    """So status answers the same once Slurm forgot the job (MinJobAge) on a site without sacct: a user's own
+    script that completes, and a job `scancel`ed while running (tests/test_backends.py maps these files to states,
+    and a job that left the queue without ever starting)."""
+    script = folder / "own.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'done')\n")
+    own, own_run = submit(folder, "own-script", entry=[str(script)])
+    job, run = submit(folder, "scancelled")
+    wait_for_state(job, {"RUNNING"}, timeout=120)
+    deadline = time.time() + 120
+    while not (run / "heartbeat.json").exists() and time.time() < deadline:
+        time.sleep(0.3)
+    slurm("scancel", job)
+    assert wait_for_state(job, DONE, timeout=120) == "CANCELLED"
+    assert wait_for_state(own, DONE, timeout=300) == "COMPLETED"
+    final = json.loads((own_run / "final.json").read_text())
+    assert (final["state"], final["job_id"]) == ("finished", own), final
+    deadline = time.time() + 30  # rank 0 writes it once its stop checkpoint is committed, within KillWait
+    while not (run / "final.json").exists() and time.time() < deadline:
+        time.sleep(0.3)
+    final = json.loads((run / "final.json").read_text())
+    assert final["state"] == "cancelled" and final["reason"].startswith("cancelled (scancel) at step "), final

@@ -1,0 +1,45 @@
+"""A checkpoint that does not fit (a full disk or quota): the save fails with one line naming the folder and the
+bytes, the unfinished folder is removed, the previous checkpoint stays intact and loadable. Run on a real small
+filesystem (a 2 MiB tmpfs in a private mount namespace); the real-cluster version is in
+tests/cluster/test_faults_cluster.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = r'''
+import sys, torch
+from pathlib import Path
+from trainers import checkpoint
+root = Path(sys.argv[1]) / "checkpoints"
+state = {"model": {"w": torch.arange(300_000, dtype=torch.float32)}}  # 1.2 MB: one fits in 2 MiB, two do not
+checkpoint.save_checkpoint(root, 1, state, {"rng": 1})
+try:
+    checkpoint.save_checkpoint(root, 2, state, {"rng": 2})
+except checkpoint.CheckpointSpaceError as e:
+    print("ERROR", e)
+print("LEFT", sorted(p.name for p in root.iterdir()))
+ref = checkpoint.latest(root)
+print("LATEST", ref.step, bool(torch.equal(checkpoint.load_checkpoint(ref, 0)[0]["model"]["w"], state["model"]["w"])))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (CI has both)")
+def test_a_checkpoint_that_does_not_fit_leaves_the_previous_one_intact(tmp_path: Path) -> None:
+    disk = tmp_path / "small"
+    disk.mkdir()
+    out = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=2M tmpfs "$1" && exec "$2" -c "$3" "$1"',
+                          "sh", str(disk), sys.executable, SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["ERROR"].startswith(f"checkpoint step-2 does not fit in {disk}/checkpoints: No space left on device ")
+    assert "bytes free; a checkpoint of this run takes 1,2" in lines["ERROR"] and "step-1 is intact" in lines["ERROR"]
+    assert "HINT: free space there" in lines["ERROR"] and "\n" not in lines["ERROR"]
+    assert lines["LEFT"] == "['step-1']"  # the unfinished .step-2.tmp is gone: its space is given back
+    assert lines["LATEST"] == "1 True"

@@ -1,0 +1,41 @@
+"""Where a rank's start-up time goes: when its process was launched, imported torch, joined the process group and
+finished its first step. One line per rank and start in RUN/startup.jsonl (wall-clock seconds, comparable across
+nodes that keep their clocks in sync), written once the first step is done, so start-up never waits on it.
+bench/startup.py reads it to split submit → first step into its stages."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+from hpcjobs.runfolder import RunFolder, append_jsonl
+from trainers.distenv import DistEnv
+
+_marks: dict[str, float] = {}
+
+
+def mark(name: str) -> None:
+    """Note that `name` happened now; the first time counts (a stage is reached once per process)."""
+    _marks.setdefault(name, time.time())
+
+
+def process_started() -> float | None:
+    """When this process was started (exec'd by srun or the launcher), from /proc: Linux only, 10 ms resolution."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def record(run: RunFolder, env: DistEnv) -> None:
+    """Append this rank's line; `cpu_s` is the CPU time the process used to get here (on hosts where ranks share
+    cores, start-up wall time grows with the ranks per core; this does not)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    append_jsonl(run.startup, {"restart": env.restart, "rank": env.rank, "job_id": env.job_id,
+                               "host": os.uname().nodename, "launched": process_started(),
+                               "cpu_s": round(used.ru_utime + used.ru_stime, 3), **_marks})
