@@ -53,6 +53,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())  # argparse quotes unrecognized arguments as typed, newlines and all
         self.exit(2, f"{self.prog}: error: {message}. HINT: {self.prog} --help shows the flags and examples.\n")
 
 
@@ -66,6 +67,17 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+SQLITE_MAX = 2**63 - 1
+"""The largest integer the job store's sqlite takes (a larger --limit overflowed it)."""
+
+
+def _limit(text: str) -> int:
+    count = _int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{count}: valid: 1 or more")
+    return min(count, SQLITE_MAX)  # more than sqlite counts is all of them
 
 
 def _job_state(text: str) -> Any:
@@ -145,6 +157,19 @@ def _spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False) -> Any:
     return build_spec(profile, req, job_id_in_run_dir=job_id_in_run_dir)
 
 
+def refuse_array_patterns(spec: Any, command: str) -> None:
+    """hpcjobs starts single jobs: a run folder's %A or %a (a job array's ids, for a rendered script run with
+    `sbatch --array`) has nothing to become, and resolving it failed only once the job was queued."""
+    from hpcjobs.runfolder import RunDirPatternError, resolve_run_dir
+
+    try:
+        resolve_run_dir(spec.run_dir, {"SLURM_JOB_ID": "1", "HPCJOBS_JOB_ID": "1"})
+    except RunDirPatternError as e:
+        raise UsageError(f"{e}: hpcjobs {command} starts one job, not a job array (only %j names it); nothing was "
+                         "submitted.", "use %j (e.g. --run-dir runs/x-%j), or `hpcjobs render` the script and "
+                         "submit it with sbatch --array.") from None
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
@@ -179,6 +204,7 @@ def run_submit(ns: argparse.Namespace) -> int:
     from hpcjobs.backends import backend_for
 
     spec = _spec(ns)
+    refuse_array_patterns(spec, "submit")
     helped = entry_help(spec)
     if helped is not None:
         return helped
@@ -333,7 +359,7 @@ def add_list(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _parser(sub, "list", "Recent jobs submitted with hpcjobs.")
     p.add_argument("--state", type=_job_state, help="only jobs in this state (e.g. RUNNING, COMPLETED)")
     p.add_argument("--profile", help="only jobs of this profile")
-    p.add_argument("--limit", type=_int, default=20)
+    p.add_argument("--limit", type=_limit, default=20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_list)
 
@@ -422,6 +448,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
     if ns.probe and not 10 <= ns.probe_wait <= 86400:
         raise UsageError(f"--probe-wait {ns.probe_wait}: valid: 10 to 86400 seconds.", "e.g. --probe-wait 600")
     spec = _spec(ns)  # as submit builds it
+    refuse_array_patterns(spec, "doctor")
     checks = backend_for(spec.profile.scheduler).doctor(spec, ns.probe_wait if ns.probe else None)
     if ns.json:
         _print_json({"world": spec.world(), "profile": spec.profile.name, "checks": [c.as_dict() for c in checks],

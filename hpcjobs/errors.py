@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import reprlib
+
 
 class HpcjobsError(Exception):
     """Base of every error hpcjobs reports to a user; `exit_code` is what the CLI exits with."""
@@ -32,3 +34,20 @@ class RuntimeFailure(HpcjobsError):
     """Something outside hpcjobs refused: sbatch, scancel, the filesystem."""
 
     exit_code = 1
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel = 2
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxset = _BRIEF.maxfrozenset = _BRIEF.maxdict = 4
+_BRIEF.maxstring = _BRIEF.maxother = 40
+
+
+def shown(value: object) -> str:
+    """A value as an error message quotes it: long ones cut, so the message stays one readable line. A container
+    shows its first items only, never its whole repr: a YAML alias nested in itself makes a 342-byte profile a list
+    whose repr has 680 million characters (25 s and 1.3 GB, to be cut to 60)."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        text = _BRIEF.repr(value)
+        return text if len(text) <= 80 else f"{text[:60]}..."
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"

@@ -23,6 +23,7 @@ The validator and `reference_table()` (the README's key table) are both read off
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -40,7 +41,7 @@ import yaml
 
 from hpcjobs.backends import SCHEDULERS
 from hpcjobs.contract import Preemption
-from hpcjobs.errors import ProfileError, UsageError
+from hpcjobs.errors import ProfileError, UsageError, shown
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
@@ -51,7 +52,10 @@ MAX_ITEMS = 200
 """The most entries of a list or mapping key (setup, srun_args, env, nccl)."""
 MAX_STRING = 4096
 """The longest string any key (or list entry, or environment value) may hold."""
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_NUMERAL = 100
+"""The longest number a profile may write as a number (its largest valid one has 6 digits); longer is text."""
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""Matched whole (fullmatch): `$` also matches before a final newline, and `A\n` would be `export A` and a line `=x`."""
 
 
 @dataclass(frozen=True)
@@ -157,12 +161,6 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _shown(value: Any) -> str:
-    """A value as an error message quotes it: long ones cut, so the message stays one readable line."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
-
-
 def _int_valid(low: int | None, high: int | None) -> str:
     # "> 0" and ">= 0" read best for the usual lower bounds; any other one is spelled out.
     text = {None: "a whole number", 0: "a whole number >= 0", 1: "a whole number > 0"}.get(low, f"at least {low}")
@@ -236,12 +234,12 @@ def _check_lines(meta: Mapping[str, Any], key: str) -> Check:
 
 def _env_entry(k: Any, val: Any, prefixes: tuple[str, ...]) -> str:
     """One NAME: value of an environment mapping, as the text exported; raises ValueError(what is valid)."""
-    if not isinstance(k, str) or not _ENV_NAME.match(k) or len(k) > MAX_STRING:
-        raise ValueError(f"environment names (letters, digits, _), not {_shown(k)}")
+    if not isinstance(k, str) or not _ENV_NAME.fullmatch(k) or len(k) > MAX_STRING:
+        raise ValueError(f"environment names (letters, digits, _), not {shown(k)}")
     if prefixes and not k.startswith(prefixes):
         raise ValueError(f"names starting with {' or '.join(prefixes)}, not {k!r}")
     if isinstance(val, bool) or not isinstance(val, (str, int, float)):
-        raise ValueError(f"scalar values, not {_shown(val)} for {k}")
+        raise ValueError(f"scalar values, not {shown(val)} for {k}")
     if len(str(val)) > MAX_STRING:
         raise ValueError(f"values of at most {MAX_STRING} characters, not {len(str(val))} for {k}")
     return str(val)
@@ -281,7 +279,7 @@ def _unknown_key(source: str, key: object, valid: list[str], where: str = "") ->
     close = difflib.get_close_matches(str(key), valid, n=1)
     maybe = f" Did you mean {close[0]!r}?" if close else ""
     return ProfileError(
-        f"profile {source}: unknown key {where}{_shown(key)}.{maybe} Valid keys: {', '.join(valid)}.",
+        f"profile {source}: unknown key {where}{shown(key)}.{maybe} Valid keys: {', '.join(valid)}.",
         "see the commented keys in cluster_profiles/local.yaml or `hpcjobs profiles show local`.",
     )
 
@@ -290,7 +288,7 @@ def _check(source: str, key: str, check: Check, value: Any) -> Any:
     try:
         return check(value)
     except ValueError as e:
-        raise ProfileError(f"profile {source}: {key} is {_shown(value)}; valid: {e}.",
+        raise ProfileError(f"profile {source}: {key} is {shown(value)}; valid: {e}.",
                            f"fix {key} in {source}.") from None
     except UsageError as e:  # a Slurm notation parser's, which names the key and the valid forms itself
         raise ProfileError(f"profile {source}: {e.message}", f"fix {key} in {source}.") from None
@@ -316,7 +314,7 @@ def _parse_nested(cls: type, raw: Any, source: str, key: str) -> Any:
     if raw is None:
         return cls()  # every key commented out: the defaults
     if not isinstance(raw, dict):
-        raise ProfileError(f"profile {source}: {key} is {_shown(raw)}; valid: a mapping with "
+        raise ProfileError(f"profile {source}: {key} is {shown(raw)}; valid: a mapping with "
                            f"{', '.join(_keys(cls))}.", f"fix {key} in {source}.")
     return cls(**_parse_mapping(cls, raw, source, f"{key}."))
 
@@ -403,17 +401,24 @@ def available_profiles() -> list[tuple[str, str, Path]]:
 def find_profile(name_or_path: str) -> Path:
     if "/" in name_or_path or name_or_path.endswith((".yaml", ".yml")):
         path = Path(name_or_path).expanduser()
-        if path.is_dir():
+        try:
+            is_dir, is_file = path.is_dir(), path.is_file()
+        except OSError as e:  # a name too long for the filesystem, a folder on the way that may not be searched
+            raise ProfileError(f"profile path {shown(name_or_path)} cannot be looked up ({e.strerror}); valid: a "
+                               "path to a .yaml file.", "give a path to a .yaml file or a profile name; `hpcjobs "
+                               "profiles` lists names.") from None
+        if is_dir:
             raise ProfileError(f"profile path {name_or_path!r} is a folder; valid: a .yaml file.",
                                "name the .yaml file in it, or put the folder on $HPCJOBS_PROFILES_DIR.")
-        if not path.is_file():
+        if not is_file:
             raise ProfileError(f"profile file {name_or_path!r} does not exist.",
                                "give a path to a .yaml file or a profile name; `hpcjobs profiles` lists names.")
         return path
     for _, folder in search_dirs():
         path = folder / f"{name_or_path}.yaml"
-        if path.is_file():
-            return path
+        with contextlib.suppress(OSError):  # a name too long for the filesystem is no profile's, in any folder
+            if path.is_file():
+                return path
     names = [n for n, _, _ in available_profiles()]
     close = difflib.get_close_matches(name_or_path, names, n=1)
     maybe = f" Did you mean {close[0]!r}?" if close else ""
@@ -430,16 +435,32 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.first, self.again = key, first, again
 
 
+class _NulInText(yaml.YAMLError):
+    def __init__(self, line: int) -> None:
+        super().__init__(f"a NUL character on line {line}")
+        self.line = line
+
+
 def _text_or_number(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
-    # YAML 1.1 reads an unquoted 30:00 as the base-60 number 1800, which would become 1800 minutes.
-    if ":" in node.value:
+    # YAML 1.1 reads an unquoted 30:00 as the base-60 number 1800, which would become 1800 minutes. A numeral longer
+    # than any profile's number stays text too, which its key's check then refuses: Python's int() refuses a decimal
+    # one of over 4300 digits (a ValueError, not a YAML error), and a long hex one could not even be printed.
+    if ":" in node.value or len(node.value) > MAX_NUMERAL:
         return loader.construct_scalar(node)
     return loader.construct_yaml_float(node) if node.tag.endswith(":float") else loader.construct_yaml_int(node)
 
 
 class _ProfileLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last, silently) and keeps
-    colon-separated numbers (Slurm times) as the text they were written as."""
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last, silently) and a NUL
+    character in text, and keeps colon-separated numbers (Slurm times) as the text they were written as."""
+
+    def construct_scalar(self, node: yaml.ScalarNode | yaml.MappingNode) -> str:
+        # The file holds no NUL byte (_read_text), but a quoted "\0" makes one, which no path, argument or environment
+        # value can hold: the run folder's mkdir and the local ranks' Popen raised ValueError on it.
+        value = super().construct_scalar(node)
+        if "\x00" in value:
+            raise _NulInText(node.start_mark.line + 1)
+        return value
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         seen: dict[Hashable, int] = {}
@@ -500,8 +521,12 @@ def _read_text(path: Path) -> str:
 def _parse_yaml(path: Path, text: str) -> Any:
     try:
         return yaml.load(text, Loader=_ProfileLoader)
+    except _NulInText as e:
+        raise ProfileError(f"profile {path}: line {e.line} holds a NUL character (an escape such as \\0 or \\x00); "
+                           "valid: text without NUL (no path, argument or environment value can hold one).",
+                           "delete the escape.") from None
     except _DuplicateKey as e:
-        raise ProfileError(f"profile {path}: key {_shown(e.key)} is given twice (line {e.first} and line "
+        raise ProfileError(f"profile {path}: key {shown(e.key)} is given twice (line {e.first} and line "
                            f"{e.again}); valid: each key once per mapping.",
                            "delete one of them (YAML would silently keep the last).") from None
     except yaml.YAMLError as e:

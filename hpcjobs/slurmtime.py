@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import re
 
-from hpcjobs.errors import UsageError
+from hpcjobs.errors import UsageError, shown
 
 TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+# Slurm keeps a time limit as a 32-bit count of minutes, so no field of a time it takes has more than 10 digits; an
+# unbounded field reached int(), which refuses over 4300 digits with a ValueError (a traceback, not a usage error).
+_TIME = re.compile(r"^(?:(\d{1,10})-)?(\d{1,10})(?::(\d{1,10}))?(?::(\d{1,10}))?$")
 _MEM = re.compile(r"^(\d+)([KMGT]?)$", re.IGNORECASE)
-_MEM_FACTORS = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}
+_MEM_KIB = {"K": 1, "": 1024, "M": 1024, "G": 1024**2, "T": 1024**3}
+"""KiB per unit: whole numbers, so a long size cannot overflow a float on its way to megabytes."""
 
 
 def parse_time(text: str | int, what: str = "time") -> int:
@@ -17,10 +20,11 @@ def parse_time(text: str | int, what: str = "time") -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         text = str(text)
     if not isinstance(text, str):
-        raise UsageError(f"{what} {text!r} is not a time; valid forms: {TIME_FORMS}.", "e.g. --time 4:00:00")
+        raise UsageError(f"{what} {shown(text)} is not a time; valid forms: {TIME_FORMS}.", "e.g. --time 4:00:00")
     m = _TIME.match(text.strip())
     if not m:
-        raise UsageError(f"{what} {text!r} is not a Slurm time; valid forms: {TIME_FORMS}.", "e.g. --time 4:00:00")
+        raise UsageError(f"{what} {shown(text)} is not a Slurm time; valid forms: {TIME_FORMS}.",
+                         "e.g. --time 4:00:00")
     days, a, b, c = m.groups()
     a_, b_, c_ = int(a), int(b or 0), int(c or 0)
     # Only the leading field may run over (90 minutes, 100:00:00); a later one past its unit is a typo, not a time.
@@ -51,8 +55,8 @@ def format_time(seconds: int) -> str:
 
 def parse_mem_mb(text: str | int, what: str = "memory") -> int:
     """Megabytes in a Slurm memory string (500M, 64G, or a bare number of MB)."""
-    m = _MEM.match(str(text).strip())
+    m = _MEM.match(str(text).strip()) if isinstance(text, (str, int)) else None  # str() of a nested list: unbounded
     if not m or int(m.group(1)) <= 0:
-        raise UsageError(f"{what} {text!r} is not a memory size; valid: a positive number with K, M, G or T.",
+        raise UsageError(f"{what} {shown(text)} is not a memory size; valid: a positive number with K, M, G or T.",
                          "e.g. mem_per_gpu: 64G")
-    return max(1, int(int(m.group(1)) * _MEM_FACTORS[m.group(2).upper()]))
+    return max(1, int(m.group(1)) * _MEM_KIB[m.group(2).upper()] // 1024)

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from hpcjobs.backends import backend_for
-from hpcjobs.errors import UsageError
+from hpcjobs.errors import UsageError, shown
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.slurmtime import format_time, parse_time
 
 ENTRY_KINDS = ("task", "script", "module")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
+NAME_MAX = 255
+"""The longest name of one file or folder that Linux filesystems take (bytes); PATH_MAX bounds a whole path."""
+PATH_MAX = 4096
 _ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
 
@@ -134,20 +140,51 @@ def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path
     return Entry("task", entry, args)
 
 
+def _find_spec(fullname: str, path: Sequence[str] | None) -> ModuleSpec | None:
+    """What the import system's finders say of one module, as `import` asks them, without loading anything."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(fullname, path) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
+
+
+def _module_exists(name: str) -> bool:
+    """Whether `name` can be imported, asked of the finders one level at a time: importlib.util.find_spec imports a
+    dotted name's parents, which ran pkg/__init__.py (torch, often) here, or for `-m train.py` the whole script."""
+    if name in sys.modules:  # imported already: what import uses (os.path is found only there)
+        return True
+    parts = name.split(".")
+    search: Sequence[str] | None = None  # the top level: sys.path
+    for depth in range(1, len(parts) + 1):
+        fullname = ".".join(parts[:depth])
+        if fullname in sys.modules:
+            search = getattr(sys.modules[fullname], "__path__", None)
+        else:
+            spec = _find_spec(fullname, search)
+            if spec is None:
+                return False
+            search = spec.submodule_search_locations
+        if search is None and depth < len(parts):  # a module that is not a package has no submodules
+            return False
+    return True
+
+
 def _require_module(name: str, what: str, hint: str, workdir: Path) -> None:
     """Find (not import) the module as the ranks will: they start with `python -m` in `workdir`, which puts it
     first on their sys.path (the console script's sys.path does not have it)."""
-    if not re.match(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$", name):
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
         raise UsageError(f"{what} {name!r} is not a Python module name; valid: dotted names like pkg.mod.", hint)
     sys.path.insert(0, str(workdir))
     importlib.invalidate_caches()
     try:
-        found = importlib.util.find_spec(name)
+        found = _module_exists(name)
     except (ImportError, ValueError):
-        found = None
+        found = False
     finally:
         sys.path.remove(str(workdir))
-    if found is None:
+    if not found:
         raise UsageError(f"{what} module {name!r} cannot be found from {workdir} (nor on sys.path).", hint)
 
 
@@ -185,6 +222,32 @@ def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _check_one_line(flag: str, value: str | None, hint: str) -> None:
+    """What goes on an #SBATCH line, as the profile's strings do: a newline would end the header there and run the
+    rest of the value as a shell line."""
+    if value is not None and ("\n" in value or "\r" in value):
+        raise UsageError(f"{flag} {value!r}: valid: a single-line value.", hint)
+
+
+def _bytes(path: str) -> int:
+    """A path's length as the filesystem counts it (a byte an argument could not decode counts as one)."""
+    return len(path.encode("utf-8", "replace"))
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """A run folder is named on an #SBATCH line (submitit's --output) and made here or on the node: one line, and a
+    path a filesystem can hold (a longer one failed stat with ENAMETOOLONG: a traceback here, a failed job there)."""
+    hint = "pick another --run-dir (or runs_dir in the profile); nothing was submitted."
+    _check_one_line("run folder", run_dir, hint)
+    too_long = next((part for part in run_dir.split("/") if _bytes(part) > NAME_MAX), None)
+    if too_long is not None:
+        raise UsageError(f"run folder {shown(run_dir)}: the name {shown(too_long)} is longer than {NAME_MAX} bytes; "
+                         f"valid: names of at most {NAME_MAX} bytes.", hint)
+    if _bytes(run_dir) >= PATH_MAX:
+        raise UsageError(f"run folder {shown(run_dir)} is longer than {PATH_MAX - 1} bytes; valid: a path of at "
+                         f"most {PATH_MAX - 1} bytes.", hint)
+
+
 def default_name(entry: Entry) -> str:
     base = entry.target.split(":")[0]
     base = Path(base).stem if entry.kind == "script" else base.rsplit(".", 1)[-1]
@@ -217,7 +280,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if entry.kind == "task":
         check_trainer_args(entry.args)
     name = req.name or default_name(entry)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                          "or digit.", "e.g. --name gpt-small")
     env = with_gloo_interface({**profile.env, **profile.nccl, **_env_pairs(req.env)})
@@ -228,6 +291,10 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
         root = profile.runs_path()
         root = root if root.is_absolute() else workdir / root
         run_dir = str(root / f"{name}-{stamp}{'-%j' if job_id_in_run_dir else ''}")
+    _check_run_dir(run_dir)
+    for flag, value, example in (("--partition", req.partition, "gpu"), ("--account", req.account, "my-project"),
+                                 ("--qos", req.qos, "normal")):
+        _check_one_line(flag, value, f"e.g. {flag} {example}")
     spec = JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
         run_dir=run_dir, workdir=str(workdir), python=node_python(profile),

@@ -16,12 +16,13 @@ from hpcjobs.store import JobRecord, JobStore
 
 def write_script(script: Script, path: Path, force: bool = False) -> Path:
     """Write a rendered script (never over an existing file unless forced) and make the folders it needs."""
-    if path.exists() and not force:
-        raise UsageError(f"{path} already exists; nothing was written.", "pass --force to overwrite, or -o NEW_FILE.")
-    if path.is_dir():
-        raise UsageError(f"{path} is a folder; nothing was written.", "give -o a file name, e.g. -o train.sbatch.")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        if path.exists() and not force:  # inside: a name too long, or a folder we may not look into, is an OSError
+            raise UsageError(f"{path} already exists; nothing was written.",
+                             "pass --force to overwrite, or -o NEW_FILE.")
+        if path.is_dir():
+            raise UsageError(f"{path} is a folder; nothing was written.", "give -o a file name, e.g. -o train.sbatch.")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(script.text)
         os.chmod(tmp, 0o755)

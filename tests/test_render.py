@@ -58,7 +58,8 @@ def test_hostile_strings_reach_the_ranks_unchanged(tmp_path: Path) -> None:
     python.parent.mkdir(parents=True)
     python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
     python.chmod(0o755)
-    spec = fixed_spec("testcluster", run_dir=f"/tmp/{HOSTILE}-%j", env=(f"WEIRD={HOSTILE}",), name="q")
+    one_line = HOSTILE.replace("\n", " ")  # a run folder with a newline is refused (it would end an #SBATCH line)
+    spec = fixed_spec("testcluster", run_dir=f"/tmp/{one_line}-%j", env=(f"WEIRD={HOSTILE}",), name="q")
     spec = replace(spec, python=str(python), entry=replace(spec.entry, args=("--note", HOSTILE, ";", "&&")))
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(spec))
