@@ -1,9 +1,10 @@
-"""Which rank failed first, and why: from every rank's own record (RUN/failures.jsonl), the scheduler's lines about
-its tasks (srun's `srun: error: node2: task 3: Killed` in the job's outer log) and which ranks said nothing.
+"""Which rank failed first, and why: from every rank's own record (RUN/failures.jsonl), what the scheduler said
+about its tasks (Slurm: srun's `srun: error: node2: task 3: Killed`, parsed behind the backend seam) and which ranks
+said nothing.
 
 A rank that dies by a signal (SIGKILL, the OOM killer, a segfault) writes nothing; its peers then fail on a closed
-connection and write that. So srun's word about a killed task comes first, then the earliest record; and when the
-records are timeouts, the ranks that neither failed nor were named are the ones the others waited for (hung).
+connection and write that. So the scheduler's word about a killed task comes first, then the earliest record; and
+when some ranks timed out, the rank they waited for hung.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from pathlib import Path
 
 from hpcjobs.runfolder import RunFolder
 
-SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)$", re.M)
 TIMEOUT = re.compile(r"time(d)? ?out|timeout", re.I)
 TAIL_LINES = 5
 
@@ -25,14 +25,14 @@ class Failure:
     host: str
     error: str
     source: str
-    """"rank": the rank's own record; "srun": the scheduler's line about a task that left no record; "timeouts":
-    the others' records (they timed out waiting for this one)."""
+    """"rank": the rank's own record; "timeouts": the others' records (they timed out waiting for this one); else
+    the scheduler's tool that said it (e.g. "srun")."""
     log: str | None = None
     time: float = 0.0
-    """When the rank recorded it (0: srun's lines carry no time)."""
+    """When the rank recorded it (0: the scheduler's words carry no time)."""
 
     def describe(self) -> str:
-        said = " (said by srun; the rank wrote nothing)" if self.source == "srun" else ""
+        said = "" if self.source in ("rank", "timeouts") else f" (said by {self.source}; the rank wrote nothing)"
         return f"rank {self.rank} on {self.host}: {self.error}{said}"
 
 
@@ -40,33 +40,18 @@ class Failure:
 class Diagnosis:
     first: Failure | None
     silent: tuple[int, ...]
-    """Ranks of the last start that neither recorded a failure nor were named by srun."""
+    """Ranks of the last start that neither recorded a failure nor were named by the scheduler."""
     tail: tuple[str, ...]
     """The last lines of the first failed rank's log."""
-
-
-def task_ids(spec: str) -> list[int]:
-    """srun's task list: `3`, `0-1`, `0,2-3`."""
-    out: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def srun_failures(text: str) -> list[Failure]:
-    """srun's lines about tasks that ended badly, in the order srun saw them. A task's number is its global rank
-    (one srun task per rank)."""
-    return [Failure(rank, m["host"], m["what"].strip(), "srun") for m in SRUN_TASK.finditer(text)
-            for rank in task_ids(m["tasks"])]
 
 
 def by_signal(f: Failure) -> bool:
     return not f.error.startswith("Exited with exit code")
 
 
-def diagnose(run: RunFolder, job_id: str, outer_logs: list[Path]) -> Diagnosis | None:
-    """The last start of `job_id` in `run`, diagnosed; None when no rank of it failed and srun named none."""
+def diagnose(run: RunFolder, job_id: str, scheduler_said: list[Failure]) -> Diagnosis | None:
+    """The last start of `job_id` in `run`, diagnosed; None when no rank of it failed and the scheduler named none.
+    `scheduler_said`: the scheduler's words about tasks that ended badly, in the order it saw them."""
     starts = [r for r in run.read_restarts() if "stopped" not in r and str(r.get("job_id")) == job_id]
     restart = max((int(r.get("restart", 0)) for r in starts), default=0)
     world = next((int(r["world_size"]) for r in reversed(starts) if "world_size" in r), 0)
@@ -74,12 +59,12 @@ def diagnose(run: RunFolder, job_id: str, outer_logs: list[Path]) -> Diagnosis |
                       and r.get("restart", 0) == restart), key=lambda r: r.get("time", 0))
     recorded = [Failure(int(r["rank"]), str(r.get("host")), str(r.get("error")), "rank", r.get("log"),
                         float(r.get("time", 0))) for r in records]
-    srun = [f for path in outer_logs for f in srun_failures(read_text(path))]
-    if not recorded and not srun:
+    said = scheduler_said
+    if not recorded and not said:
         return None
     ranks_recorded = {f.rank for f in recorded}
-    killed = [f for f in srun if by_signal(f) and f.rank not in ranks_recorded]
-    named = ranks_recorded | {f.rank for f in srun}
+    killed = [f for f in said if by_signal(f) and f.rank not in ranks_recorded]
+    named = ranks_recorded | {f.rank for f in said}
     silent = tuple(r for r in range(world) if r not in named)
     timeouts = [f for f in recorded if TIMEOUT.search(f.error)]
     # The rank the others timed out waiting for hung: it recorded nothing (stuck, then killed), or only after they
@@ -90,13 +75,13 @@ def diagnose(run: RunFolder, job_id: str, outer_logs: list[Path]) -> Diagnosis |
             and (r not in ranks_recorded or r in woke_late)]
     if timeouts and hung:
         rank = hung[0]
-        host = next((f.host for f in [*recorded, *srun] if f.rank == rank), None) or host_of(run, restart, rank)
+        host = next((f.host for f in [*recorded, *said] if f.rank == rank), None) or host_of(run, restart, rank)
         first = Failure(rank, host, f"hung: the other ranks timed out waiting for it ({timeouts[0].error})",
                         "timeouts")
     elif killed:
         first = killed[0]
     else:
-        first = recorded[0] if recorded else srun[0]
+        first = recorded[0] if recorded else said[0]
     log = first.log or str(run.rank_log(restart, first.rank))
     return Diagnosis(Failure(first.rank, first.host, first.error, first.source, log), silent,
                      tuple(read_text(Path(log)).splitlines()[-TAIL_LINES:]))

@@ -18,7 +18,7 @@ from hpcjobs.backends import SCHEDULERS, Backend, backend_for
 from hpcjobs.diagnosis import diagnose
 from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.runfolder import RunFolder
-from hpcjobs.states import FinalState, JobState
+from hpcjobs.states import FinalState, JobState, StopReason
 from hpcjobs.store import JobRecord, JobStore
 
 
@@ -62,9 +62,18 @@ def folder_state(run: RunFolder, job_id: str) -> tuple[JobState | None, str | No
     return None, None
 
 
-FOLDER_STATES: dict[str, JobState] = {FinalState.FINISHED: JobState.COMPLETED, FinalState.FAILED: JobState.FAILED,
-                 FinalState.CANCELLED: JobState.CANCELLED}
+FOLDER_STATES: dict[str, JobState] = {FinalState.FINISHED: JobState.COMPLETED, FinalState.FAILED: JobState.FAILED}
 """final.json's state as a job state."""
+
+
+def stopped_for_good(run: RunFolder, job_id: str) -> bool:
+    """Whether the job's last start stopped on a SIGTERM that was neither a preemption nor followed by another start
+    of it: a `scancel` (inside the job, Slurm shows a cancelled job only as COMPLETING, so no rank can write it).
+    Asked only once the scheduler has forgotten the job: a job requeued from outside is still in its queue."""
+    history = run.read_restarts()
+    starts = [i for i, r in enumerate(history) if "stopped" not in r and str(r.get("job_id")) == job_id]
+    after = history[starts[-1] + 1:] if starts else []
+    return bool(after) and after[-1].get("stopped") == StopReason.TERMINATED
 
 
 def restart_count(run: RunFolder) -> int:
@@ -81,6 +90,8 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
         answer = fstate, "run folder" + (f" ({answer[1]})" if answer else "")
     if answer is None and rec.cancelled:
         answer = JobState.CANCELLED, "store"
+    if answer is None and stopped_for_good(run, rec.job_id):
+        answer = JobState.CANCELLED, "run folder: stopped by SIGTERM (scancel) and never started again"
     state, source = answer or (JobState.UNKNOWN, "none")
     if fstate is not None and state.finished and fstate != state and source != "run folder":
         source += f"; the run folder says {fstate}"  # e.g. the ranks finished but the job script failed after
@@ -90,8 +101,8 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     step, when = last_step(run)
     age = time.time() - when if when is not None else None
     traces = str(run.nccl_traces) if run.nccl_traces.is_dir() and any(run.nccl_traces.iterdir()) else None
-    found = diagnose(run, rec.job_id, backend.outer_logs(rec)) if state.finished and state != JobState.COMPLETED \
-        else None
+    ended_badly = state.finished and state != JobState.COMPLETED
+    found = diagnose(run, rec.job_id, backend.reported_failures(rec)) if ended_badly else None
     first = found.first if found else None
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
                      restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces,

@@ -43,7 +43,6 @@ class FinalState(_Str):
 
     FINISHED = "finished"
     FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 class JobState(_Str):

@@ -124,3 +124,12 @@ def wait_for_state(job_id: str, states: set[str], timeout: float = 300) -> str:
             return state
         time.sleep(1)
     raise AssertionError(f"job {job_id} did not reach {states} within {timeout} s (last: {state!r})")
+
+
+def on_every_node(*argv: str, here: bool = True, check: bool = True) -> None:
+    """Run `argv` (a mount, usually) on every node of the test cluster, in its slurmd's mount namespace (the job
+    steps inherit it: each node is a mount namespace of its own), and with `here` in the tests' own too."""
+    pid_files = (Path(os.environ["HPCJOBS_TEST_CLUSTER"]) / "run").glob("slurmd-*.pid")
+    places = [*([[]] if here else []), *(["nsenter", "-t", p.read_text().strip(), "-m"] for p in pid_files)]
+    for place in places:
+        subprocess.run([*place, *argv], check=check, capture_output=True)

@@ -87,7 +87,6 @@ def record(tmp_path: Path, scheduler: str = "slurm", cancelled: float | None = N
     ("forgotten", "no-accounting", FinalState.FINISHED, None, (JobState.COMPLETED, "run folder")),
     ("forgotten", "no-accounting", FinalState.FAILED, None, (JobState.FAILED, "run folder")),
     ("forgotten", "unknown-id", None, 1.0, (JobState.CANCELLED, "store")),
-    ("forgotten", "no-accounting", FinalState.CANCELLED, None, (JobState.CANCELLED, "run folder")),
     ("forgotten", "no-accounting", None, None, (JobState.UNKNOWN, "none")),
     ("completed", "no-accounting", FinalState.FAILED, None, (JobState.COMPLETED, "squeue; the run folder says FAILED")),
 ])
@@ -100,6 +99,20 @@ def test_slurm_state_from_recorded_output(squeue: str, sacct: str, final: FinalS
     st = status_of(rec, SlurmBackend(runner))
     assert (st.state, st.state_source) == expected
     assert runner.calls[0] == ["squeue", "-h", "-t", "all", "-j", "42", "-o", "%T|%k"]
+
+
+def test_a_forgotten_job_stopped_by_sigterm_that_never_came_back_was_cancelled(tmp_path: Path) -> None:
+    rec = record(tmp_path)
+    run = RunFolder(rec.run_dir)
+    run.record_start(0, "42", 4)
+    run.record_stop("terminated", 14, 0)
+    forgotten = SlurmBackend(Recorded(squeue=SQUEUE["forgotten"], sacct=SACCT["no-accounting"]))
+    st = status_of(rec, forgotten)
+    assert st.state == JobState.CANCELLED and st.state_source.startswith("run folder: stopped by SIGTERM"), st
+    run.record_start(1, "42", 4)  # an outside `scontrol requeue` brought it back: not cancelled
+    assert status_of(rec, forgotten).state == JobState.UNKNOWN
+    run.record_stop("preemption", 20, 1)
+    assert status_of(rec, forgotten).state == JobState.UNKNOWN
 
 
 def test_a_forgotten_job_that_never_started_says_so(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcjobs.diagnosis import diagnose, srun_failures, task_ids
+from hpcjobs.backends.slurm import srun_failures, task_ids
+from hpcjobs.diagnosis import diagnose
 from hpcjobs.runfolder import RunFolder, append_jsonl
 
 
@@ -41,9 +42,8 @@ def test_an_exception_is_the_first_failure_not_the_peers_that_lost_it(tmp_path: 
 
 def test_a_killed_rank_named_by_srun_comes_before_the_record_of_the_rank_that_lost_it(tmp_path: Path) -> None:
     run = run_with(tmp_path, [(1.0, 0, "DistBackendError: Connection closed by peer")])
-    outer = tmp_path / "job.err"
-    outer.write_text("srun: error: node1: task 0: Exited with exit code 1\nsrun: error: node2: task 3: Killed\n")
-    found = diagnose(run, "7", [outer, tmp_path / "missing.out"])
+    said = srun_failures("srun: error: node1: task 0: Exited with exit code 1\nsrun: error: node2: task 3: Killed\n")
+    found = diagnose(run, "7", said)
     assert found is not None and found.first is not None
     assert found.first.describe() == "rank 3 on node2: Killed (said by srun; the rank wrote nothing)"
     assert found.first.log == str(run.rank_log(0, 3)) and found.tail[-1] == "last words of rank 3"
@@ -54,9 +54,9 @@ def test_when_the_others_timed_out_the_silent_rank_is_the_hung_one(tmp_path: Pat
     found = diagnose(run_with(tmp_path, timeouts), "7", [])
     assert found is not None and found.first is not None and found.silent == (3,)
     assert found.first.describe().startswith("rank 3 on node2: hung: the other ranks timed out waiting for it")
-    outer = tmp_path / "job.err"  # srun kills the stopped rank once the others exited: it still hung first
-    outer.write_text("srun: error: node1: tasks 0-1: Exited with exit code 1\nsrun: error: node2: task 3: Killed\n")
-    found = diagnose(run_with(tmp_path / "b", timeouts), "7", [outer])
+    # srun kills the stuck rank once the others exited: it still hung first
+    said = srun_failures("srun: error: node1: tasks 0-1: Exited with exit code 1\nsrun: error: node2: task 3: Killed\n")
+    found = diagnose(run_with(tmp_path / "b", timeouts), "7", said)
     assert found is not None and found.first is not None and found.silent == ()
     assert found.first.describe().startswith("rank 3 on node2: hung: the other ranks timed out waiting for it")
     woken = [*timeouts, (9.0, 3, "RuntimeError: Connection closed by peer")]  # SIGCONT + SIGTERM from Slurm

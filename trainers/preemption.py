@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hpcjobs.backends.slurm_control import cancelled, end_time, job_fields, preempted_with_sigterm, requeue_job
+from hpcjobs.backends.slurm_control import end_time, job_fields, preempted_with_sigterm, requeue_job
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder
 from hpcjobs.states import FinalState, StopOutcome, StopReason
@@ -334,9 +334,6 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     elif outcome == StopOutcome.STOPPED:
         print(f"hpcjobs: stopped by SIGTERM at step {step}: checkpoint committed; Slurm decides whether the job "
               "comes back (preemption, requeue) or ends (scancel).", flush=True)
-        if run and cancelled(job_id, runner):  # the run folder must say so once Slurm has forgotten the job
-            run.write_final(FinalState.CANCELLED, f"cancelled (scancel) at step {step}, checkpoint committed", step,
-                            job_id=env.get("HPCJOBS_JOB_ID") or job_id)
     elif outcome == StopOutcome.CAP:
         print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; restart cap "
               f"{cap} reached, not requeuing. The job ends failed.", flush=True)

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hpcjobs.diagnosis import Failure
 from hpcjobs.errors import UsageError
 from hpcjobs.runfolder import RunFolder, has_pattern, write_json_atomic
 from hpcjobs.spec import JobSpec
@@ -86,6 +87,6 @@ class RunFolderLogs:
                              "pick one of those with --rank and --restart.")
         return path
 
-    def outer_logs(self, rec: JobRecord) -> list[Path]:
-        """The scheduler's own output of the job, where it speaks about the ranks (none unless a backend says)."""
+    def reported_failures(self, rec: JobRecord) -> list[Failure]:
+        """What the scheduler said about ranks that ended badly (nothing unless a backend reads it)."""
         return []

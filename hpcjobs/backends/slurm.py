@@ -25,6 +25,7 @@ from hpcjobs.backends.slurm_render import (
     submitit_parameters,
     submitit_python,
 )
+from hpcjobs.diagnosis import Failure, read_text
 from hpcjobs.doctor import Check
 from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.runfolder import RunFolder, has_pattern, resolve_run_dir
@@ -82,6 +83,25 @@ def record_of(job_id: str, run_dir: str, spec: dict[str, Any], fields: dict[str,
     logs = {"slurm": fields["StdOut"]} if fields.get("StdOut") else {}
     return JobRecord(job_id, str(spec.get("name") or fields.get("JobName") or "?"),
                      str(spec.get("profile") or "?"), "slurm", nodes, gpus, run_dir, logs, spec, when)
+
+
+SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)$", re.M)
+
+
+def task_ids(spec: str) -> list[int]:
+    """srun's task list: `3`, `0-1`, `0,2-3`."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def srun_failures(text: str) -> list[Failure]:
+    """srun's lines about tasks that ended badly, in the order srun saw them. A task's number is its global rank
+    (one srun task per rank)."""
+    return [Failure(rank, m["host"], m["what"].strip(), "srun") for m in SRUN_TASK.finditer(text)
+            for rank in task_ids(m["tasks"])]
 
 
 def sbatch_refusal(error: BaseException) -> str:
@@ -171,14 +191,15 @@ class SlurmBackend(RunFolderLogs):
         spec = RunFolder(run_dir).read("spec")
         return record_of(job_id, run_dir, spec if isinstance(spec, dict) else {}, scontrol_fields(job_id, self.run))
 
-    def outer_logs(self, rec: JobRecord) -> list[Path]:
-        """The batch script's output: one file for rendered scripts (--output), or submitit's pair, stdout and the
-        stderr where srun writes `srun: error: node2: task 3: Killed`."""
+    def reported_failures(self, rec: JobRecord) -> list[Failure]:
+        """srun's lines about tasks that ended badly, from the batch script's output: one file for rendered scripts
+        (--output), or submitit's pair (its stderr holds `srun: error: node2: task 3: Killed`)."""
         out = rec.logs.get("slurm")
         if not out:
             return []
         path = Path(out)
-        return [path, path.with_suffix(".err")] if path.suffix == ".out" else [path]
+        paths = [path, path.with_suffix(".err")] if path.suffix == ".out" else [path]
+        return [f for p in paths for f in srun_failures(read_text(p))]
 
     def cancel(self, rec: JobRecord) -> str:
         out = self.run(["scancel", rec.job_id])

@@ -59,11 +59,6 @@ def preempted_with_sigterm(job_id: str, runner: Runner = subprocess.run) -> bool
     return fields.get("JobState") == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
 
 
-def cancelled(job_id: str, runner: Runner = subprocess.run) -> bool:
-    """Whether Slurm is ending this job for a `scancel` (its state turns CANCELLED at once, before the signal)."""
-    return job_fields(job_id, runner).get("JobState") == "CANCELLED"
-
-
 def requeue_job(job_id: str, runner: Runner = subprocess.run) -> str:
     """Ask Slurm to requeue this job (rank 0 only); returns Slurm's message, empty when it worked or when Slurm is
     already requeuing it (preemption, `scontrol requeue` from outside: the job is no longer RUNNING)."""

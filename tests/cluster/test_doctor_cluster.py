@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, hpcjobs, slurm
+from conftest import REPO, hpcjobs, on_every_node, slurm
 
 pytestmark = pytest.mark.cluster
 
@@ -98,3 +98,16 @@ def test_the_probe_names_a_missing_interface(cluster_profile: Path, shared_tmp: 
     code, result, found = probe(variant(cluster_profile, shared_tmp, env={"GLOO_SOCKET_IFNAME": "ib0"}))
     assert code == 1 and result["interfaces"] == "fail" and result["probe"] == "pass"
     assert "GLOO_SOCKET_IFNAME=ib0: no interface 'ib0' on node" in found["interfaces"]
+
+
+def test_the_probe_names_a_runs_folder_the_nodes_cannot_write(cluster_profile: Path, shared_tmp: Path) -> None:
+    runs = shared_tmp / "runs"
+    (runs / "probe").mkdir(parents=True)
+    on_every_node("mount", "--bind", str(runs), str(runs), here=False)  # read-only on the nodes, writable here
+    on_every_node("mount", "-o", "remount,ro,bind", str(runs), here=False)
+    try:
+        code, result, found = probe(cluster_profile)
+    finally:
+        on_every_node("umount", "-l", str(runs), here=False, check=False)
+    assert code == 1 and result["probe"] == "fail", found
+    assert "not writable on the nodes" in found["probe"] or "Read-only file system" in found["probe"], found
