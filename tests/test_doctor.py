@@ -202,3 +202,6 @@ def test_probe_rows() -> None:
     failed = probe_checks(spec(), "8", "FAILED", None, "line 1\nhpcjobs: the nodes' Python (python3 -> x) ...\n")
     assert [c.result for c in failed] == [Result.FAIL]
     assert failed[0].found == "job 8 ended FAILED without a report: hpcjobs: the nodes' Python (python3 -> x) ..."
+    unwritable = probe_checks(spec(), "9", "FAILED", None, None)  # not even its output file came back
+    assert unwritable[0].result == Result.FAIL and "the runs folder is not writable on the nodes" in \
+        unwritable[0].found

@@ -77,8 +77,15 @@ def interface_problems(env: dict[str, str], interfaces: list[str]) -> list[str]:
     return problems
 
 
-def probe_checks(spec: JobSpec, job: str, state: str, report: dict[str, Any] | None, said: str) -> list[Check]:
-    """The probe's rows, from the job's end state, its report (None: none was readable here) and its output."""
+def probe_checks(spec: JobSpec, job: str, state: str, report: dict[str, Any] | None, said: str | None,
+                 ) -> list[Check]:
+    """The probe's rows, from the job's end state, its report (None: none was readable here) and its output (None:
+    no output file here either: Slurm could not create it in the runs folder on the node, or it is not shared)."""
+    if report is None and said is None:
+        return [Check("probe", Result.FAIL, f"job {job} ended {state} and left neither its report nor its output in "
+                      f"{probe_folder(spec)}: the runs folder is not writable on the nodes, or not the one they see",
+                      "put runs_dir on a shared filesystem the nodes may write (check its permissions there)")]
+    said = said or ""
     last = next((line for line in reversed(said.splitlines()) if line.strip()), "")
     if report is None:
         why = f"job {job} ended {state} without a report" + (f": {last}" if last else "")
@@ -144,7 +151,7 @@ def run_probe(spec: JobSpec, wait_s: float) -> list[Check]:
             subprocess.run(["scancel", "--name", f"{PROBE_NAME}-{report.stem}"], capture_output=True)
             report.unlink(missing_ok=True)
     output = folder / f"probe-{job}.out"
-    said = output.read_text(errors="replace") if output.exists() else ""
+    said = output.read_text(errors="replace") if output.exists() else None
     try:
         data = json.loads(report.read_text()) if report.exists() else None
     finally:

@@ -110,4 +110,5 @@ def test_the_probe_names_a_runs_folder_the_nodes_cannot_write(cluster_profile: P
     finally:
         on_every_node("umount", "-l", str(runs), here=False, check=False)
     assert code == 1 and result["probe"] == "fail", found
-    assert "not writable on the nodes" in found["probe"] or "Read-only file system" in found["probe"], found
+    assert "left neither its report nor its output" in found["probe"], found
+    assert "the runs folder is not writable on the nodes, or not the one they see" in found["probe"], found
