@@ -121,6 +121,11 @@ def test_corrupt_job_store_submits_nothing_and_says_how_to_recover(tmp_path: Pat
     out = hpcjobs_in(tmp_path, *SUBMIT, "--profile", profile(tmp_path), *TASK, env=env)
     assert_one_line(out, 1, "file is not a database")
     assert "mv " in out.stderr and not shim.exists()
+    # Slurm knows no job 77 here (a job it knows by its comment is found anyway: test_faults_cluster.py).
+    for tool in ("squeue", "sacct"):
+        (tmp_path / "shim" / tool).write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\n"
+                                              "exit 1\n")
+        (tmp_path / "shim" / tool).chmod(0o755)
     for command in (["list"], ["status", "77"], ["logs", "77"], ["cancel", "77"]):
         assert_one_line(hpcjobs_in(tmp_path, *command, env=env), 1, "the job store")
     assert (home / "jobs.sqlite").read_bytes() == b"\x00garbage" * 100  # left for the user to look at

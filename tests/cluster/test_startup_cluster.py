@@ -1,0 +1,29 @@
+"""The short version of bench/startup.py that CI runs: 2 nodes, the submit path, cold and after a requeue. Every
+rank writes its start-up line, the stages come in order, and the requeued start resumes. The 2-16 node sweep and its
+figures are `bench/startup.py` (README, "Start-up as nodes grow")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.cluster
+
+
+def test_the_startup_benchmark_measures_every_stage_cold_and_after_a_requeue(tmp_path: Path) -> None:
+    out = tmp_path / "startup.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "startup.py"), "--nodes", "2", "--paths", "submit",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    for phase in ("cold", "requeue"):
+        stages = [row[phase][s] for s in ("launched", "imported", "joined", "first_step")]
+        assert stages == sorted(stages) and stages[-1] > 0, row
+        assert row[phase]["cpu_s_per_rank"] > 0
+    assert row["requeue"]["running"] >= 0 and row["resumed_start_over_cold_start"] > 0
