@@ -10,7 +10,7 @@ when some ranks timed out, the rank they waited for hung.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hpcjobs.runfolder import RunFolder
@@ -49,9 +49,9 @@ def by_signal(f: Failure) -> bool:
     return not f.error.startswith("Exited with exit code")
 
 
-def diagnose(run: RunFolder, job_id: str, scheduler_said: list[Failure]) -> Diagnosis | None:
+def diagnose(run: RunFolder, job_id: str, said: list[Failure]) -> Diagnosis | None:
     """The last start of `job_id` in `run`, diagnosed; None when no rank of it failed and the scheduler named none.
-    `scheduler_said`: the scheduler's words about tasks that ended badly, in the order it saw them."""
+    `said`: the scheduler's words about tasks that ended badly, in the order it saw them."""
     starts = [r for r in run.read_restarts() if "stopped" not in r and str(r.get("job_id")) == job_id]
     restart = max((int(r.get("restart", 0)) for r in starts), default=0)
     world = next((int(r["world_size"]) for r in reversed(starts) if "world_size" in r), 0)
@@ -59,7 +59,6 @@ def diagnose(run: RunFolder, job_id: str, scheduler_said: list[Failure]) -> Diag
                       and r.get("restart", 0) == restart), key=lambda r: r.get("time", 0))
     recorded = [Failure(int(r["rank"]), str(r.get("host")), str(r.get("error")), "rank", r.get("log"),
                         float(r.get("time", 0))) for r in records]
-    said = scheduler_said
     if not recorded and not said:
         return None
     ranks_recorded = {f.rank for f in recorded}
@@ -83,7 +82,7 @@ def diagnose(run: RunFolder, job_id: str, scheduler_said: list[Failure]) -> Diag
     else:
         first = recorded[0] if recorded else said[0]
     log = first.log or str(run.rank_log(restart, first.rank))
-    return Diagnosis(Failure(first.rank, first.host, first.error, first.source, log), silent,
+    return Diagnosis(replace(first, log=log), silent,
                      tuple(read_text(Path(log)).splitlines()[-TAIL_LINES:]))
 
 

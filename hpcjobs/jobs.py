@@ -66,11 +66,11 @@ FOLDER_STATES: dict[str, JobState] = {FinalState.FINISHED: JobState.COMPLETED, F
 """final.json's state as a job state."""
 
 
-def stopped_for_good(run: RunFolder, job_id: str) -> bool:
+def stopped_for_good(history: list[dict[str, Any]], job_id: str) -> bool:
     """Whether the job's last start stopped on a SIGTERM that was neither a preemption nor followed by another start
     of it: a `scancel` (inside the job, Slurm shows a cancelled job only as COMPLETING, so no rank can write it).
-    Asked only once the scheduler has forgotten the job: a job requeued from outside is still in its queue."""
-    history = run.read_restarts()
+    Asked only once the scheduler has forgotten the job: a job requeued from outside is still in its queue.
+    `history`: the run folder's restarts.jsonl."""
     starts = [i for i, r in enumerate(history) if "stopped" not in r and str(r.get("job_id")) == job_id]
     after = history[starts[-1] + 1:] if starts else []
     return bool(after) and after[-1].get("stopped") == StopReason.TERMINATED
@@ -90,13 +90,13 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
         answer = fstate, "run folder" + (f" ({answer[1]})" if answer else "")
     if answer is None and rec.cancelled:
         answer = JobState.CANCELLED, "store"
-    if answer is None and stopped_for_good(run, rec.job_id):
+    history = run.read_restarts()
+    if answer is None and stopped_for_good(history, rec.job_id):
         answer = JobState.CANCELLED, "run folder: stopped by SIGTERM (scancel) and never started again"
     state, source = answer or (JobState.UNKNOWN, "none")
     if fstate is not None and state.finished and fstate != state and source != "run folder":
         source += f"; the run folder says {fstate}"  # e.g. the ranks finished but the job script failed after
-    if state == JobState.UNKNOWN and not reason and not any(str(r.get("job_id")) == rec.job_id
-                                                          for r in run.read_restarts()):
+    if state == JobState.UNKNOWN and not reason and not any(str(r.get("job_id")) == rec.job_id for r in history):
         reason = "no rank of this job ever started (cancelled while pending, or it never ran)"
     step, when = last_step(run)
     age = time.time() - when if when is not None else None

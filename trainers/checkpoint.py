@@ -17,12 +17,13 @@ at) and resumes from the next newest one (trainers.resume).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,30 +106,20 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
-    try:
+    with full_disk_explained(root, tmp, step, rank):
         if rank == 0:
             _write(shared, tmp / SHARED)
         _write(per_rank, tmp / f"rank-{rank}.pt")
-    except (OSError, RuntimeError) as e:
-        full = space_error(e, root, tmp, step, rank)
-        if full is None:
-            raise
-        raise full from None
     maybe_die("save-written", step)
     barrier()
     if rank == 0:
         info = {"step": step, "world_size": world_size, **(meta or {})}
-        try:
+        with full_disk_explained(root, tmp, step, rank):
             (tmp / "meta.json").write_text(json.dumps(info, sort_keys=True, default=str))
             _fsync_file(tmp / "meta.json")
             (tmp / FINISHED).write_text(f"{step}\n")
             _fsync_file(tmp / FINISHED)
             _fsync_dir(tmp)
-        except OSError as e:
-            full = space_error(e, root, tmp, step, rank)
-            if full is None:
-                raise
-            raise full from None
         maybe_die("save-marked", step)
         if final.exists():  # the same step saved again (a stop request right after a periodic save)
             shutil.rmtree(final)
@@ -142,6 +133,18 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
 
 class CheckpointSpaceError(RuntimeError):
     """A checkpoint did not fit: the disk or the quota is full."""
+
+
+@contextlib.contextmanager
+def full_disk_explained(root: Path, tmp: Path, step: int, rank: int) -> Iterator[None]:
+    """Writes of a checkpoint: a full disk or quota inside becomes a CheckpointSpaceError; anything else passes."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        full = space_error(e, root, tmp, step, rank)
+        if full is None:
+            raise
+        raise full from None
 
 
 def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -> CheckpointSpaceError | None:

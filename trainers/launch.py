@@ -208,9 +208,9 @@ def record_failure(run: RunFolder, env: DistEnv, reason: str) -> bool:
     start that trains again removes it first (trainers.trainer), so only a failure of a start that never trained is
     left out. This start's own `finished` (an own script's rank 0 exited 0 first) gives way to its failure."""
     final = run.read("final")
-    finished_before = final_of_this_start(final, env, run) is None and isinstance(final, dict) and \
-        final.get("state") == str(FinalState.FINISHED)
-    if finished_before or failed_in_this_start(final, env, run):
+    mine = final_of_this_start(final, env, run)
+    finished_before = mine is None and isinstance(final, dict) and final.get("state") == str(FinalState.FINISHED)
+    if finished_before or mine == str(FinalState.FAILED):
         return False
     run.write_final(FinalState.FAILED, reason, job_id=env.job_id)
     return True

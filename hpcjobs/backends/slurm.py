@@ -42,17 +42,19 @@ class SlurmJob:
 
     state: JobState
     run_dir: str | None
-    stdout: str | None = None
+
+    @classmethod
+    def parse(cls, line: str) -> SlurmJob:
+        """One `STATE|COMMENT` line of squeue or sacct."""
+        state, _, comment = line.partition("|")
+        return cls(JobState.parse(state), run_dir_of_comment(comment.strip()))
 
 
 def squeue_job(job_id: str, run: Runner) -> SlurmJob | None:
     """squeue's word for the job, finished ones included (`-t all`), while Slurm still remembers it."""
     out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%k"])
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    if not lines:
-        return None
-    state, _, comment = lines[0].partition("|")
-    return SlurmJob(JobState.parse(state), run_dir_of_comment(comment.strip()))
+    return SlurmJob.parse(lines[0]) if lines else None
 
 
 def sacct_job(job_id: str, run: Runner) -> SlurmJob | None:
@@ -60,10 +62,7 @@ def sacct_job(job_id: str, run: Runner) -> SlurmJob | None:
     comment only where the site keeps comments (AccountingStoreFlags=job_comment)."""
     out = run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,Comment"])
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    if not lines:
-        return None
-    state, _, comment = lines[-1].partition("|")
-    return SlurmJob(JobState.parse(state), run_dir_of_comment(comment.strip()))
+    return SlurmJob.parse(lines[-1]) if lines else None
 
 
 def scontrol_fields(job_id: str, run: Runner) -> dict[str, str]:
