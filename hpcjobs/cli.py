@@ -26,7 +26,9 @@ EXAMPLES = {
   hpcjobs submit --profile mycluster --nodes 2 --gpus 8 train.py --config configs/x.yaml   # your own script
   hpcjobs submit --profile mycluster -m mypkg.train --lr 3e-4                               # python -m style
   hpcjobs submit --profile local --gpus 2 trainers.tasks.lm --steps 50                     # this machine
-  hpcjobs submit --profile mycluster --nodes 2 --gpus 8 --dry-run trainers.tasks.lm        # show, submit nothing""",
+  hpcjobs submit --profile mycluster --nodes 2 --gpus 8 --dry-run trainers.tasks.lm        # show, submit nothing
+  hpcjobs submit --profile mycluster --sweep lr=1e-3,3e-4 --sweep seed=1,2,3 --max-parallel 2 trainers.tasks.lm
+                                                          # a 6-point grid: one array task (and run folder) each""",
     "doctor": """examples:
   hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --time 4:00:00    # ✓/✗ per check, exit 0 if none failed
   hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --json trainers.tasks.lm --size small""",
@@ -36,11 +38,16 @@ EXAMPLES = {
     "profiles": """examples:
   hpcjobs profiles              # names, where each came from
   hpcjobs profiles show local   # the resolved profile with every key""",
-    "status": "examples:\n  hpcjobs status 1234\n  hpcjobs status 1234 --json",
+    "status": "examples:\n  hpcjobs status 1234\n  hpcjobs status 1234 --json\n"
+              "  hpcjobs status 1240      # a sweep: one row per task\n  hpcjobs status 1240_3    # one task",
     "list": "examples:\n  hpcjobs list\n  hpcjobs list --state RUNNING --profile mycluster --json",
     "logs": "examples:\n  hpcjobs logs 1234                 # rank 0, latest restart\n"
             "  hpcjobs logs 1234 --rank 5 --restart 0\n  hpcjobs logs 1234 --follow",
-    "cancel": "examples:\n  hpcjobs cancel 1234 1235",
+    "cancel": "examples:\n  hpcjobs cancel 1234 1235\n  hpcjobs cancel 1240     # every task of a sweep",
+    "compare": """examples:
+  hpcjobs compare RUN_OR_ID... [--plot loss.png] [--json]
+  hpcjobs compare 1234 --plot loss.png          # every task of sweep (job array) 1234, and their loss curves
+  hpcjobs compare runs/lm-a runs/lm-b --json    # run folders, as JSON rows""",
 }
 
 
@@ -104,6 +111,15 @@ def _job_flags(entry_optional: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="run folder (checkpoints, metrics, logs); an existing one is resumed")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment (repeat)")
     p.add_argument("-m", "--module", action="store_true", help="ENTRY is a module run like `python -m ENTRY`")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="sweep a flag of the entry (repeat: the grid of all): one Slurm array task per point, each "
+                        "with its own run folder, the point passed as --KEY VALUE")
+    p.add_argument("--sweep-file", metavar="YAML", help="the sweep's points from a file: `grid:` (a mapping of "
+                   "lists) and/or `points:` (a list of mappings)")
+    p.add_argument("--max-parallel", type=_int, metavar="K", help="a sweep's most tasks running at once")
+    p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                   help="run from the working tree instead of a copy of the project's code taken at submission "
+                        "(the copy is what every restart runs, whatever is edited after)")
     p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=DOCTOR_ENTRY,
                    help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
                         + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))
@@ -146,14 +162,15 @@ def refuse_own_flags_after_entry(argv: Sequence[str], ns: argparse.Namespace) ->
                 f"entry on purpose after a `--` ({ns.entry} -- {word}).")
 
 
-def _spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False) -> Any:
+def _spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False, snapshot: bool = True) -> Any:
     from hpcjobs.profiles import load_profile
     from hpcjobs.spec import Request, build_spec
 
     profile = load_profile(ns.profile)
     req = Request(entry=ns.entry, args=tuple(ns.args), module=ns.module, nodes=ns.nodes, gpus=ns.gpus,
                   time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
-                  run_dir=ns.run_dir, env=tuple(ns.env))
+                  run_dir=ns.run_dir, env=tuple(ns.env), sweep=tuple(ns.sweep), sweep_file=ns.sweep_file,
+                  max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot)
     return build_spec(profile, req, job_id_in_run_dir=job_id_in_run_dir)
 
 
@@ -162,12 +179,14 @@ def refuse_array_patterns(spec: Any, command: str) -> None:
     `sbatch --array`) has nothing to become, and resolving it failed only once the job was queued."""
     from hpcjobs.runfolder import RunDirPatternError, resolve_run_dir
 
+    if spec.array:
+        return
     try:
         resolve_run_dir(spec.run_dir, {"SLURM_JOB_ID": "1", "HPCJOBS_JOB_ID": "1"})
     except RunDirPatternError as e:
-        raise UsageError(f"{e}: hpcjobs {command} starts one job, not a job array (only %j names it); nothing was "
-                         "submitted.", "use %j (e.g. --run-dir runs/x-%j), or `hpcjobs render` the script and "
-                         "submit it with sbatch --array.") from None
+        raise UsageError(f"{e}: hpcjobs {command} starts one job here, not a job array (only %j names it); "
+                         "nothing was submitted.", "use %j (e.g. --run-dir runs/x-%j), or sweep: --sweep KEY=V1,V2 "
+                         "makes an array, one task per point.") from None
 
 
 def _print_json(obj: Any) -> None:
@@ -211,10 +230,12 @@ def run_submit(ns: argparse.Namespace) -> int:
     request = backend_for(spec.profile.scheduler).dry_run(spec)
     if ns.dry_run:
         if ns.json:
-            _print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "request": request.text})
+            _print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "request": request.text,
+                         "points": [dict(p) for p in spec.points]})
         else:
             print(f"# dry run: {spec.world()}; nothing submitted")
-            print(yaml.safe_dump(spec.as_dict(), sort_keys=True).rstrip())
+            print(yaml.safe_dump(brief(spec.as_dict()), sort_keys=True).rstrip())
+            print(points_text(spec), end="")
             print(f"# --- the request the {spec.profile.scheduler} backend would submit ---")
             print(request.text, end="")
         return 0
@@ -232,6 +253,26 @@ def run_submit(ns: argparse.Namespace) -> int:
     else:
         print(ended_line(sub))
     return sub.returncode or 0
+
+
+def brief(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A spec as a person reads it: the snapshot's diff counted, not shown (spec.json keeps it)."""
+    snap = recorded.get("snapshot")
+    if not snap or not snap.get("git_diff"):
+        return recorded
+    lines = snap["git_diff"].count("\n")
+    return {**recorded, "snapshot": {**snap, "git_diff": f"{lines} lines (kept in the run folder's spec.json)"}}
+
+
+def points_text(spec: Any) -> str:
+    """A sweep's points, one line each, as the array tasks will get them."""
+    from hpcjobs.sweep import as_args
+
+    if not spec.array:
+        return ""
+    head = f"# --- {len(spec.points)} points, one array task each" + (
+        f", at most {spec.max_parallel} at once" if spec.max_parallel else "") + " ---\n"
+    return head + "".join(f"task {i}: {' '.join(as_args(p))}\n" for i, p in enumerate(spec.points))
 
 
 def ended_line(sub: Any) -> str:
@@ -259,11 +300,12 @@ def run_render(ns: argparse.Namespace) -> int:
     if helped is not None:
         return helped
     script = backend_for(spec.profile.scheduler).script(spec)
+    from hpcjobs.submit import take_snapshot, write_script
+
+    take_snapshot(spec)  # the script runs the code as it is now, however long it waits to be submitted
     if not ns.output:
         print(script.text, end="")
         return 0
-    from hpcjobs.submit import write_script
-
     path = write_script(script, Path(ns.output), ns.force)
     print(f"Wrote {path} ({spec.world()}); submit it with: sbatch {path}", file=sys.stderr)
     return 0
@@ -325,7 +367,7 @@ def add_status(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_status(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import find, status_of
+    from hpcjobs.jobs import records_for, status_of
     from hpcjobs.store import JobStore
 
     store = JobStore()
@@ -333,8 +375,12 @@ def run_status(ns: argparse.Namespace) -> int:
         recent = store.recent(1)
         if not recent:
             raise UsageError("no job was submitted with hpcjobs here yet.", "hpcjobs submit --help")
-        ns.job = recent[0].job_id
-    st = status_of(find(ns.job, store))
+        newest = recent[0]  # a sweep's newest task stands for its array
+        ns.job = newest.job_id.rpartition("_")[0] if newest.spec.get("array_task") is not None else newest.job_id
+    records = records_for(ns.job, store)
+    if len(records) > 1:
+        return array_status(ns.job, [status_of(r) for r in records], [r.spec.get("point") for r in records], ns.json)
+    st = status_of(records[0])
     if ns.json:
         _print_json(st.as_dict())
         return 0
@@ -352,6 +398,23 @@ def run_status(ns: argparse.Namespace) -> int:
                                    "collective; torchfrtrace reads it)"))
     for key, value in rows:
         print(f"{key + ':':12} {value}")
+    return 0
+
+
+def array_status(array_id: str, statuses: list[Any], points: list[Any], as_json: bool) -> int:
+    """A sweep's array: one row per task, then how many are in each state."""
+    from collections import Counter
+
+    if as_json:
+        _print_json({"array": array_id, "tasks": [{**s.as_dict(), "point": p} for s, p in zip(statuses, points,
+                                                                                             strict=True)]})
+        return 0
+    _table(["task", "point", "state", "restarts", "step", "run folder"],
+           [(s.job_id, " ".join(f"{k}={v}" for k, v in (p or {}).items()) or "-", s.state, s.restarts,
+             "-" if s.last_step is None else s.last_step, s.run_dir) for s, p in zip(statuses, points, strict=True)])
+    counts = Counter(str(s.state) for s in statuses)
+    print(f"array {array_id}: {len(statuses)} tasks: " + ", ".join(f"{n} {state}" for state, n in sorted(
+        counts.items())) + f". One task: hpcjobs status {array_id}_N")
     return 0
 
 
@@ -391,10 +454,14 @@ def add_logs(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_logs(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import find, follow, log_path, status_of
+    from hpcjobs.jobs import follow, log_path, records_for, status_of
     from hpcjobs.store import JobStore
 
-    rec = find(ns.job, JobStore())
+    records = records_for(ns.job, JobStore())
+    if len(records) > 1:
+        raise UsageError(f"job {ns.job} is a sweep's array of {len(records)} tasks; valid: one task, "
+                         f"{records[0].job_id} to {records[-1].job_id}.", f"e.g. hpcjobs logs {records[0].job_id}")
+    rec = records[0]
     path = log_path(rec, ns.rank, ns.restart)
     if not ns.follow:
         sys.stdout.write(path.read_text(errors="replace"))
@@ -414,13 +481,64 @@ def add_cancel(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_cancel(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import cancel, find
+    from hpcjobs.jobs import cancel, records_for
     from hpcjobs.store import JobStore
 
     store = JobStore()
-    records = [find(j, store) for j in ns.jobs]  # every id checked before anything is cancelled
+    records = [r for j in ns.jobs for r in records_for(j, store)]  # every id checked before anything is cancelled
     for rec in records:
         print(cancel(rec, store))
+    return 0
+
+
+# --- compare ------------------------------------------------------------------------------------------------------
+
+def add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "compare", "Runs side by side (a sweep's points): state, steps, restarts, last and best loss; "
+                "--plot draws their loss curves.")
+    p.add_argument("runs", nargs="+", metavar="RUN_OR_ID",
+                   help="a run folder, or a job id (a sweep's array id stands for all its tasks)")
+    p.add_argument("--plot", metavar="FILE", help="also draw the loss curves into FILE (.png, .pdf or .svg; needs "
+                   "matplotlib: pip install 'hpcjobs[plot]')")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(run=run_compare)
+
+
+def compare_targets(args: Sequence[str], store: Any) -> list[Any]:
+    """Each argument as a run folder (an existing directory, or anything path-like, which compare then checks) or
+    the job records of a job id. Every argument is resolved before anything is read: one typo fails at once."""
+    targets: list[Any] = []
+    for arg in args:
+        if Path(arg).is_dir() or "/" in arg or Path(arg).exists():
+            targets.append(arg)
+            continue
+        try:
+            from hpcjobs.jobs import records_for
+
+            targets += records_for(arg, store)
+        except UsageError as e:
+            raise UsageError(f"{arg!r} is neither a folder here nor a job hpcjobs knows ({e.message.rstrip('.')}).",
+                             "give run folders (RUN/ holds spec.json and metrics.jsonl) or job ids from "
+                             "`hpcjobs list`.") from None
+    return targets
+
+
+def run_compare(ns: argparse.Namespace) -> int:
+    from hpcjobs import compare
+    from hpcjobs.store import JobStore
+
+    if ns.plot:
+        compare.plot_format(ns.plot)
+        compare.require_matplotlib()
+    store = JobStore()
+    rows = compare.rows_for(compare_targets(ns.runs, store), store)
+    if ns.plot:
+        path = compare.plot(rows, ns.plot)
+        print(f"Wrote {path} (loss curves of {len(rows)} run(s))", file=sys.stderr)
+    if ns.json:
+        _print_json([r.as_dict() for r in rows])
+    else:
+        _table(*compare.table(rows))
     return 0
 
 
@@ -447,7 +565,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
 
     if ns.probe and not 10 <= ns.probe_wait <= 86400:
         raise UsageError(f"--probe-wait {ns.probe_wait}: valid: 10 to 86400 seconds.", "e.g. --probe-wait 600")
-    spec = _spec(ns)  # as submit builds it
+    spec = _spec(ns, snapshot=False)  # as submit builds it, but checked against the working tree: nothing copied
     refuse_array_patterns(spec, "doctor")
     checks = backend_for(spec.profile.scheduler).doctor(spec, ns.probe_wait if ns.probe else None)
     if ns.json:
@@ -460,7 +578,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
-    add_submit, add_render, add_doctor, add_profiles, add_status, add_list, add_logs, add_cancel]
+    add_submit, add_render, add_doctor, add_profiles, add_status, add_list, add_logs, add_cancel, add_compare]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hpcjobs.runfolder import resolve_run_dir
+from hpcjobs.sweep import Point, point_of
 
 DEFAULT_SIGNAL = "USR2"
 SIGNALS = ("USR1", DEFAULT_SIGNAL, "TERM", "INT", "HUP", "URG")
@@ -52,6 +53,8 @@ class LaunchContract:
     """The job's time limit in seconds (0: none known, e.g. a local run or a plain torchrun)."""
     start_time: float = 0.0
     """When this start of the job began on the rank (epoch seconds; set by the launcher)."""
+    points: tuple[Point, ...] = ()
+    """A sweep's points, one per array task (hpcjobs.sweep); each task adds its own to the entry's arguments."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -61,13 +64,21 @@ class LaunchContract:
         try:
             data = json.loads(text)
             pre = Preemption(**data.pop("preemption", {}))
-            contract = cls(preemption=pre, **data)
+            points = tuple(tuple((str(k), str(v)) for k, v in point) for point in data.pop("points", ()))
+            contract = cls(preemption=pre, points=points, **data)
         except (ValueError, TypeError) as e:
             raise ContractError(f"the launch contract {text[:200]!r} cannot be read ({e}); the nodes may run "
                                 "another hpcjobs version than the one that submitted the job") from None
         if not isinstance(contract.run_dir, str) or not contract.run_dir:
             raise ContractError(f"the launch contract names no run folder: {text[:200]!r}")
         return contract
+
+    def point(self, env: Mapping[str, str]) -> Point | None:
+        """This array task's point (None outside a sweep). Raises ContractError."""
+        try:
+            return point_of(self.points, env)
+        except ValueError as e:
+            raise ContractError(str(e)) from None
 
     def started(self, env: Mapping[str, str], now: float) -> LaunchContract:
         """This rank's copy: the run folder resolved from the job's ids, the start time stamped."""

@@ -141,6 +141,16 @@ def find(job_id: str, store: JobStore) -> JobRecord:
     return rec
 
 
+def records_for(job_id: str, store: JobStore) -> list[JobRecord]:
+    """The record of a job or of one array task (`ID_N`), or every task of an array's `ID`."""
+    try:
+        if store.get(job_id) is None and (tasks := store.tasks(job_id)):
+            return tasks
+    except RuntimeFailure:
+        pass  # find() answers from the scheduler, or says what is wrong with the store
+    return [find(job_id, store)]
+
+
 def lookup(job_id: str) -> JobRecord | None:
     for name in SCHEDULERS:
         found = backend_for(name).lookup(job_id)

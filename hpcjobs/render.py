@@ -21,7 +21,8 @@ def signal_guard(spec: JobSpec) -> list[str]:
 
 def launch_contract(spec: JobSpec) -> LaunchContract:
     """The contract every rank reads (run folder pattern, preemption settings, time limit)."""
-    return LaunchContract(run_dir=spec.run_dir, preemption=spec.profile.preemption, time_limit_s=spec.time_seconds)
+    return LaunchContract(run_dir=spec.run_dir, preemption=spec.profile.preemption, time_limit_s=spec.time_seconds,
+                          points=spec.points if spec.array else ())
 
 
 def launcher_argv(spec: JobSpec, python: str | None = None) -> list[str]:

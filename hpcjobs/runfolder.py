@@ -8,6 +8,8 @@ RUN/startup.jsonl         one line per rank and start: launched, torch imported,
 RUN/final.json            finished | failed, with the reason
 RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error (hpcjobs.diagnosis)
 RUN/local-process.json    a local job's launching process (pid, host), so status and cancel can reach it
+RUN/tracker.json          rank 0: the experiment trackers' run ids (wandb, mlflow), so a requeued or resumed start
+                          logs into the same tracker run; also each one's last logged step per metric
 RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
 
 A run folder given as a pattern (`runs/x-%j`, `sweep-%A/%a`) is resolved by `resolve_run_dir` on every path, once the
@@ -28,11 +30,21 @@ from hpcjobs.states import FinalState
 
 RUN_DIR_FIELDS = {
     "%j": ("SLURM_JOB_ID", "HPCJOBS_JOB_ID"),
-    "%A": ("SLURM_ARRAY_JOB_ID",),
-    "%a": ("SLURM_ARRAY_TASK_ID",),
+    "%A": ("SLURM_ARRAY_JOB_ID", "HPCJOBS_ARRAY_JOB_ID"),
+    "%a": ("SLURM_ARRAY_TASK_ID", "HPCJOBS_ARRAY_TASK_ID"),
 }
 """The patterns a run folder may hold, as in Slurm's own file names, and the variables (first set wins) that give
-them: %j the job id (an array task's own id), %A an array's job id, %a the array task's index."""
+them: %j the job id (an array task's own id), %A an array's job id, %a the array task's index (HPCJOBS_*: the
+local backend's, which has no Slurm)."""
+
+
+def array_ids(job_id: str) -> dict[str, str]:
+    """The ids a run folder pattern is resolved with, from a job id as the login node knows it: `42`, or an array
+    task's `42_3` (its own numeric id is known only on the node, so an array's folders never use %j)."""
+    array, sep, index = job_id.rpartition("_")
+    if sep and index.isdigit():
+        return {"SLURM_ARRAY_JOB_ID": array, "SLURM_ARRAY_TASK_ID": index, "HPCJOBS_JOB_ID": job_id}
+    return {"SLURM_JOB_ID": job_id, "HPCJOBS_JOB_ID": job_id}
 _FIELD = re.compile("|".join(RUN_DIR_FIELDS))
 
 
@@ -69,6 +81,7 @@ class RunFolder:
     spec = property(lambda self: self.path / "spec.json")
     logs = property(lambda self: self.path / "logs")
     local_process = property(lambda self: self.path / "local-process.json")  # who runs a local job: pid, host
+    tracker = property(lambda self: self.path / "tracker.json")  # trainers.tracking: tracker run ids, logged steps
     nccl_traces = property(lambda self: self.path / "nccl-trace")  # NCCL flight recorder dumps, rank-R each
     lock = property(lambda self: self.path / ".lock")  # flock of the running job's rank 0; holds who holds it
 

@@ -8,14 +8,17 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from hpcjobs.backends import backend_for
 from hpcjobs.errors import UsageError, shown
 from hpcjobs.profiles import ClusterProfile
+from hpcjobs.runfolder import has_pattern
 from hpcjobs.slurmtime import format_time, parse_time
+from hpcjobs.snapshot import Snapshot, plan
+from hpcjobs.sweep import Point, as_args, as_mapping, build_points
 
 ENTRY_KINDS = ("task", "script", "module")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -58,6 +61,12 @@ class Request:
     qos: str | None = None
     run_dir: str | None = None
     env: tuple[str, ...] = ()
+    sweep: tuple[str, ...] = ()
+    """`--sweep KEY=V1,V2,...` flags (a grid)."""
+    sweep_file: str | None = None
+    max_parallel: int | None = None
+    snapshot: bool = True
+    """Run from a code snapshot (hpcjobs.snapshot) instead of the working tree."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,17 @@ class JobSpec:
     python_fallback: str | None = None
     """The Python tried on the node when `python` (found after the setup) cannot start the ranks: the one hpcjobs
     ran from, when the profile names none."""
+    points: tuple[Point, ...] = ()
+    """A sweep's points (hpcjobs.sweep): more than one makes the job an array, one task per point, each choosing
+    its point on the node; a single point's flags are in `entry.args` already."""
+    max_parallel: int | None = None
+    """The most array tasks running at once (None: as many as the scheduler starts)."""
+    snapshot: Snapshot | None = None
+    """The code snapshot the ranks run from (`workdir` is inside it); None: the working tree."""
+
+    @property
+    def array(self) -> bool:
+        return len(self.points) > 1
 
     @property
     def ranks(self) -> int:
@@ -95,7 +115,9 @@ class JobSpec:
         return (f"{self.nodes} node{'s' * (self.nodes != 1)} × {self.gpus_per_node} {unit}"
                 f"{'s' * (self.gpus_per_node != 1)} = {self.ranks} rank{'s' * (self.ranks != 1)}")
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self, task: int | None = None) -> dict[str, object]:
+        """The spec as recorded (spec.json, the job store); `task`: an array task's own copy, with its point."""
+        point = self.points[task if task is not None else 0] if self.points else None
         return {
             "name": self.name, "profile": self.profile.name, "profile_source": self.profile.source,
             "scheduler": self.profile.scheduler, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
@@ -107,6 +129,10 @@ class JobSpec:
             "preemption": {"signal": self.profile.preemption.signal,
                            "seconds_before": self.profile.preemption.seconds_before,
                            "max_restarts": self.profile.preemption.max_restarts},
+            "point": as_mapping(point) if point is not None and (task is not None or not self.array) else None,
+            "array_task": task, "array_size": len(self.points) if self.array else None,
+            "max_parallel": self.max_parallel,
+            "snapshot": self.snapshot.as_dict() if self.snapshot else None,
         }
 
 
@@ -248,6 +274,37 @@ def _check_run_dir(run_dir: str) -> None:
                          f"most {PATH_MAX - 1} bytes.", hint)
 
 
+ARRAY_TASK_DIR = "%A_%a"
+"""What makes each array task's run folder its own (the array's id, the task's index), as in Slurm's file names."""
+
+
+def _check_max_parallel(max_parallel: int | None, points: int) -> None:
+    if max_parallel is None:
+        return
+    if max_parallel < 1:
+        raise UsageError(f"--max-parallel {max_parallel}: valid: 1 or more.", "e.g. --max-parallel 2")
+    if points < 2:
+        raise UsageError(f"--max-parallel {max_parallel} without a sweep of two or more points; valid: with --sweep "
+                         "or --sweep-file.", "e.g. --sweep lr=1e-3,3e-4 --max-parallel 1")
+
+
+def _check_array_run_dir(run_dir: str, points: int) -> None:
+    """Each task of an array needs its own run folder, named by its index; %j (a task's own job id) is known only
+    on the node, so the login node could not find the folders."""
+    if "%a" not in run_dir or "%j" in run_dir:
+        raise UsageError(f"--run-dir {shown(run_dir)} for a sweep of {points} points: valid: a pattern with %a (the "
+                         "task's index) and without %j.", f"e.g. --run-dir runs/sweep-{ARRAY_TASK_DIR}, or leave "
+                         "--run-dir out.")
+
+
+def snapshot_root(run_dir: str) -> Path:
+    """Where a run folder's code snapshots go: the folder that holds it (its first part without a pattern)."""
+    fixed = Path(run_dir)
+    while has_pattern(str(fixed)):
+        fixed = fixed.parent
+    return fixed if str(fixed) != run_dir else fixed.parent
+
+
 def default_name(entry: Entry) -> str:
     base = entry.target.split(":")[0]
     base = Path(base).stem if entry.kind == "script" else base.rsplit(".", 1)[-1]
@@ -277,30 +334,43 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
         raise UsageError(f"--time {req.time}: {where} allows at most {profile.max_time}.",
                          f"ask for --time {profile.max_time} or less; the job requeues itself to go on longer.")
     entry = resolve_entry(req.entry, req.args, req.module, workdir)
+    points = tuple(build_points(req.sweep, req.sweep_file, entry.args))
+    _check_max_parallel(req.max_parallel, len(points))
+    if len(points) == 1:  # a sweep of one point is an ordinary job with the point's flags
+        entry = replace(entry, args=(*entry.args, *as_args(points[0])))
     if entry.kind == "task":
-        check_trainer_args(entry.args)
+        for point in points if len(points) > 1 else [()]:  # each task's flags, as its node will read them
+            check_trainer_args((*entry.args, *as_args(point)))
     name = req.name or default_name(entry)
     if not _NAME.fullmatch(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                          "or digit.", "e.g. --name gpt-small")
     env = with_gloo_interface({**profile.env, **profile.nccl, **_env_pairs(req.env)})
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
+    array = len(points) > 1
     if req.run_dir:  # absolute, so status and logs find it from anywhere; a pattern (%j) is resolved later
         run_dir = str((workdir / os.path.expanduser(req.run_dir)).resolve())
     else:
         root = profile.runs_path()
         root = root if root.is_absolute() else workdir / root
-        run_dir = str(root / f"{name}-{stamp}{'-%j' if job_id_in_run_dir else ''}")
+        suffix = f"-{ARRAY_TASK_DIR}" if array else "-%j" if job_id_in_run_dir else ""
+        run_dir = str(root / f"{name}-{stamp}{suffix}")
     _check_run_dir(run_dir)
+    if array:
+        _check_array_run_dir(run_dir, len(points))
+    snapshot = plan(workdir, snapshot_root(run_dir)) if req.snapshot else None
+    if snapshot is not None and entry.kind == "script":
+        entry = replace(entry, target=snapshot.where(entry.target))
     for flag, value, example in (("--partition", req.partition, "gpu"), ("--account", req.account, "my-project"),
                                  ("--qos", req.qos, "normal")):
         _check_one_line(flag, value, f"e.g. {flag} {example}")
     spec = JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
-        run_dir=run_dir, workdir=str(workdir), python=node_python(profile),
+        run_dir=run_dir, workdir=snapshot.where(str(workdir)) if snapshot else str(workdir),
+        python=node_python(profile),
         python_fallback=sys.executable if node_python(profile) == AFTER_SETUP and not profile.python else None,
         partition=req.partition or profile.partition, account=req.account or profile.account,
-        qos=req.qos or profile.qos, env=env,
+        qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
     )
     backend_for(profile.scheduler).check(spec)
     return spec

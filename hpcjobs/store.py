@@ -107,6 +107,14 @@ class JobStore:
                                (job_id,)))
         return rows[0] if rows else None
 
+    def tasks(self, array_id: str) -> list[JobRecord]:
+        """An array's tasks (`ID_0`, `ID_1`, ...; the newest record of each), in task order."""
+        rows = self._rows(f"SELECT {self._COLS} FROM jobs WHERE job_id LIKE ? ESCAPE '\\' ORDER BY id",
+                          (array_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "\\_%",))
+        newest = {r.job_id: r for r in rows
+                  if r.job_id.rpartition("_")[0] == array_id and r.job_id.rpartition("_")[2].isdigit()}
+        return sorted(newest.values(), key=lambda r: int(r.job_id.rpartition("_")[2]))
+
     def recent(self, limit: int = 50, profile: str | None = None) -> list[JobRecord]:
         where, args = ("WHERE profile=?", (profile,)) if profile else ("", ())
         return list(self._rows(f"SELECT {self._COLS} FROM jobs {where} ORDER BY id DESC LIMIT ?", (*args, limit)))

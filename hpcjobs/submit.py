@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
 from hpcjobs.errors import RuntimeFailure, UsageError
+from hpcjobs.snapshot import materialize
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord, JobStore
 
@@ -38,10 +39,17 @@ def write_script(script: Script, path: Path, force: bool = False) -> Path:
 
 
 def record(spec: JobSpec, sub: Submitted, store: JobStore | None = None) -> None:
+    """One job, or one array task (each task is a record of its own: `ID_N`)."""
     (store or JobStore()).add(JobRecord(
         job_id=sub.job_id, name=spec.name, profile=spec.profile.name, scheduler=spec.profile.scheduler,
         nodes=spec.nodes, gpus_per_node=spec.gpus_per_node, run_dir=sub.run_dir, logs=sub.logs,
-        spec=spec.as_dict(), submitted=time.time()))
+        spec=spec.as_dict(sub.task), submitted=time.time()))
+
+
+def take_snapshot(spec: JobSpec) -> None:
+    """Copy the project's code where the spec says the ranks run it (nothing when it is there already)."""
+    if spec.snapshot is not None:
+        materialize(spec.snapshot)
 
 
 def submit(request: SubmitRequest) -> Submitted:
@@ -50,4 +58,5 @@ def submit(request: SubmitRequest) -> Submitted:
     spec = request.spec
     store = JobStore()
     store.check()
+    take_snapshot(spec)
     return backend_for(spec.profile.scheduler).submit(request, lambda sub: record(spec, sub, store))

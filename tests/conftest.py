@@ -4,6 +4,7 @@ Where the cluster cannot run they skip with the reason; under CI=true they fail 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -124,6 +125,19 @@ def wait_for_state(job_id: str, states: set[str], timeout: float = 300) -> str:
             return state
         time.sleep(1)
     raise AssertionError(f"job {job_id} did not reach {states} within {timeout} s (last: {state!r})")
+
+
+def wait_for_step(run: Path, step: int, timeout: float = 180) -> None:
+    """Until the run's heartbeat says it reached `step` (a job mid-run, for a signal to interrupt)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if json.loads((run / "heartbeat.json").read_text())["step"] >= step:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{run} never reached step {step}")
 
 
 def on_every_node(*argv: str, here: bool = True, check: bool = True) -> None:

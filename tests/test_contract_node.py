@@ -348,10 +348,10 @@ def test_a_task_flag_that_is_a_prefix_of_a_trainer_flag_reaches_the_task() -> No
 
 
 def test_unknown_flags_pass_through_in_order() -> None:
-    args = ["--size", "tiny", "--steps", "30", "-h", "--lr=0.01", "--text", "a.txt", "--no-tensorboard", "--help",
-            "pos", "--", "--steps", "9"]
+    args = ["--size", "tiny", "--steps", "30", "-h", "--lr=0.01", "--text", "a.txt", "--tracker", "wandb,mlflow",
+            "--help", "pos", "--", "--steps", "9"]
     cfg, rest = parse_trainer_args(args)
-    assert (cfg.steps, cfg.lr, cfg.tensorboard) == (30, 0.01, False)
+    assert (cfg.steps, cfg.lr, cfg.tracker) == (30, 0.01, "wandb,mlflow")
     assert rest == ["--size", "tiny", "-h", "--text", "a.txt", "--help", "pos", "--", "--steps", "9"]
     assert parse_trainer_args(["--steps", "3", "--steps", "4"])[0].steps == 4  # the later one wins
 

@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCALING = ("none", "linear", "sqrt")
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""--tracker's names; metrics.jsonl is written whichever are given (trainers/tracking.py has the others)."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,20 @@ class TrainConfig:
     needed for a bit-exact resume on GPUs; slower (bench/gpu.py measures by how much)."""
     compile: bool = False
     """torch.compile the model (the first steps take longer while it compiles)."""
-    tensorboard: bool = False
-    """Also write TensorBoard scalars to RUN/tensorboard (needs the tensorboard package)."""
+    tracker: str = "jsonl"
+    """Where rank 0 logs the metrics: jsonl (RUN/metrics.jsonl, always written), tensorboard (RUN/tensorboard),
+    wandb (RUN/wandb; offline unless W&B credentials or WANDB_MODE say otherwise), mlflow (MLFLOW_TRACKING_URI, else
+    a file store in RUN/mlruns); several joined by commas (wandb,tensorboard). A requeued or resumed run goes on
+    logging into the same tracker run (RUN/tracker.json holds its id); trainers/tracking.py says more."""
     extend: bool = False
     """Resume a checkpoint written under another --steps: the LR then goes on from the value the checkpoint was saved
     with (its step k) down to min_lr_ratio × lr at the new --steps along a half cosine over steps k..steps (a
     checkpoint still in warmup simply follows the plan for the new --steps: the warmup does not depend on it).
     Without it a changed --steps is refused, since the cosine would be re-planned and the LR would jump."""
+
+    def trackers(self) -> tuple[str, ...]:
+        """--tracker's names in the order given, each once; jsonl among them or not (it is always written)."""
+        return tuple(dict.fromkeys(name.strip() for name in self.tracker.split(",") if name.strip()))
 
     def lr_factor(self, world_size: int) -> float:
         return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
@@ -144,9 +153,12 @@ def trainer_help(defaults: dict[str, Any] | None = None) -> str:
 # have become --warmup-steps).
 
 CHOICES: dict[str, tuple[str, ...]] = {"precision": PRECISIONS, "lr_scaling": LR_SCALING}
+MULTI_CHOICES: dict[str, tuple[str, ...]] = {"tracker": TRACKERS}
+"""Settings that take one or more of their choices, joined by commas."""
 CHOICE_HINTS = {
     "precision": "auto picks bf16 on GPUs that have it and fp32 elsewhere; fp16 adds a GradScaler.",
     "lr_scaling": "linear multiplies the LR by the world size, sqrt by its square root; none keeps it.",
+    "tracker": "metrics.jsonl is always written; e.g. --tracker wandb,tensorboard logs to those as well.",
 }
 
 
@@ -231,6 +243,8 @@ def _valid(name: str) -> str:
     kind, flag = _fields()[name], _flag(name)
     if name in CHOICES:
         return f"{flag} {'|'.join(CHOICES[name])}"
+    if name in MULTI_CHOICES:
+        return f"{flag} {'|'.join(MULTI_CHOICES[name])}, or several joined by commas"
     if kind == "bool":
         return f"{flag} or --no-{name.replace('_', '-')}, without a value"
     letter = "N" if kind == "int" else "X"
@@ -251,6 +265,8 @@ def _convert(name: str, text: str) -> Any:
         if text not in CHOICES[name]:
             raise _error(f"{flag} {text!r} is not a choice", _valid(name), _hint(name))
         return text
+    if name in MULTI_CHOICES:
+        return _convert_multi(name, text)
     try:
         value = int(text) if kind == "int" else float(text)
     except ValueError:
@@ -259,6 +275,20 @@ def _convert(name: str, text: str) -> Any:
     if not math.isfinite(value):
         raise _error(f"{flag} {text!r} is not a finite number", _valid(name), _hint(name))
     return value
+
+
+def _convert_multi(name: str, text: str) -> str:
+    """A comma-separated list of choices, each checked, as one string without spaces or repeats (what the
+    checkpoint's config records); `wandb, mlflow` is read as `wandb,mlflow`."""
+    flag, words = _flag(name), [w.strip() for w in text.split(",") if w.strip()]
+    if not words:
+        raise _error(f"{flag} {text!r} names none", _valid(name), _hint(name))
+    wrong = [w for w in words if w not in MULTI_CHOICES[name]]
+    if wrong:
+        what = ", ".join(repr(w) for w in wrong)
+        raise _error(f"{flag} {text!r}: {what} {'is not a choice' if len(wrong) == 1 else 'are not choices'}",
+                     _valid(name), _hint(name))
+    return ",".join(dict.fromkeys(words))
 
 
 def _check_range(name: str, value: Any, given: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 from hpcjobs.contract import ContractError, LaunchContract
 from hpcjobs.runfolder import RunDirPatternError, RunFolder, append_jsonl
 from hpcjobs.states import FinalState
+from hpcjobs.sweep import Point, as_args
 from trainers import preemption, runlock
 from trainers.config import ConfigError, TaskArgError
 from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnv, DistEnvError, from_environ, setting_seconds
@@ -104,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             setting_seconds(setting, os.environ)
         env: DistEnv = from_environ(os.environ)
         contract = start_contract(read_contract(ns), env, os.environ, time.time())
+        point = contract.point(os.environ)
+        ns.args = [*ns.args, *as_args(point or ())]  # a sweep's task: its point's flags after the entry's own
     except (ContractError, DistEnvError, TorchTooOld) as e:
         print(f"hpcjobs: {one_line(e)}", file=sys.stderr, flush=True)
         return REFUSED_EXIT
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refused
     tee = Tee(run.rank_log(env.restart, env.rank))
     try:
-        return run_rank(ns, env, run, contract)
+        return run_rank(ns, env, run, contract, point)
     except ConfigError as e:  # a refused start (a flag, a resume that would not continue the run): not a run's end
         say(env, tee, f"hpcjobs: {one_line(e)}")
         return REFUSED_EXIT
@@ -235,11 +238,12 @@ def final_of_this_start(final: Any, env: DistEnv, run: RunFolder) -> str | None:
     return None
 
 
-def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: LaunchContract) -> int:
+def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: LaunchContract,
+             point: Point | None = None) -> int:
     """Record the start, refuse a start past the restart cap, run the entry; returns the rank's exit code."""
     if env.rank == 0:
         run.record_start(env.restart, env.job_id, env.world_size, host=os.uname().nodename,
-                         master=f"{env.master_addr}:{env.master_port}")
+                         master=f"{env.master_addr}:{env.master_port}", **({"point": dict(point)} if point else {}))
     print(f"hpcjobs: rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.uname().nodename}, "
           f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
           f"run folder {run.path}", flush=True)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder, append_jsonl
 from hpcjobs.states import FinalState, StopOutcome
-from trainers import checkpoint, faults, perf, preemption, resume, startup
+from trainers import checkpoint, faults, perf, preemption, resume, startup, tracking
 from trainers.config import ConfigError, ResumeError, TrainConfig
 from trainers.dist import DistContext
 from trainers.logtee import Tee
@@ -429,7 +429,8 @@ _nullcontext = _NullContext()
 
 class Meter:
     """Loss and throughput between logging intervals; the only host-device syncs happen in flush(). On rank 0 it
-    also draws the progress bar when the rank was started on a terminal (`terminal.was_tty`)."""
+    writes metrics.jsonl, logs to the --tracker trackers (trainers.tracking) and draws the progress bar when the
+    rank was started on a terminal (`terminal.was_tty`)."""
 
     def __init__(self, ctx: DistContext, cfg: TrainConfig, task: Task, run: RunFolder, samples_per_step: int,
                  start_step: int, terminal: Terminal | None, peak_flops: float | None = None) -> None:
@@ -437,14 +438,14 @@ class Meter:
         self.tokens_per_sample = task.tokens_per_sample
         self.flops_per_sample, self.peak_flops = task.flops_per_sample, peak_flops  # peak: all ranks together
         self.loss_sum = torch.zeros((), device=ctx.device)
-        self.steps = start_step
-        self.t0 = time.perf_counter()
+        self.steps, self.total_steps = start_step, cfg.steps
         self.restart = ctx.env.restart
-        self.tb = None
         self.bar: Bar | None = None
-        if ctx.is_main and cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run.path / "tensorboard"))
+        # Every rank checks the packages: a missing one refuses the start on all ranks alike, not on rank 0 alone.
+        tracking.require(cfg.trackers())
+        self.trackers = (tracking.open_trackers(cfg.trackers(), run, cfg.as_dict(), start_step) if ctx.is_main
+                         else [])
+        self.t0 = time.perf_counter()  # after opening them (seconds): the first interval's throughput is training's
         if ctx.is_main and terminal is not None and terminal.was_tty:
             self.bar = Bar(terminal, cfg.steps, start_step)
 
@@ -479,9 +480,9 @@ class Meter:
         mfu = f" | MFU {rec['mfu']:.1%}" if self.peak_flops else ""
         print(f"[hpcjobs rank 0] step {step} | loss {loss:.4f} | lr {lr:.3g} | {samples_s:,.1f} samples/s{tokens}"
               f"{mfu}", flush=True)
-        if self.tb is not None:
-            self.tb.add_scalar("loss", loss, step)
-            self.tb.add_scalar("lr", lr, step)
+        values = {k: v for k, v in rec.items() if k not in ("step", "time", "restart")}
+        for tracker in self.trackers:
+            tracker.log(values, step)
 
     def record_eval(self, step: int, val_loss: float) -> None:
         if not self.ctx.is_main:
@@ -489,14 +490,15 @@ class Meter:
         append_jsonl(self.run.metrics, {"step": step, "val_loss": val_loss, "time": time.time(),
                                         "restart": self.restart})
         print(f"[hpcjobs rank 0] step {step} | val_loss {val_loss:.4f}", flush=True)
-        if self.tb is not None:
-            self.tb.add_scalar("val_loss", val_loss, step)
+        for tracker in self.trackers:
+            tracker.log({"val_loss": val_loss}, step)
 
     def close(self) -> None:
-        """Idempotent: the loop's `finally` closes it again after a stop or a failure."""
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        """Idempotent: the loop's `finally` closes it again after a stop or a failure. The trackers learn whether
+        the run is done (its last step logged) or only this start."""
+        for tracker in self.trackers:
+            tracker.close(finished=self.steps >= self.total_steps)
+        self.trackers = []
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -59,9 +59,15 @@ class Submitted:
     logs: dict[str, Any] = field(default_factory=dict)
     returncode: int | None = None
     """For backends that run the job in the foreground (local): its exit code; None when it was queued."""
+    task: int | None = None
+    """An array task's index (its point); None for a job that is not part of an array."""
+    tasks: tuple[Submitted, ...] = ()
+    """An array's tasks (the array itself has `job_id` the array's id and `run_dir` the pattern)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "run_dir": self.run_dir, "logs": self.logs, "returncode": self.returncode}
+        return {"job_id": self.job_id, "run_dir": self.run_dir, "logs": self.logs, "returncode": self.returncode,
+                **({"tasks": [t.as_dict() for t in self.tasks]} if self.tasks else {}),
+                **({"task": self.task} if self.task is not None else {})}
 
 
 class Backend(Protocol):

@@ -43,29 +43,31 @@ def check_run_folder(run_dir: str) -> None:
         raise UsageError(f"run folder {run_dir}: {probe} is not writable.", hint)
 
 
-def prepare_run_folder(spec: JobSpec, run_dir: str) -> bool:
-    """Create the job's (resolved) run folder and write what was submitted; True if the folder is new."""
+def prepare_run_folder(spec: JobSpec, run_dir: str, task: int | None = None) -> bool:
+    """Create the job's (resolved) run folder and write what was submitted (an array task: with its point); True if
+    the folder is new."""
     check_run_folder(run_dir)
     run = RunFolder(run_dir)
     created = not run.path.exists()
     try:
         run.path.mkdir(parents=True, exist_ok=True)
-        record_spec(run, spec)
+        record_spec(run, spec, task)
     except OSError as e:
         raise UsageError(f"cannot write the run folder {run_dir} ({e.strerror}).",
                          "pick a writable --run-dir, or fix runs_dir in the profile.") from None
     return created
 
 
-def record_spec(run: RunFolder, spec: JobSpec) -> None:
+def record_spec(run: RunFolder, spec: JobSpec, task: int | None = None) -> None:
     """spec.json says what was submitted last; specs/N.json keeps every submission to this folder (a resume with
     other settings must not rewrite what the first job was)."""
-    text = json.dumps(spec.as_dict(), indent=2, sort_keys=True)
+    recorded = spec.as_dict(task)
+    text = json.dumps(recorded, indent=2, sort_keys=True)
     history = run.path / "specs"
     history.mkdir(exist_ok=True)
     taken = [int(p.stem) for p in history.glob("*.json") if p.stem.isdigit()]
     (history / f"{max(taken, default=0) + 1}.json").write_text(text)
-    write_json_atomic(run.spec, spec.as_dict())
+    write_json_atomic(run.spec, recorded)
 
 
 class RunFolderLogs:

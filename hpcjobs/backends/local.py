@@ -25,7 +25,7 @@ from hpcjobs.doctor import Check, Result
 from hpcjobs.errors import UsageError
 from hpcjobs.ports import free_port
 from hpcjobs.render import launcher_argv
-from hpcjobs.runfolder import RunFolder, resolve_run_dir, write_json_atomic
+from hpcjobs.runfolder import RunFolder, array_ids, resolve_run_dir, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.states import JobState
 from hpcjobs.store import JobRecord
@@ -40,8 +40,9 @@ def local_job_id() -> str:
 
 def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str]) -> list[dict[str, str]]:
     """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
+    ids = {f"HPCJOBS_{k.removeprefix('SLURM_')}": v for k, v in array_ids(job_id).items() if "ARRAY" in k}
     common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id}
+              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id, **ids}
     return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
 
 
@@ -56,25 +57,38 @@ def describe(spec: JobSpec, job_id: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def group_code(procs: list[subprocess.Popen[bytes]]) -> int | None:
+    """One job's ranks: None while they run; their exit code once all ended, or once one failed, after stopping
+    the rest (like srun --kill-on-bad-exit)."""
+    codes = [p.poll() for p in procs]
+    failed = [c for c in codes if c not in (None, 0)]
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        return failed[0]
+    return 0 if all(c == 0 for c in codes) else None
+
+
 def wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for every rank; if one fails, stop the rest (like srun --kill-on-bad-exit)."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            deadline = time.time() + 10
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.time()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            return failed[0]
-        if all(c == 0 for c in codes):
-            return 0
+    """Wait for every rank of one job (see group_code)."""
+    while (code := group_code(procs)) is None:
         time.sleep(0.2)
+    return code
+
+
+def device_slice(slot: int, ranks: int, environ: dict[str, str]) -> dict[str, str]:
+    """Sweep tasks running side by side each see their own GPUs (rank r uses the r-th visible one); nothing to
+    split for one task at a time."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range((slot + 1) * ranks)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[slot * ranks:(slot + 1) * ranks])}
 
 
 class Stopper:
@@ -126,6 +140,11 @@ class LocalBackend(RunFolderLogs):
         if spec.nodes != 1:
             raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",
                              "use a Slurm profile for more than one node.")
+        slots = spec.profile.gpus_per_node
+        if spec.max_parallel and spec.max_parallel * spec.ranks > slots:
+            raise UsageError(f"--max-parallel {spec.max_parallel} × {spec.ranks} ranks with profile "
+                             f"{spec.profile.name} (local): valid: at most {slots} ranks at once (its "
+                             "gpus_per_node).", f"e.g. --max-parallel {max(1, slots // spec.ranks)}")
 
     def doctor(self, spec: JobSpec, probe_wait_s: float | None = None) -> list[Check]:
         """Nothing queues here: the request was checked when the spec was built; what is left is the run folder."""
@@ -144,32 +163,66 @@ class LocalBackend(RunFolderLogs):
         return SubmitRequest(spec, describe(spec, JOB_ID_PLACEHOLDER))
 
     def submit(self, request: SubmitRequest, on_id: Callable[[Submitted], None]) -> Submitted:
-        """Run every rank here and wait (recorded first, so status/list see the job while it runs)."""
+        """Run every rank here and wait (recorded first, so status/list see the job while it runs). A sweep's
+        points run one after another, or `max_parallel` at once, each a job `ID_N` with its own run folder."""
         spec = request.spec
         job_id = local_job_id()
-        run_dir = resolve_run_dir(spec.run_dir, {"HPCJOBS_JOB_ID": job_id})
-        prepare_run_folder(spec, run_dir)
-        run = RunFolder(run_dir)
-        write_json_atomic(run.local_process, {"pid": os.getpid(), "host": socket.gethostname(), "job_id": job_id})
-        sub = Submitted(job_id, run_dir, {"ranks": str(run.logs)})
-        on_id(sub)
-        print(f"hpcjobs: job {job_id}: running {spec.world()} locally; run folder {run_dir}", file=sys.stderr,
-              flush=True)
-        return replace(sub, returncode=self._run(spec, job_id, bool(request.params.get("stdout_to_stderr"))))
+        tasks = [(f"{job_id}_{i}", i) for i in range(len(spec.points))] if spec.array else [(job_id, None)]
+        subs = []
+        for task_id, index in tasks:
+            run_dir = resolve_run_dir(spec.run_dir, array_ids(task_id))
+            prepare_run_folder(spec, run_dir, index)
+            run = RunFolder(run_dir)
+            write_json_atomic(run.local_process, {"pid": os.getpid(), "host": socket.gethostname(),
+                                                  "job_id": task_id})
+            subs.append(Submitted(task_id, run_dir, {"ranks": str(run.logs)}, task=index))
+            on_id(subs[-1])
+        codes = self._run(spec, subs, bool(request.params.get("stdout_to_stderr")))
+        done = [replace(sub, returncode=code) for sub, code in zip(subs, codes, strict=True)]
+        if not spec.array:
+            return done[0]
+        return Submitted(job_id, spec.run_dir, returncode=max(codes, key=abs), tasks=tuple(done))
 
-    def _run(self, spec: JobSpec, job_id: str, stdout_to_stderr: bool) -> int:
-        envs = rank_envs(spec, job_id, free_port(), dict(os.environ))
-        # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
-        # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
-        procs = [subprocess.Popen(launcher_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
-                                  stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
-        stopper = Stopper(procs, getattr(signal, f"SIG{spec.profile.preemption.signal}"))
+    def _run(self, spec: JobSpec, subs: list[Submitted], stdout_to_stderr: bool) -> list[int]:
+        """Each job's ranks, at most `max_parallel` jobs at once; their exit codes. Ctrl-C stops the running ones
+        at a checkpoint and starts no more (those are left with code 130, resumable with the same command)."""
+        width = spec.max_parallel or 1
+        codes: list[int | None] = [None] * len(subs)
+        running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
+        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"))
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return wait_all(procs)
+            pending = list(range(len(subs)))
+            while pending or running:
+                while pending and len(running) < width and not stopper.count:
+                    i = pending.pop(0)
+                    slot = min(set(range(width)) - {s for s, _ in running.values()})
+                    running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr)
+                    stopper.procs += running[i][1]
+                if stopper.count and not running:
+                    break
+                for i, (_, procs) in list(running.items()):
+                    if (code := group_code(procs)) is not None:
+                        codes[i] = code
+                        del running[i]
+                time.sleep(0.2)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+        return [130 if c is None else c for c in codes]
+
+    def _start(self, spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool,
+               ) -> list[subprocess.Popen[bytes]]:
+        print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
+              file=sys.stderr, flush=True)
+        base = dict(os.environ)
+        if slot is not None:
+            base.update(device_slice(slot, spec.ranks, base))
+        envs = rank_envs(spec, sub.job_id, free_port(), base)
+        # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
+        # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
+        return [subprocess.Popen(launcher_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
+                                 stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
 
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
         """No scheduler to ask: the run folder says how far it got, and its launching process whether it lives."""

@@ -28,7 +28,7 @@ from hpcjobs.backends.slurm_render import (
 from hpcjobs.diagnosis import Failure, read_text
 from hpcjobs.doctor import Check
 from hpcjobs.errors import RuntimeFailure, UsageError
-from hpcjobs.runfolder import RunFolder, has_pattern, resolve_run_dir
+from hpcjobs.runfolder import RunDirPatternError, RunFolder, array_ids, has_pattern, resolve_run_dir
 from hpcjobs.slurmtime import format_time
 from hpcjobs.spec import JobSpec
 from hpcjobs.states import JobState
@@ -143,24 +143,35 @@ class SlurmBackend(RunFolderLogs):
         spec = request.spec
         check_run_folder(spec.run_dir)
         created = False if has_pattern(spec.run_dir) else prepare_run_folder(spec, spec.run_dir)
-        executor = submitit.SlurmExecutor(folder=Path(spec.run_dir) / "submitit", python=submitit_python(spec),
+        executor = submitit.SlurmExecutor(folder=submitit_folder(spec), python=submitit_python(spec),
                                           max_num_timeout=10**6)  # the restart cap is hpcjobs' (the contract)
         executor.update_parameters(**request.params["submitit"])
+        entry = SubmititEntry(launcher_args(spec))  # one for every task: each picks its point on the node
         try:
             with cleaned_os_environ():  # sbatch would hand this shell's job identity to the new job
-                job = executor.submit(SubmititEntry(launcher_args(spec)))
+                jobs = executor.submit_array([entry] * len(spec.points)) if spec.array else [executor.submit(entry)]
         except (FailedJobError, subprocess.CalledProcessError, OSError) as e:
             if created:
                 shutil.rmtree(spec.run_dir, ignore_errors=True)
             raise RuntimeFailure(f"sbatch refused the job: {sbatch_refusal(e)}",
                                  "check the profile's partition/account/qos against `sinfo -s` and "
                                  "`sacctmgr show assoc`.") from None
-        job_id = str(job.job_id)
-        run_dir = resolve_run_dir(spec.run_dir, {"SLURM_JOB_ID": job_id})
-        sub = Submitted(job_id, run_dir, {"slurm": str(job.paths.stdout).replace("%t", "0"),
-                                          "ranks": str(RunFolder(run_dir).logs)})
+        subs = [self._submitted(spec, str(job.job_id), str(job.paths.stdout), i if spec.array else None, on_id)
+                for i, job in enumerate(jobs)]
+        if not spec.array:
+            return subs[0]
+        array_id = subs[0].job_id.rpartition("_")[0]
+        return Submitted(array_id, spec.run_dir, {"slurm": subs[0].logs["slurm"]}, tasks=tuple(subs))
+
+    @staticmethod
+    def _submitted(spec: JobSpec, job_id: str, stdout: str, task: int | None,
+                   on_id: Callable[[Submitted], None]) -> Submitted:
+        """One queued job (or array task) with its run folder made and recorded."""
+        run_dir = resolve_run_dir(spec.run_dir, array_ids(job_id))
+        sub = Submitted(job_id, run_dir, {"slurm": stdout.replace("%t", "0"), "ranks": str(RunFolder(run_dir).logs)},
+                        task=task)
         if has_pattern(spec.run_dir):
-            prepare_run_folder(spec, run_dir)
+            prepare_run_folder(spec, run_dir, task)
         on_id(sub)
         return sub
 
@@ -174,7 +185,7 @@ class SlurmBackend(RunFolderLogs):
                 continue
             if job.run_dir is None and source == "sacct":
                 return job.state, source  # a site that keeps no comments: nothing to compare
-            if job.run_dir is None or resolve_run_dir(job.run_dir, {"SLURM_JOB_ID": rec.job_id}) != rec.run_dir:
+            if job.run_dir is None or resolve_run_dir(job.run_dir, array_ids(rec.job_id)) != rec.run_dir:
                 return JobState.UNKNOWN, (f"{source}'s job {rec.job_id} is another job (run folder "
                                           f"{job.run_dir or 'none named'}), not this record's")
             return job.state, source
@@ -186,7 +197,10 @@ class SlurmBackend(RunFolderLogs):
         job = squeue_job(job_id, self.run) or sacct_job(job_id, self.run)
         if job is None or job.run_dir is None:
             return None
-        run_dir = resolve_run_dir(job.run_dir, {"SLURM_JOB_ID": job_id})
+        try:
+            run_dir = resolve_run_dir(job.run_dir, array_ids(job_id))
+        except RunDirPatternError:  # an array's own id: its tasks are the jobs
+            return None
         spec = RunFolder(run_dir).read("spec")
         return record_of(job_id, run_dir, spec if isinstance(spec, dict) else {}, scontrol_fields(job_id, self.run))
 
@@ -213,6 +227,16 @@ class SlurmBackend(RunFolderLogs):
 
         checks = doctor(spec, render_sbatch(spec), self.run)
         return checks + run_probe(spec, probe_wait_s) if probe_wait_s else checks
+
+
+ARRAY_FOLDER = "array"
+"""What stands for a task's index in the folder of an array's own files (submitit's batch script and logs)."""
+
+
+def submitit_folder(spec: JobSpec) -> Path:
+    """submitit's files: in the run folder, or for an array in one folder of its own beside the tasks' (submitit
+    writes the array's script before it has a task index, so its folder cannot hold %a)."""
+    return Path(spec.run_dir.replace("%a", ARRAY_FOLDER) if spec.array else spec.run_dir) / "submitit"
 
 
 def launcher_args(spec: JobSpec) -> list[str]:

@@ -17,7 +17,8 @@ from hpcjobs.profiles import ClusterProfile
 from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
-from hpcjobs.spec import JobSpec
+from hpcjobs.spec import ARRAY_TASK_DIR, JobSpec
+from hpcjobs.sweep import array_spec
 from trainers.versions import CHECK as TORCH_CHECK
 from trainers.versions import FLOOR_TEXT
 
@@ -63,6 +64,8 @@ def slurm_flags(spec: JobSpec) -> dict[str, Any]:
         "chdir": spec.workdir, **gpu_flags(spec), **profile_flags(p),
     }
     flags["comment"] = job_comment(spec.run_dir)
+    if spec.array:  # a sweep: one array task per point, each requeued alone (it has its own SLURM_JOB_ID)
+        flags["array"] = array_spec(len(spec.points), spec.max_parallel)
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -154,7 +157,7 @@ def slurm_log_dir(spec: JobSpec) -> str:
 
 def render_sbatch(spec: JobSpec) -> str:
     """The standalone sbatch script for this spec."""
-    flags = {**slurm_flags(spec), "output": f"{slurm_log_dir(spec)}/%x-%j.out"}
+    flags = {**slurm_flags(spec), "output": f"{slurm_log_dir(spec)}/%x-{ARRAY_TASK_DIR if spec.array else '%j'}.out"}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     return env.get_template(SBATCH_TEMPLATE).render(
@@ -178,7 +181,10 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
     and srun flags as the sbatch script."""
     params: dict[str, Any] = {name: None for name in SUBMITIT_DROPPED}
     extra: dict[str, Any] = {}
-    for key, value in slurm_flags(spec).items():
+    flags = slurm_flags(spec)
+    if flags.pop("array", None):  # submitit writes --array itself, from the tasks submitted in one batch
+        params["array_parallelism"] = spec.max_parallel or len(spec.points)
+    for key, value in flags.items():
         name = key.replace("-", "_")
         if name in SUBMITIT_NATIVE:
             params[name] = value

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, hpcjobs, slurm, wait_for_state
+from conftest import REPO, hpcjobs, slurm, wait_for_state, wait_for_step
 from trainers import checkpoint
 
 pytestmark = pytest.mark.cluster
@@ -50,18 +50,6 @@ def start(path: str, profile: Path, run: Path, folder: Path, time_limit: str = "
     out = hpcjobs("render", *common, "-o", str(script), *CONFIG, cwd=REPO)
     assert out.returncode == 0, out.stderr
     return slurm("sbatch", "--parsable", str(script)).strip()
-
-
-def wait_for_step(run: Path, step: int, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if json.loads((run / "heartbeat.json").read_text())["step"] >= step:
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{run} never reached step {step}")
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,194 @@
+"""A code snapshot per submission: the project's files, copied once into a content-addressed folder beside the run
+folders, so every rank and every restart (a requeue days later) runs the code that was submitted, not whatever the
+working tree holds by then. Torch-free.
+
+The project is the git work tree around the folder hpcjobs runs from (its tracked files as they are on disk, edits
+included, plus untracked files git does not ignore), or that folder alone outside git (minus the usual caches and
+environments). `plan` reads the files and decides (pure but for reading); `materialize` is the one side effect.
+
+RUNS/.snapshots/<digest>/             the copy; <digest> is the sha256 of every path, mode and content
+RUNS/.snapshots/<digest>/.hpcjobs-snapshot.json   what was copied from where (the git commit, dirty or not)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcjobs.errors import RuntimeFailure, UsageError
+from hpcjobs.store import store_path
+
+SNAPSHOTS = ".snapshots"
+"""The folder of snapshots, inside the runs folder (shared with the nodes, as run folders are)."""
+MANIFEST = ".hpcjobs-snapshot.json"
+MAX_BYTES = 200 * 2**20
+MAX_FILES = 20_000
+DIFF_MAX = 256 * 2**10
+"""The most of `git diff` spec.json keeps (the snapshot itself holds every byte)."""
+PLAIN_EXCLUDES = frozenset({".git", ".hg", ".svn", ".venv", "venv", "env", "__pycache__", ".mypy_cache",
+                            ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", "node_modules", "wandb", "mlruns",
+                            ".tox", ".nox", "build", "dist", SNAPSHOTS})
+"""Folder names a plain (non-git) copy leaves out: environments, caches, trackers' local stores."""
+HINT = "pass --no-snapshot to run from the working tree, or leave big files out of the project (.gitignore)."
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a submission's snapshot holds and where it goes; decided before anything is copied."""
+
+    source: str
+    """The project's root (the git work tree, or the folder hpcjobs ran from)."""
+    files: tuple[str, ...]
+    """Paths relative to `source`, sorted."""
+    digest: str
+    folder: str
+    """Where the copy lives: RUNS/.snapshots/<digest>."""
+    git_commit: str | None = None
+    git_dirty: bool = False
+    git_diff: str = ""
+    untracked: tuple[str, ...] = field(default=())
+
+    def where(self, path: str) -> str:
+        """`path` (absolute, under the source) as it is in the snapshot; a path outside the project stays as is."""
+        try:
+            rel = Path(path).resolve().relative_to(Path(self.source).resolve())
+        except ValueError:
+            return path
+        return str(Path(self.folder) / rel) if str(rel) != "." else self.folder
+
+    def as_dict(self) -> dict[str, object]:
+        diff = self.git_diff if len(self.git_diff) <= DIFF_MAX else self.git_diff[:DIFF_MAX] + "\n[... cut]\n"
+        return {"folder": self.folder, "source": self.source, "files": len(self.files), "digest": self.digest,
+                "git_commit": self.git_commit, "git_dirty": self.git_dirty, "git_diff": diff,
+                "untracked": list(self.untracked)}
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _git_files(root: Path) -> tuple[list[str], list[str]] | None:
+    """The work tree's tracked files that exist, and its untracked files git does not ignore."""
+    tracked = _git(["ls-files", "-z", "--cached"], root)
+    others = _git(["ls-files", "-z", "--others", "--exclude-standard"], root)
+    if tracked is None or others is None:
+        return None
+    present = [p for p in dict.fromkeys(tracked.split("\0")) if p and os.path.lexists(root / p)]
+    return present, [p for p in others.split("\0") if p]
+
+
+def _is_run_folder(path: Path) -> bool:
+    """A run folder (hpcjobs writes spec.json and specs/ into each): never code, and written while we copy."""
+    return (path / "spec.json").is_file() and (path / "specs").is_dir()
+
+
+def _plain_files(root: Path) -> list[str]:
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in PLAIN_EXCLUDES and not d.endswith(".egg-info")
+                         and not _is_run_folder(Path(folder, d)))
+        files += [os.path.relpath(os.path.join(folder, n), root) for n in names if not n.endswith((".pyc", ".pyo"))]
+    return sorted(files)
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _digest(root: Path, files: list[str]) -> tuple[str, int]:
+    h = hashlib.sha256()
+    total = 0
+    for rel in files:
+        path = root / rel
+        h.update(rel.encode("utf-8", "surrogateescape") + b"\0")
+        if path.is_symlink():
+            h.update(b"L" + os.readlink(path).encode("utf-8", "surrogateescape") + b"\0")
+            continue
+        h.update(b"X" if os.access(path, os.X_OK) else b"F")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+                total += len(block)
+        h.update(b"\0")
+    return h.hexdigest()[:24], total
+
+
+def plan(workdir: Path, runs_root: Path) -> Snapshot:
+    """Decide the snapshot of the project around `workdir`: its files and their digest. Reads; writes nothing.
+    Refuses (UsageError) a project over the size limits."""
+    top = _git(["rev-parse", "--show-toplevel"], workdir)
+    root = Path(top.strip()) if top else workdir
+    found = _git_files(root) if top else None
+    tracked, untracked = found if found is not None else (_plain_files(root), [])
+    # Never the snapshots, the run folders or the job store, when they lie inside the project (a runs folder that
+    # holds the project, as a scratch folder may, keeps the project's files).
+    runs = runs_root.resolve()
+    keep_out = [runs / SNAPSHOTS, store_path().parent.resolve()]
+    if runs != root.resolve() and _under(runs, root.resolve()):
+        keep_out.append(runs)
+    files = sorted(p for p in {*tracked, *untracked}
+                   if not any(_under((root / p).resolve(), k) for k in keep_out)
+                   and ((root / p).is_file() or (root / p).is_symlink()))
+    if len(files) > MAX_FILES:
+        raise UsageError(f"the code snapshot of {root} would hold {len(files)} files; valid: at most {MAX_FILES}.",
+                         HINT)
+    sizes = sorted(((root / p).lstat().st_size, p) for p in files)
+    total = sum(s for s, _ in sizes)
+    if total > MAX_BYTES:
+        big = ", ".join(f"{p} ({s / 2**20:.0f} MiB)" for s, p in sizes[-3:][::-1])
+        raise UsageError(f"the code snapshot of {root} would copy {total / 2**20:.0f} MiB (largest: {big}); valid: "
+                         f"at most {MAX_BYTES // 2**20} MiB.", HINT)
+    digest, _ = _digest(root, files)
+    commit = (_git(["rev-parse", "HEAD"], root) or "").strip() or None if top else None
+    diff = (_git(["diff", "HEAD", "--no-color"], root) or "") if commit else ""
+    untracked_kept = tuple(p for p in untracked if p in set(files))
+    return Snapshot(source=str(root), files=tuple(files), digest=digest,
+                    folder=str(runs_root.resolve() / SNAPSHOTS / digest), git_commit=commit,
+                    git_dirty=bool(diff or untracked_kept), git_diff=diff, untracked=untracked_kept)
+
+
+def materialize(snap: Snapshot) -> Path:
+    """Copy the files into the snapshot's folder, unless an identical snapshot is there already (two submissions
+    of the same tree share one copy). Copied into a temporary folder, then renamed: a folder of that name is always
+    whole. Files that changed since `plan` read them are copied as they are now only if the digest still matches."""
+    folder = Path(snap.folder)
+    if (folder / MANIFEST).is_file():
+        return folder
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    root = Path(snap.source)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for rel in snap.files:
+            src, dst = root / rel, tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dst)
+            else:
+                shutil.copy2(src, dst)
+        digest, _ = _digest(tmp, list(snap.files))
+        if digest != snap.digest:
+            raise RuntimeFailure(f"the project {root} changed while its snapshot was being copied; nothing was "
+                                 "submitted.", "submit again once the files are saved.")
+        (tmp / MANIFEST).write_text(json.dumps({k: v for k, v in snap.as_dict().items() if k != "git_diff"},
+                                               indent=2, sort_keys=True))
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / MANIFEST).is_file():  # not a concurrent submission of the same tree that won
+                raise
+    except OSError as e:
+        raise RuntimeFailure(f"cannot write the code snapshot {folder} ({e.strerror}); nothing was submitted.",
+                             "pick a writable runs folder, or pass --no-snapshot.") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
