@@ -206,11 +206,16 @@ def add_submit(sub: Any, common: argparse.ArgumentParser) -> None:
 HELP_FLAGS = ("-h", "--help")
 
 
+def asks_help(args: Sequence[str]) -> bool:
+    """Whether the entry's arguments ask for its help (before a `--`, after which they are the entry's own)."""
+    args = list(args)
+    return any(a in HELP_FLAGS for a in (args[:args.index("--")] if "--" in args else args))
+
+
 def entry_help(spec: Any) -> int | None:
     """`hpcjobs submit|render ... ENTRY --help` asks for the entry's flags: show them here (the shared trainer's and
     the task's for a task, the script's own otherwise) and submit nothing. None when help was not asked for."""
-    args = list(spec.entry.args)
-    if not any(a in HELP_FLAGS for a in (args[:args.index("--")] if "--" in args else args)):
+    if not asks_help(spec.entry.args):
         return None
     import subprocess
 
@@ -222,7 +227,7 @@ def entry_help(spec: Any) -> int | None:
 def run_submit(ns: argparse.Namespace) -> int:
     from hpcjobs.backends import backend_for
 
-    spec = _spec(ns)
+    spec = _spec(ns, snapshot=not asks_help(ns.args))  # the entry's help runs from the working tree
     refuse_array_patterns(spec, "submit")
     helped = entry_help(spec)
     if helped is not None:
@@ -295,7 +300,7 @@ def add_render(sub: Any, common: argparse.ArgumentParser) -> None:
 def run_render(ns: argparse.Namespace) -> int:
     from hpcjobs.backends import backend_for
 
-    spec = _spec(ns, job_id_in_run_dir=True)
+    spec = _spec(ns, job_id_in_run_dir=True, snapshot=not asks_help(ns.args))
     helped = entry_help(spec)
     if helped is not None:
         return helped

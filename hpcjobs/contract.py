@@ -57,7 +57,10 @@ class LaunchContract:
     """A sweep's points, one per array task (hpcjobs.sweep); each task adds its own to the entry's arguments."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        data = asdict(self)
+        if not data["points"]:  # not a sweep: the contract reads as it did before sweeps
+            del data["points"]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> LaunchContract:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
+from hpcjobs.backends.common import check_run_folder
 from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.snapshot import materialize
 from hpcjobs.spec import JobSpec
@@ -47,8 +48,11 @@ def record(spec: JobSpec, sub: Submitted, store: JobStore | None = None) -> None
 
 
 def take_snapshot(spec: JobSpec) -> None:
-    """Copy the project's code where the spec says the ranks run it (nothing when it is there already)."""
+    """Copy the project's code where the spec says the ranks run it (nothing when it is there already). The run
+    folder is checked first: the snapshot goes beside it, and a run folder that cannot be made is the error to give.
+    A snapshot stays when the submission is then refused: another submission of the same tree may be using it."""
     if spec.snapshot is not None:
+        check_run_folder(spec.run_dir)
         materialize(spec.snapshot)
 
 

@@ -156,12 +156,13 @@ def run_cli(sandbox: Sandbox, work: Path, argv: list[str]) -> Outcome:
     home = box / "store"
     submitted: list[str] = []
 
-    def ranks_started(self: LocalBackend, spec: Any, job_id: str, stdout_to_stderr: bool) -> int:
+    def ranks_started(self: LocalBackend, spec: Any, sub: Any, slot: int | None, stdout_to_stderr: bool,
+                      ) -> list[subprocess.Popen[bytes]]:
         """Instead of training: rank 0's command line, environment and folder go to Popen as the real start gives
         them, with /bin/true run in their place (Popen refuses what it would refuse for a real rank, e.g. a NUL)."""
-        submitted.append(f"local {job_id}")
-        env = rank_envs(spec, job_id, 0, dict(os.environ))[0]
-        return subprocess.run(launcher_argv(spec), executable=TRUE, env=env, cwd=spec.workdir).returncode
+        submitted.append(f"local {sub.job_id}")
+        env = rank_envs(spec, sub.job_id, 0, dict(os.environ))[0]
+        return [subprocess.Popen(launcher_argv(spec), executable=TRUE, env=env, cwd=spec.workdir)]
 
     def probe(spec: Any, wait_s: float) -> list[Any]:
         submitted.append("doctor --probe")
@@ -174,7 +175,7 @@ def run_cli(sandbox: Sandbox, work: Path, argv: list[str]) -> Outcome:
     modules = set(sys.modules)
     start = time.monotonic()
     with (mock.patch.dict(os.environ, env), _chdir(work),
-          mock.patch.object(LocalBackend, "_run", ranks_started),
+          mock.patch.object(LocalBackend, "_start", ranks_started),
           mock.patch.object(slurm_backend.BACKEND, "run", _no_slurm),
           mock.patch.object(slurm_probe, "run_probe", probe),
           contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):

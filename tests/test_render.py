@@ -27,6 +27,7 @@ def fixed_spec(profile_name: str, **req: object):
                       source=f"cluster_profiles/{profile_name}.yaml", python="/opt/venv/bin/python")
     profile = replace(profile, runs_dir=profile.runs_dir.replace("$USER", "alice"))  # not this machine's user
     request = Request(entry="trainers.tasks.lm", args=("--size", "small", "--steps", "5000"), nodes=2, gpus=8,
+                      snapshot=False,
                       time="4:00:00", **req)  # type: ignore[arg-type]
     return build_spec(profile, request, workdir=Path("/work/proj"), stamp="20260101-000000-0001",
                       job_id_in_run_dir=True)

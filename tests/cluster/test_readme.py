@@ -195,3 +195,19 @@ def test_own_task_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     os.killpg(proc.pid, signal.SIGTERM)  # stop it early: the ranks save and stop, as under Slurm
     proc.communicate(timeout=120)
     assert list((ckpts / "checkpoints").glob("step-*/FINISHED")), "no checkpoint committed on SIGTERM"
+
+
+def test_sweep_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
+    """The README's sweep: a 4-point array, two tasks at once, then status and compare of the whole array."""
+    user = User(tmp_path)
+    (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
+    user.edit_mysite(shared_tmp / "runs")
+    out = user.run("hpcjobs submit --profile mysite --gpus 1 --sweep lr=1e-3,3e-4 --sweep seed=1,2 --max-parallel 2 "
+                   "trainers.tasks.lm --size tiny --steps 200")
+    job = user.job = job_id(out)
+    for i in range(4):
+        assert wait_for_state(f"{job}_{i}", DONE) == "COMPLETED"
+    status = user.run("hpcjobs status 4242").stdout
+    assert "4 tasks: 4 COMPLETED" in status and "lr=3e-4 seed=2" in status
+    compared = user.run("hpcjobs compare 4242 --plot loss.png").stdout
+    assert compared.count("COMPLETED") == 4 and (user.cwd / "loss.png").stat().st_size > 10_000
