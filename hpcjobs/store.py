@@ -55,6 +55,21 @@ def store_path() -> Path:
     return Path(home) / "jobs.sqlite"
 
 
+def _set_up(con: sqlite3.Connection, tries: int = 20) -> None:
+    """WAL mode and the schema. Two shells that create the store at the same moment can be answered "database is
+    locked" at once, without the busy timeout (switching to WAL takes the lock the other holds): try again."""
+    for attempt in range(tries):
+        try:
+            con.execute("PRAGMA busy_timeout=30000")
+            con.execute("PRAGMA journal_mode=WAL")
+            con.executescript(SCHEMA)
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == tries - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
 class JobStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or store_path()
@@ -65,9 +80,7 @@ class JobStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with closing(sqlite3.connect(self.path, timeout=30, isolation_level=None)) as con:
-                con.execute("PRAGMA journal_mode=WAL")
-                con.execute("PRAGMA busy_timeout=30000")
-                con.executescript(SCHEMA)
+                _set_up(con)
                 yield con
         except (sqlite3.Error, OSError) as e:
             raise RuntimeFailure(

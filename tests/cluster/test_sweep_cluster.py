@@ -85,6 +85,8 @@ def test_sweep_of_six_points_two_at_once_one_task_stopped(cluster_profile: Path,
         assert logged and all(s % int(every) == 0 for s in logged) and max(logged) == STEPS
         if i:  # untouched by task 0's stop: one start each
             assert [r for r in starts(run) if "stopped" in r] == [] and len(starts(run)) == 1, (i, starts(run))
+    ports = [starts(tasks[i])[0]["master"].rsplit(":", 1)[1] for i in range(6)]
+    assert len(set(ports)) == 6, ports  # each task its own rendezvous port (two share a node at once)
     stopped = starts(tasks[0])
     assert [r.get("stopped") for r in stopped if "stopped" in r] and len(stopped) >= 3, stopped
     stopped_w, twin_w, other_w = (final_weights(tasks[i]) for i in (0, 1, 2))
