@@ -43,6 +43,7 @@ EXAMPLES = {
     "list": "examples:\n  hpcjobs list\n  hpcjobs list --state RUNNING --profile mycluster --json",
     "logs": "examples:\n  hpcjobs logs 1234                 # rank 0, latest restart\n"
             "  hpcjobs logs 1234 --rank 5 --restart 0\n  hpcjobs logs 1234 --follow",
+    "export": "examples:\n  hpcjobs export 4242 -o model.safetensors\n  hpcjobs export runs/lm-x --step 2000 -o m.pt",
     "cancel": "examples:\n  hpcjobs cancel 1234 1235\n  hpcjobs cancel 1240     # every task of a sweep",
     "compare": """examples:
   hpcjobs compare RUN_OR_ID... [--plot loss.png] [--json]
@@ -582,8 +583,41 @@ def run_doctor(ns: argparse.Namespace) -> int:
     return exit_code(checks)
 
 
+# --- export -------------------------------------------------------------------------------------------------------
+
+def add_export(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "export", "One file of a run's model weights from its newest (or --step) finished checkpoint; "
+                "offline, no GPU.")
+    p.add_argument("target", metavar="RUN_OR_ID", help="a run folder, or a job id (an array task: ID_N)")
+    p.add_argument("--step", type=_int, help="the checkpoint of this step (default: the newest finished one)")
+    p.add_argument("-o", "--output", required=True, help="the file: .pt/.pth (torch.save) or .safetensors")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.set_defaults(run=run_export)
+
+
+def run_export(ns: argparse.Namespace) -> int:
+    """The reading is the node side's (trainers.export, which imports torch): run there, in this Python."""
+    import subprocess
+
+    run_dir = ns.target
+    if not Path(run_dir).is_dir():
+        from hpcjobs.jobs import records_for
+        from hpcjobs.store import JobStore
+
+        records = records_for(ns.target, JobStore())
+        if len(records) > 1:
+            raise UsageError(f"job {ns.target} is a sweep's array of {len(records)} tasks; valid: one task, "
+                             f"{records[0].job_id} to {records[-1].job_id}.",
+                             f"e.g. hpcjobs export {records[0].job_id} -o model.pt")
+        run_dir = records[0].run_dir
+    argv = [run_dir, "-o", ns.output, *(["--step", str(ns.step)] if ns.step is not None else []),
+            *(["--force"] if ns.force else [])]
+    return subprocess.run([sys.executable, "-m", "trainers.export", *argv]).returncode
+
+
 COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
-    add_submit, add_render, add_doctor, add_profiles, add_status, add_list, add_logs, add_cancel, add_compare]
+    add_submit, add_render, add_doctor, add_profiles, add_status, add_list, add_logs, add_cancel, add_compare,
+    add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:
