@@ -253,11 +253,14 @@ def run_submit(ns: argparse.Namespace) -> int:
     if ns.json:
         _print_json({**sub.as_dict(), "world": spec.world(), "name": spec.name, "profile": spec.profile.name})
     elif sub.returncode is None:
-        print(f"Submitted job {sub.job_id} ({spec.name}: {spec.world()})")
+        tasks = f", an array of {len(sub.tasks)} tasks {sub.job_id}_0 to {sub.job_id}_{len(sub.tasks) - 1}"
+        print(f"Submitted job {sub.job_id} ({spec.name}: {spec.world()}{tasks if sub.tasks else ''})")
         print(f"  run folder: {sub.run_dir}")
-        print(f"  follow:     hpcjobs status {sub.job_id}  |  hpcjobs logs {sub.job_id} --follow")
+        logs = f"{sub.job_id}_0" if sub.tasks else sub.job_id
+        print(f"  follow:     hpcjobs status {sub.job_id}  |  hpcjobs logs {logs} --follow")
     else:
-        print(ended_line(sub))
+        for done in sub.tasks or (sub,):
+            print(ended_line(done))
     return sub.returncode or 0
 
 

@@ -18,7 +18,7 @@ from hpcjobs.store import JobRecord, JobStore
 
 def write_script(script: Script, path: Path, force: bool = False) -> Path:
     """Write a rendered script (never over an existing file unless forced) and make the folders it needs."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp: Path | None = None
     try:
         if path.exists() and not force:  # inside: a name too long, or a folder we may not look into, is an OSError
             raise UsageError(f"{path} already exists; nothing was written.",
@@ -26,6 +26,7 @@ def write_script(script: Script, path: Path, force: bool = False) -> Path:
         if path.is_dir():
             raise UsageError(f"{path} is a folder; nothing was written.", "give -o a file name, e.g. -o train.sbatch.")
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # after the checks: `.` or `/` has no name to take
         tmp.write_text(script.text)
         os.chmod(tmp, 0o755)
         os.replace(tmp, path)
@@ -33,7 +34,8 @@ def write_script(script: Script, path: Path, force: bool = False) -> Path:
             Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         with contextlib.suppress(OSError):  # nothing half-written stays behind, whatever failed
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
         raise RuntimeFailure(f"cannot write {e.filename or path} ({e.strerror}); nothing was written.",
                              "pick a writable folder for -o (and runs_dir in the profile).") from None
     return path

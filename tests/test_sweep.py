@@ -216,3 +216,30 @@ def test_a_job_runs_the_snapshot_not_the_working_tree(tmp_path: Path, hpcjobs_ho
                     str(tmp_path / "run2"), "train.py", cwd=project)
     assert plain.returncode == 0, plain.stderr
     assert f"VERSION A from {project}" in (tmp_path / "run2" / "logs" / "restart-0" / "rank-0.log").read_text()
+
+
+def test_ctrl_c_stops_a_local_sweep_at_a_checkpoint_and_starts_no_more(tmp_path: Path, hpcjobs_home: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from conftest import BIN
+
+    args = ["submit", "--profile", "local", "--gpus", "1", "--json", "--run-dir", str(tmp_path / "s-%A_%a"),
+            "--sweep", "seed=1,2,3", "trainers.tasks.lm", "--size", "tiny", "--steps", "100000", "--log-every", "5",
+            "--ckpt-every", "0"]
+    proc = subprocess.Popen([str(BIN / "hpcjobs"), *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("s-*_0/heartbeat.json")):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    tasks = json.loads(out)["tasks"]
+    assert [t["returncode"] for t in tasks] == [0, 130, 130]
+    first, *rest = (Path(t["run_dir"]) for t in tasks)
+    stop = [json.loads(x) for x in (first / "restarts.jsonl").read_text().splitlines() if "stopped" in x][-1]
+    assert stop["stopped"] == "interrupt" and (first / "checkpoints" / f"step-{stop['step']}" / "FINISHED").exists()
+    assert all(not (r / "logs").exists() for r in rest)  # never started

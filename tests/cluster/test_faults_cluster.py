@@ -103,6 +103,11 @@ def test_status_answers_from_slurm_and_the_run_folder_when_the_job_store_is_lost
     job = json.loads(out.stdout)["job_id"]
     try:
         wait_for_state(job, {"RUNNING"}, timeout=120)
+        log = run / "logs" / "restart-0" / "rank-0.log"
+        deadline = time.time() + 120
+        while not log.exists():  # RUNNING comes before the ranks' first line (the job script checks its Python)
+            assert time.time() < deadline, f"{log} never appeared"
+            time.sleep(0.5)
         shutil.rmtree(home)  # deleted
         out = status(folder, job, home)
         assert out.returncode == 0 and "RUNNING (from squeue)" in out.stdout and str(run) in out.stdout, out

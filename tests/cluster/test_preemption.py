@@ -106,9 +106,10 @@ def trigger_now(trigger: str, job: str) -> None:
 
 
 TRIGGERS = ["scontrol-requeue", "scancel-signal", "preemption", "time-limit"]
-SBATCH_IN_CI = {"preemption", "time-limit"}
-"""The rendered-sbatch path shares every line of the node side with the submit path; CI runs it for the triggers
-whose protocol differs most (the rest run with `-m slow`, see the README)."""
+SBATCH_IN_CI = {"preemption"}
+"""The rendered-sbatch path shares every line of the node side with the submit path; CI runs it for a real
+preemption (its time-limit signal is tested in CI by test_a_time_limit_signal_that_comes_while_ranks_start...[sbatch];
+the rest run with `-m slow`, see the README)."""
 CASES = [pytest.param(t, p, marks=[pytest.mark.slow] if p == "sbatch" and t not in SBATCH_IN_CI else [],
                       id=f"{t}-{p}") for p in ("submit", "sbatch") for t in TRIGGERS]
 
@@ -179,7 +180,7 @@ def wait_for_log(log: Path, text: str, timeout: float = 180) -> None:
         time.sleep(0.3)
 
 
-@pytest.mark.parametrize("path", ["submit", "sbatch"])
+@pytest.mark.parametrize("path", ["submit", pytest.param("sbatch", marks=pytest.mark.slow)])
 def test_own_script_with_stopguard_survives_a_signal(path: str, folder: Path) -> None:
     profile = make_profile(folder)
     common = ["--profile", str(profile), "--nodes", "2", "--gpus", "2"]
