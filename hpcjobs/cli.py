@@ -309,8 +309,13 @@ def run_render(ns: argparse.Namespace) -> int:
     if helped is not None:
         return helped
     script = backend_for(spec.profile.scheduler).script(spec)
-    from hpcjobs.submit import take_snapshot, write_script
+    from hpcjobs.submit import refuse_output, take_snapshot, write_script
 
+    if ns.output:
+        try:
+            refuse_output(Path(ns.output), ns.force)  # before the snapshot: a refused render copies nothing
+        except OSError:
+            pass  # write_script says what is wrong with the path
     take_snapshot(spec)  # the script runs the code as it is now, however long it waits to be submitted
     if not ns.output:
         print(script.text, end="")

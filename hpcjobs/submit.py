@@ -16,15 +16,20 @@ from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord, JobStore
 
 
+def refuse_output(path: Path, force: bool) -> None:
+    """A script is never written over an existing file unless forced, nor over a folder. Raises UsageError (or
+    OSError for a name too long, or a folder we may not look into)."""
+    if path.exists() and not force:
+        raise UsageError(f"{path} already exists; nothing was written.", "pass --force to overwrite, or -o NEW_FILE.")
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder; nothing was written.", "give -o a file name, e.g. -o train.sbatch.")
+
+
 def write_script(script: Script, path: Path, force: bool = False) -> Path:
     """Write a rendered script (never over an existing file unless forced) and make the folders it needs."""
     tmp: Path | None = None
     try:
-        if path.exists() and not force:  # inside: a name too long, or a folder we may not look into, is an OSError
-            raise UsageError(f"{path} already exists; nothing was written.",
-                             "pass --force to overwrite, or -o NEW_FILE.")
-        if path.is_dir():
-            raise UsageError(f"{path} is a folder; nothing was written.", "give -o a file name, e.g. -o train.sbatch.")
+        refuse_output(path, force)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # after the checks: `.` or `/` has no name to take
         tmp.write_text(script.text)
