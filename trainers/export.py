@@ -79,7 +79,7 @@ def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainers.export", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m trainers.export", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest finished one)")
