@@ -382,6 +382,7 @@ def add_status(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run_status(ns: argparse.Namespace) -> int:
     from hpcjobs.jobs import records_for, status_of
+    from hpcjobs.runfolder import split_task_id
     from hpcjobs.store import JobStore
 
     store = JobStore()
@@ -390,7 +391,7 @@ def run_status(ns: argparse.Namespace) -> int:
         if not recent:
             raise UsageError("no job was submitted with hpcjobs here yet.", "hpcjobs submit --help")
         newest = recent[0]  # a sweep's newest task stands for its array
-        ns.job = newest.job_id.rpartition("_")[0] if newest.spec.get("array_task") is not None else newest.job_id
+        ns.job = split_task_id(newest.job_id)[0] if newest.spec.get("array_task") is not None else newest.job_id
     records = records_for(ns.job, store)
     if len(records) > 1:
         return array_status(ns.job, [status_of(r) for r in records], [r.spec.get("point") for r in records], ns.json)
@@ -468,14 +469,9 @@ def add_logs(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_logs(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import follow, log_path, records_for, status_of
-    from hpcjobs.store import JobStore
+    from hpcjobs.jobs import follow, log_path, status_of
 
-    records = records_for(ns.job, JobStore())
-    if len(records) > 1:
-        raise UsageError(f"job {ns.job} is a sweep's array of {len(records)} tasks; valid: one task, "
-                         f"{records[0].job_id} to {records[-1].job_id}.", f"e.g. hpcjobs logs {records[0].job_id}")
-    rec = records[0]
+    rec = one_record(ns.job, "logs")
     path = log_path(rec, ns.rank, ns.restart)
     if not ns.follow:
         sys.stdout.write(path.read_text(errors="replace"))
@@ -486,6 +482,18 @@ def run_logs(ns: argparse.Namespace) -> int:
 
     follow(path, out, lambda: status_of(rec).state.finished)
     return 0
+
+
+def one_record(job_id: str, command: str) -> Any:
+    """The record of a job or one array task; an array's id is refused, naming its tasks."""
+    from hpcjobs.jobs import records_for
+    from hpcjobs.store import JobStore
+
+    records = records_for(job_id, JobStore())
+    if len(records) > 1:
+        raise UsageError(f"job {job_id} is a sweep's array of {len(records)} tasks; valid: one task, "
+                         f"{records[0].job_id} to {records[-1].job_id}.", f"e.g. hpcjobs {command} {records[0].job_id}")
+    return records[0]
 
 
 def add_cancel(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -607,17 +615,7 @@ def run_export(ns: argparse.Namespace) -> int:
     """The reading is the node side's (trainers.export, which imports torch): run there, in this Python."""
     import subprocess
 
-    run_dir = ns.target
-    if not Path(run_dir).is_dir():
-        from hpcjobs.jobs import records_for
-        from hpcjobs.store import JobStore
-
-        records = records_for(ns.target, JobStore())
-        if len(records) > 1:
-            raise UsageError(f"job {ns.target} is a sweep's array of {len(records)} tasks; valid: one task, "
-                             f"{records[0].job_id} to {records[-1].job_id}.",
-                             f"e.g. hpcjobs export {records[0].job_id} -o model.pt")
-        run_dir = records[0].run_dir
+    run_dir = ns.target if Path(ns.target).is_dir() else one_record(ns.target, "export").run_dir
     argv = [run_dir, "-o", ns.output, *(["--step", str(ns.step)] if ns.step is not None else []),
             *(["--force"] if ns.force else [])]
     return subprocess.run([sys.executable, "-m", "trainers.export", *argv]).returncode

@@ -28,22 +28,32 @@ from typing import Any
 
 from hpcjobs.states import FinalState
 
+JOB_ID, ARRAY_ID, TASK_INDEX = "%j", "%A", "%a"
+"""The patterns of a run folder, as in Slurm's own file names."""
+ARRAY_TASK_DIR = f"{ARRAY_ID}_{TASK_INDEX}"
+"""What makes each array task's run folder its own (the array's id, the task's index)."""
 RUN_DIR_FIELDS = {
-    "%j": ("SLURM_JOB_ID", "HPCJOBS_JOB_ID"),
-    "%A": ("SLURM_ARRAY_JOB_ID", "HPCJOBS_ARRAY_JOB_ID"),
-    "%a": ("SLURM_ARRAY_TASK_ID", "HPCJOBS_ARRAY_TASK_ID"),
+    JOB_ID: ("SLURM_JOB_ID", "HPCJOBS_JOB_ID"),
+    ARRAY_ID: ("SLURM_ARRAY_JOB_ID", "HPCJOBS_ARRAY_JOB_ID"),
+    TASK_INDEX: ("SLURM_ARRAY_TASK_ID", "HPCJOBS_ARRAY_TASK_ID"),
 }
 """The patterns a run folder may hold, as in Slurm's own file names, and the variables (first set wins) that give
 them: %j the job id (an array task's own id), %A an array's job id, %a the array task's index (HPCJOBS_*: the
 local backend's, which has no Slurm)."""
 
 
+def split_task_id(job_id: str) -> tuple[str, int | None]:
+    """An array task's id `42_3` as (array id, index); any other id as (itself, None)."""
+    array, sep, index = job_id.rpartition("_")
+    return (array, int(index)) if sep and index.isdigit() else (job_id, None)
+
+
 def array_ids(job_id: str) -> dict[str, str]:
     """The ids a run folder pattern is resolved with, from a job id as the login node knows it: `42`, or an array
     task's `42_3` (its own numeric id is known only on the node, so an array's folders never use %j)."""
-    array, sep, index = job_id.rpartition("_")
-    if sep and index.isdigit():
-        return {"SLURM_ARRAY_JOB_ID": array, "SLURM_ARRAY_TASK_ID": index, "HPCJOBS_JOB_ID": job_id}
+    array, index = split_task_id(job_id)
+    if index is not None:
+        return {"SLURM_ARRAY_JOB_ID": array, "SLURM_ARRAY_TASK_ID": str(index), "HPCJOBS_JOB_ID": job_id}
     return {"SLURM_JOB_ID": job_id, "HPCJOBS_JOB_ID": job_id}
 _FIELD = re.compile("|".join(RUN_DIR_FIELDS))
 
@@ -54,6 +64,14 @@ class RunDirPatternError(ValueError):
 
 def has_pattern(path: str) -> bool:
     return bool(_FIELD.search(path))
+
+
+def fixed_part(pattern: str) -> Path:
+    """The longest leading folder of a run-folder pattern that holds no pattern (the pattern itself if none)."""
+    fixed = Path(pattern)
+    while has_pattern(str(fixed)):
+        fixed = fixed.parent
+    return fixed
 
 
 def resolve_run_dir(pattern: str, ids: Mapping[str, str]) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from hpcjobs.backends import backend_for
 from hpcjobs.errors import UsageError, shown
 from hpcjobs.profiles import ClusterProfile
-from hpcjobs.runfolder import has_pattern
+from hpcjobs.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
 from hpcjobs.sweep import Point, as_args, as_mapping, build_points
@@ -274,10 +274,6 @@ def _check_run_dir(run_dir: str) -> None:
                          f"most {PATH_MAX - 1} bytes.", hint)
 
 
-ARRAY_TASK_DIR = "%A_%a"
-"""What makes each array task's run folder its own (the array's id, the task's index), as in Slurm's file names."""
-
-
 def _check_max_parallel(max_parallel: int | None, points: int) -> None:
     if max_parallel is None:
         return
@@ -291,7 +287,7 @@ def _check_max_parallel(max_parallel: int | None, points: int) -> None:
 def _check_array_run_dir(run_dir: str, points: int) -> None:
     """Each task of an array needs its own run folder, named by its index; %j (a task's own job id) is known only
     on the node, so the login node could not find the folders."""
-    if "%a" not in run_dir or "%j" in run_dir:
+    if TASK_INDEX not in run_dir or JOB_ID in run_dir:
         raise UsageError(f"--run-dir {shown(run_dir)} for a sweep of {points} points: valid: a pattern with %a (the "
                          "task's index) and without %j.", f"e.g. --run-dir runs/sweep-{ARRAY_TASK_DIR}, or leave "
                          "--run-dir out.")
@@ -299,9 +295,7 @@ def _check_array_run_dir(run_dir: str, points: int) -> None:
 
 def snapshot_root(run_dir: str) -> Path:
     """Where a run folder's code snapshots go: the folder that holds it (its first part without a pattern)."""
-    fixed = Path(run_dir)
-    while has_pattern(str(fixed)):
-        fixed = fixed.parent
+    fixed = fixed_part(run_dir)
     return fixed if str(fixed) != run_dir else fixed.parent
 
 
@@ -353,7 +347,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     else:
         root = profile.runs_path()
         root = root if root.is_absolute() else workdir / root
-        suffix = f"-{ARRAY_TASK_DIR}" if array else "-%j" if job_id_in_run_dir else ""
+        suffix = f"-{ARRAY_TASK_DIR}" if array else f"-{JOB_ID}" if job_id_in_run_dir else ""
         run_dir = str(root / f"{name}-{stamp}{suffix}")
     _check_run_dir(run_dir)
     if array:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.errors import RuntimeFailure
+from hpcjobs.runfolder import split_task_id
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -124,9 +125,12 @@ class JobStore:
         """An array's tasks (`ID_0`, `ID_1`, ...; the newest record of each), in task order."""
         rows = self._rows(f"SELECT {self._COLS} FROM jobs WHERE job_id LIKE ? ESCAPE '\\' ORDER BY id",
                           (array_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "\\_%",))
-        newest = {r.job_id: r for r in rows
-                  if r.job_id.rpartition("_")[0] == array_id and r.job_id.rpartition("_")[2].isdigit()}
-        return sorted(newest.values(), key=lambda r: int(r.job_id.rpartition("_")[2]))
+        newest: dict[int, JobRecord] = {}
+        for rec in rows:  # oldest first: a later record of the same task replaces an earlier one
+            array, index = split_task_id(rec.job_id)
+            if array == array_id and index is not None:
+                newest[index] = rec
+        return [newest[i] for i in sorted(newest)]
 
     def recent(self, limit: int = 50, profile: str | None = None) -> list[JobRecord]:
         where, args = ("WHERE profile=?", (profile,)) if profile else ("", ())

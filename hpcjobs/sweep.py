@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.errors import UsageError, shown
-from hpcjobs.runfolder import RUN_DIR_FIELDS
+from hpcjobs.runfolder import RUN_DIR_FIELDS, TASK_INDEX
 
 Point = tuple[tuple[str, str], ...]
 """One point: (flag name, value) pairs in the order they are passed."""
@@ -171,7 +171,7 @@ def point_of(points: Sequence[Point], environ: Mapping[str, str]) -> Point | Non
     Raises ValueError when a sweep's index is missing or out of range (a script run without --array, or edited)."""
     if not points:
         return None
-    index = next((environ[v] for v in RUN_DIR_FIELDS["%a"] if environ.get(v)), "")
+    index = next((environ[v] for v in RUN_DIR_FIELDS[TASK_INDEX] if environ.get(v)), "")
     if not index.isdigit() or int(index) >= len(points):
         raise ValueError(f"this job is a sweep of {len(points)} points, but its array task index is "
                          f"{index or 'not set'}; valid: 0 to {len(points) - 1} (submit it as an array: "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hpcjobs.diagnosis import Failure
 from hpcjobs.errors import UsageError
-from hpcjobs.runfolder import RunFolder, has_pattern, write_json_atomic
+from hpcjobs.runfolder import RunFolder, fixed_part, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord
 
@@ -30,10 +30,7 @@ def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
 def check_run_folder(run_dir: str) -> None:
     """Refuse a run folder that cannot be made, before anything is queued: the folder itself (or, for a pattern,
     its fixed part) must be a folder or creatable under a writable folder."""
-    fixed = Path(run_dir)
-    while has_pattern(str(fixed)):
-        fixed = fixed.parent
-    probe = fixed
+    probe = fixed_part(run_dir)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     hint = "pick another --run-dir (or runs_dir in the profile); nothing was submitted."

@@ -185,7 +185,7 @@ class LocalBackend(RunFolderLogs):
 
     def _run(self, spec: JobSpec, subs: list[Submitted], stdout_to_stderr: bool) -> list[int]:
         """Each job's ranks, at most `max_parallel` jobs at once; their exit codes. Ctrl-C stops the running ones
-        at a checkpoint and starts no more (those are left with code 130, resumable with the same command)."""
+        at a checkpoint and starts no more (those are left with code 130, never started)."""
         width = spec.max_parallel or 1
         codes: list[int | None] = [None] * len(subs)
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)

@@ -28,7 +28,15 @@ from hpcjobs.backends.slurm_render import (
 from hpcjobs.diagnosis import Failure, read_text
 from hpcjobs.doctor import Check
 from hpcjobs.errors import RuntimeFailure, UsageError
-from hpcjobs.runfolder import RunDirPatternError, RunFolder, array_ids, has_pattern, resolve_run_dir
+from hpcjobs.runfolder import (
+    TASK_INDEX,
+    RunDirPatternError,
+    RunFolder,
+    array_ids,
+    has_pattern,
+    resolve_run_dir,
+    split_task_id,
+)
 from hpcjobs.slurmtime import format_time
 from hpcjobs.spec import JobSpec
 from hpcjobs.states import JobState
@@ -160,7 +168,7 @@ class SlurmBackend(RunFolderLogs):
                 for i, job in enumerate(jobs)]
         if not spec.array:
             return subs[0]
-        array_id = subs[0].job_id.rpartition("_")[0]
+        array_id, _ = split_task_id(subs[0].job_id)
         return Submitted(array_id, spec.run_dir, {"slurm": subs[0].logs["slurm"]}, tasks=tuple(subs))
 
     @staticmethod
@@ -236,7 +244,7 @@ ARRAY_FOLDER = "array"
 def submitit_folder(spec: JobSpec) -> Path:
     """submitit's files: in the run folder, or for an array in one folder of its own beside the tasks' (submitit
     writes the array's script before it has a task index, so its folder cannot hold %a)."""
-    return Path(spec.run_dir.replace("%a", ARRAY_FOLDER) if spec.array else spec.run_dir) / "submitit"
+    return Path(spec.run_dir.replace(TASK_INDEX, ARRAY_FOLDER) if spec.array else spec.run_dir) / "submitit"
 
 
 def launcher_args(spec: JobSpec) -> list[str]:

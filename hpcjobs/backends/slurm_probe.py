@@ -19,6 +19,7 @@ from typing import Any
 
 from hpcjobs.backends.slurm_render import environment_lines, gpu_flags, python_lines, sbatch_directive
 from hpcjobs.doctor import Check, Result
+from hpcjobs.runfolder import JOB_ID
 from hpcjobs.spec import JobSpec
 
 PROBE_TIME = "00:02:00"
@@ -52,7 +53,7 @@ def probe_script(spec: JobSpec, report: Path) -> str:
     check (which ends the job with its one line), then the report."""
     flags: dict[str, Any] = {"job-name": f"{PROBE_NAME}-{report.stem}", "nodes": 1, "ntasks": 1, "time": PROBE_TIME,
                              "partition": spec.partition, "account": spec.account, "qos": spec.qos,
-                             "chdir": spec.workdir, "output": str(probe_folder(spec) / "probe-%j.out"),
+                             "chdir": spec.workdir, "output": str(probe_folder(spec) / f"probe-{JOB_ID}.out"),
                              **gpu_flags(spec)}
     lines = ["#!/bin/bash", *(f"#SBATCH {sbatch_directive(k, v)}" for k, v in sorted(flags.items()) if v is not None),
              "set -eo pipefail", *spec.profile.setup, *environment_lines(spec), *python_lines(spec),

@@ -16,8 +16,9 @@ from hpcjobs.ports import shell_port_expr
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
+from hpcjobs.runfolder import ARRAY_TASK_DIR, JOB_ID
 from hpcjobs.slurmtime import parse_mem_mb
-from hpcjobs.spec import ARRAY_TASK_DIR, JobSpec
+from hpcjobs.spec import JobSpec
 from hpcjobs.sweep import array_spec
 from trainers.versions import CHECK as TORCH_CHECK
 from trainers.versions import FLOOR_TEXT
@@ -157,7 +158,7 @@ def slurm_log_dir(spec: JobSpec) -> str:
 
 def render_sbatch(spec: JobSpec) -> str:
     """The standalone sbatch script for this spec."""
-    flags = {**slurm_flags(spec), "output": f"{slurm_log_dir(spec)}/%x-{ARRAY_TASK_DIR if spec.array else '%j'}.out"}
+    flags = {**slurm_flags(spec), "output": f"{slurm_log_dir(spec)}/%x-{ARRAY_TASK_DIR if spec.array else JOB_ID}.out"}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     return env.get_template(SBATCH_TEMPLATE).render(
