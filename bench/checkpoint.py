@@ -1,23 +1,34 @@
-"""bench/checkpoint: time to save model + optimizer state (~100 MB and ~500 MB) with trainers.checkpoint, against
-a raw `dd ... conv=fsync` of the same number of bytes in the same run, rounds interleaved (this machine drifts).
+"""bench/checkpoint: the cost of checkpoints, rounds interleaved with a raw `dd ... conv=fsync` of the same number
+of bytes in the same run (this machine drifts).
 
     .venv/bin/python bench/checkpoint.py [--dir /var/tmp/hpcjobs-bench] [--rounds 5]
-Writes bench/results/checkpoint.json and prints a summary. Target: median save / median dd ≤ 1.3.
+Writes bench/results/checkpoint.json and prints a summary. Two parts:
+  - single-file (`trainers.checkpoint.save_checkpoint`, what users' own scripts call), ~100 MB and ~500 MB of model +
+    AdamW state. Target: median save / median dd ≤ 1.3.
+  - sharded (the shared trainer's `trainers.checkpointer`), 2 ranks under --strategy fsdp, ~500 MB in all
+    (`--sharded-mb`), each round: a foreground save (from the state dict on: what the trainer pays), the same bytes
+    by dd, a background save (how long the caller is blocked, then until it is committed) and a load (bytes each rank
+    read, from /proc/self/io, against the checkpoint's size). Targets (issue 12): sync save ≤ 1.3 × dd; background
+    save blocks ≤ 0.1 × the sync save; a rank of a 2-rank checkpoint reads ≤ 0.6 × the checkpoint's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import socket
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from trainers.checkpoint import save_checkpoint
+from trainers.checkpoint import CheckpointRef, save_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 
@@ -54,12 +65,107 @@ def time_save(folder: Path, state: dict, step: int) -> float:
     return time.perf_counter() - t
 
 
+def read_bytes() -> int:
+    """Bytes this process has read through read() so far (/proc/self/io rchar: page cache hits included)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+
+def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
+    """One rank of the sharded part (run under torch.distributed.run, 2 ranks)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainers import strategy
+    from trainers.checkpointer import Checkpointer, Parts
+    from trainers.config import TrainConfig
+    from trainers.dist import distributed
+
+    width = 2048
+    layers = max(1, (megabytes << 20) // (12 * width * width))  # 12 bytes per parameter: weights + 2 moments
+    with distributed(group_of_one=True) as ctx:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        strategy.make(model, ctx, TrainConfig(strategy="fsdp"), "fp32")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, width)).sum().backward()
+        opt.step()
+        ckpt = Checkpointer(folder / "sharded", ctx, keep=2)
+
+        def parts() -> Parts:
+            m, o = get_state_dict(model, opt)
+            groups = o.pop("param_groups")
+            return Parts({"model": m, "optimizer": o}, {"optimizer_groups": groups}, {"rng": torch.get_rng_state()})
+
+        rows = []
+        for r in range(rounds):
+            ctx.barrier()
+            t = time.perf_counter()
+            ckpt.save(2 * r, parts(), {}, background=False)
+            sync_s = time.perf_counter() - t
+            size = sum(f.stat().st_size for f in (folder / "sharded" / f"step-{2 * r}").iterdir())
+            dd_s = time_dd(folder, size) if ctx.is_main else 0.0
+            ctx.barrier()
+            t = time.perf_counter()
+            ckpt.save(2 * r + 1, parts(), {}, background=True)
+            blocked_s = time.perf_counter() - t
+            ckpt.wait()
+            ctx.barrier()
+            async_s = time.perf_counter() - t
+            m, o = get_state_dict(model, opt)
+            o.pop("param_groups")
+            before = read_bytes()
+            ckpt.load(CheckpointRef(2 * r, folder / "sharded" / f"step-{2 * r}"), {"model": m, "optimizer": o})
+            rows.append({"sync_s": sync_s, "dd_s": dd_s, "blocked_s": blocked_s, "async_total_s": async_s,
+                         "read_bytes": read_bytes() - before, "checkpoint_bytes": size})
+        everyone: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(everyone, rows, group=ctx.control_group)
+        if ctx.is_main:
+            print("SHARDED " + json.dumps({"layers": layers, "width": width, "ranks": ctx.world_size,
+                                           "rounds": everyone}), flush=True)
+
+
+def sharded(folder: Path, megabytes: int, rounds: int) -> dict[str, Any]:
+    env = {**os.environ, "HPCJOBS_BACKEND": "gloo", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                          __file__, "--sharded-worker", "--dir", str(folder), "--sharded-mb", str(megabytes),
+                          "--rounds", str(rounds)], capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"the sharded part failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    got = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("SHARDED ")).removeprefix("SHARDED "))
+    rank0 = got["rounds"][0]
+
+    def median(key: str, rows: list[dict[str, Any]] = rank0) -> float:
+        return statistics.median(row[key] for row in rows)
+
+    sync, dd = median("sync_s"), median("dd_s")
+    blocked = max(median("blocked_s", rows) for rows in got["rounds"])
+    read = max(median("read_bytes", rows) for rows in got["rounds"]) / median("checkpoint_bytes")
+    summary = {"checkpoint_mb": round(median("checkpoint_bytes") / 2**20), "sync_s": sync, "dd_s": dd,
+               "sync_vs_dd": sync / dd, "blocked_s": blocked, "blocked_vs_sync": blocked / sync,
+               "async_total_s": median("async_total_s"), "read_per_rank_vs_checkpoint": read,
+               "targets": {"sync_vs_dd": 1.3, "blocked_vs_sync": 0.1, "read_per_rank_vs_checkpoint": 0.6}, **got}
+    print(f"sharded, 2 ranks fsdp, {summary['checkpoint_mb']} MB: sync save {sync:.3f} s vs dd {dd:.3f} s = "
+          f"{sync / dd:.2f} (target ≤ 1.3); background save blocks {blocked:.3f} s = {blocked / sync:.2f} × sync "
+          f"(target ≤ 0.1), committed after {summary['async_total_s']:.3f} s; a rank's load reads {read:.2f} × the "
+          "checkpoint (target ≤ 0.6)", flush=True)
+    return summary
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", type=Path, default=Path("/var/tmp/hpcjobs-bench"))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 500])
+    p.add_argument("--sharded-mb", type=int, default=500)
+    p.add_argument("--sharded-worker", action="store_true", help=argparse.SUPPRESS)
     ns = p.parse_args()
+    if ns.sharded_worker:
+        sharded_worker(ns.dir, ns.sharded_mb, ns.rounds)
+        return
     ns.dir.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
@@ -76,10 +182,12 @@ def main() -> None:
             rows.append(row)
             print(f"{row['size_mb']:>5} MB: save {row['save_s']:.3f} s, dd+fsync {row['dd_s']:.3f} s, "
                   f"ratio {row['ratio']:.2f} (target <= 1.3)", flush=True)
+        shards = sharded(ns.dir, ns.sharded_mb, ns.rounds)
     finally:
         shutil.rmtree(ns.dir, ignore_errors=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rounds": ns.rounds, "torch": torch.__version__, "rows": rows}, indent=2))
+    RESULTS.write_text(json.dumps({"rounds": ns.rounds, "torch": torch.__version__, "rows": rows,
+                                   "sharded": shards}, indent=2))
 
 
 if __name__ == "__main__":

@@ -140,10 +140,11 @@ def determinism(a: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
     from trainers import checkpoint
+    from trainers.checkpointer import model_weights
 
     ref = checkpoint.latest(run / "checkpoints")
     assert ref is not None
-    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+    return model_weights(ref)
 
 
 def resume(a: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:

@@ -92,10 +92,11 @@ def resumed_step(run: Path, restart_log: str) -> int | None:
 
 def weights(run: Path) -> dict[str, Any]:
     from trainers import checkpoint
+    from trainers.checkpointer import model_weights
 
     ref = checkpoint.latest(run / "checkpoints")
     assert ref is not None
-    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+    return model_weights(ref)
 
 
 def campaign(folder: Path, kills: int, seed: int) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""bench/trainer_overhead: the shared trainer against a bare hand-written DDP loop on the same model, data, seed
+"""bench/trainer_overhead: the shared trainer against a bare hand-written loop on the same model, data, seed
 and ranks, runs interleaved (this machine drifts ±10% between runs).
 
-(a) The example LM (trainers.tasks.lm, size tiny) on 2 CPU ranks (gloo): median step-time ratio trainer / bare
-    (target ≤ 1.02), and the final weights of both, which must be bit-identical.
+(a) The example LM (trainers.tasks.lm, size tiny) on 2 CPU ranks (gloo), --strategy ddp against a bare DDP loop and
+    --strategy fsdp against a bare FSDP2 loop (fully_shard on each block, then the root): median step-time ratio
+    trainer / bare (target ≤ 1.02), and the final weights of both, which must be bit-identical.
 (b) The fixed per-step overhead in ms on a tiny model whose bare step takes ~2 ms, one process, both loops in the
     same process alternately (target ≤ 0.05 ms).
 
@@ -29,8 +30,9 @@ LM_ARGS = ["--size", "tiny"]
 SEED, LR, BATCH = 0, 1e-3, 8
 
 
-def bare_ddp(task: Any, steps: int, log_every: int, out: Path | None, batch_size: int = BATCH) -> list[float]:
-    """What users write by hand: DistributedSampler + DDP + AdamW + cosine + clipping, timed per interval.
+def bare_ddp(task: Any, steps: int, log_every: int, out: Path | None, batch_size: int = BATCH,
+             strategy: str = "ddp") -> list[float]:
+    """What users write by hand: DistributedSampler + DDP (or FSDP2) + AdamW + cosine + clipping, timed per interval.
     It borrows the trainer's seeding, parameter groups and LR formula only so that the weights can be compared."""
     import torch
     import torch.distributed as dist
@@ -44,10 +46,18 @@ def bare_ddp(task: Any, steps: int, log_every: int, out: Path | None, batch_size
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     seed_all(SEED)
     model = task.model()
+    if strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = default_optimizer(model, LR, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     seed_all(SEED * 100003 + rank + 1)
-    net = DDP(model) if world > 1 else model
+    net = DDP(model) if world > 1 and strategy == "ddp" else model
     data = task.train_data()
     sampler = DistributedSampler(data, world, rank, shuffle=True, seed=SEED, drop_last=True)
     step, epoch, times = 0, 0, []
@@ -72,12 +82,16 @@ def bare_ddp(task: Any, steps: int, log_every: int, out: Path | None, batch_size
             if step == steps:
                 break
         epoch += 1
-    if rank == 0 and out is not None:
-        torch.save(model.state_dict(), out)
+    if out is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full, out)
     return times
 
 
-def worker(mode: str, steps: int, log_every: int, out: Path) -> None:
+def worker(mode: str, steps: int, log_every: int, out: Path, strategy: str) -> None:
     """One rank of part (a): the trainer or the bare loop on the example LM."""
     import torch
 
@@ -93,52 +107,54 @@ def worker(mode: str, steps: int, log_every: int, out: Path) -> None:
         if mode == "bare":
             import torch.distributed as dist
 
-            times = bare_ddp(task, steps, log_every, out / "bare.pt")
+            times = bare_ddp(task, steps, log_every, out / "bare.pt", strategy=strategy)
             if dist.get_rank() == 0:
                 (out / "bare.json").write_text(json.dumps(times))
         else:
             cfg = TrainConfig(steps=steps, lr=LR, seed=SEED, batch_size=BATCH, log_every=log_every, ckpt_every=0,
-                              weight_decay=0.1)
+                              weight_decay=0.1, strategy=strategy)
             train(task, cfg, RunFolder(out / "run"), ctx)
 
 
-def run_two_ranks(mode: str, steps: int, log_every: int, out: Path) -> None:
+def run_two_ranks(mode: str, steps: int, log_every: int, out: Path, strategy: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--log-every",
-                               str(log_every), "--out", str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL) for r in range(2)]
+    argv = [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--log-every", str(log_every), "--out",
+            str(out), "--strategy", strategy]
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL)
+             for r in range(2)]
     if any(p.wait() for p in procs):
         raise SystemExit(f"{mode} ranks failed")
 
 
-def part_a(rounds: int, steps: int, log_every: int) -> dict[str, Any]:
+def part_a(rounds: int, steps: int, log_every: int, strategy: str) -> dict[str, Any]:
     import torch
 
     from trainers import checkpoint
+    from trainers.checkpointer import model_weights
 
     ratios, trainer_all, bare_all, identical = [], [], [], []
     for r in range(rounds):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
-            run_two_ranks("trainer", steps, log_every, out)
-            run_two_ranks("bare", steps, log_every, out)
+            run_two_ranks("trainer", steps, log_every, out, strategy)
+            run_two_ranks("bare", steps, log_every, out, strategy)
             recs = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
             t_steps = [log_every * BATCH * 2 / rec["samples_per_s"] / log_every for rec in recs][1:]
             b_steps = json.loads((out / "bare.json").read_text())[1:]
-            trained = checkpoint.load_checkpoint(checkpoint.latest(out / "run" / "checkpoints"), 0)[0]["model"]
+            trained = model_weights(checkpoint.latest(out / "run" / "checkpoints"))
             bare = torch.load(out / "bare.pt", weights_only=True)
             identical.append(all(torch.equal(trained[k], bare[k]) for k in bare))
         t, b = statistics.median(t_steps), statistics.median(b_steps)
         trainer_all += t_steps
         bare_all += b_steps
         ratios.append(t / b)
-        print(f"  (a) round {r}: trainer {t * 1e3:.2f} ms/step, bare {b * 1e3:.2f} ms/step, ratio {t / b:.3f}, "
-              f"weights identical: {identical[-1]}", flush=True)
-    return {"task": f"trainers.tasks.lm {' '.join(LM_ARGS)}", "ranks": 2, "steps": steps,
+        print(f"  (a) {strategy} round {r}: trainer {t * 1e3:.2f} ms/step, bare {b * 1e3:.2f} ms/step, ratio "
+              f"{t / b:.3f}, weights identical: {identical[-1]}", flush=True)
+    return {"task": f"trainers.tasks.lm {' '.join(LM_ARGS)}", "strategy": strategy, "ranks": 2, "steps": steps,
             "trainer_ms": statistics.median(trainer_all) * 1e3, "bare_ms": statistics.median(bare_all) * 1e3,
             "ratio_median": statistics.median(ratios), "ratios": ratios, "weights_identical": all(identical)}
 
@@ -195,18 +211,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--tiny-steps", type=int, default=2000)
+    p.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
+    p.add_argument("--parts", nargs="+", default=["a", "a-fsdp", "b"], help="which parts to run (default: all)")
     ns = p.parse_args()
     if ns.worker:
-        worker(ns.worker, ns.steps, ns.log_every, ns.out)
+        worker(ns.worker, ns.steps, ns.log_every, ns.out, ns.strategy)
         return
-    print("(a) example LM, 2 CPU ranks, trainer vs bare DDP loop (interleaved)", flush=True)
-    a = part_a(ns.rounds, ns.steps, ns.log_every)
-    print("(b) fixed per-step overhead, tiny model, one process (interleaved)", flush=True)
-    b = part_b(ns.rounds, ns.tiny_steps, 100)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # parts not run keep their results
+    for part, strategy in (("a", "ddp"), ("a-fsdp", "fsdp")):
+        if part in ns.parts:
+            print(f"({part}) example LM, 2 CPU ranks, trainer vs bare {strategy} loop (interleaved)", flush=True)
+            results[part] = part_a(ns.rounds, ns.steps, ns.log_every, strategy)
+    if "b" in ns.parts:
+        print("(b) fixed per-step overhead, tiny model, one process (interleaved)", flush=True)
+        results["b"] = part_b(ns.rounds, ns.tiny_steps, 100)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"a": a, "b": b}, indent=2))
-    print(f"(a) median ratio {a['ratio_median']:.3f} (target <= 1.02), weights identical: {a['weights_identical']}")
-    print(f"(b) overhead {b['overhead_ms_median']:+.4f} ms/step on a {b['bare_ms']:.2f} ms step (target <= 0.05)")
+    RESULTS.write_text(json.dumps(results, indent=2))
+    for part in ("a", "a-fsdp"):
+        if part in results:
+            a = results[part]
+            print(f"({part}) median ratio {a['ratio_median']:.3f} (target <= 1.02), weights identical: "
+                  f"{a['weights_identical']}")
+    if "b" in results:
+        b = results["b"]
+        print(f"(b) overhead {b['overhead_ms_median']:+.4f} ms/step on a {b['bare_ms']:.2f} ms step (target <= 0.05)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Exact resume (CPU, gloo, 1 and 2 ranks): N steps straight vs. K steps → SIGKILL → restart → N steps gives the
-same loss at every step and bit-identical final weights; also with the kill landing inside a checkpoint write."""
+"""Exact resume (CPU, gloo, 1, 2 and 4 ranks, --strategy ddp and fsdp): N steps straight vs. K steps → SIGKILL →
+restart → N steps gives the same loss at every step and bit-identical final weights; also with the kill landing
+inside a checkpoint write, the asynchronous one of step 9 included (its save points run in the background thread)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from conftest import REPO, hpcjobs
 from trainers import checkpoint
+from trainers.checkpointer import model_weights
 
 STEPS = 12
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", str(STEPS), "--log-every", "1",
@@ -18,10 +20,10 @@ ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", st
         "--eval-every", "4", "--keep-best"]
 
 
-def train(run_dir: Path, ranks: int, fault: str | None = None) -> int:
+def train(run_dir: Path, ranks: int, fault: str | None = None, strategy: str = "ddp") -> int:
     env = {"HPCJOBS_FAULT_INJECT": fault} if fault else {"HPCJOBS_FAULT_INJECT": ""}
     out = hpcjobs("submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(run_dir), *ARGS,
-                  cwd=REPO, env=env, timeout=300)
+                  "--strategy", strategy, cwd=REPO, env=env, timeout=300)
     return out.returncode
 
 
@@ -39,50 +41,68 @@ def losses(run_dir: Path) -> dict[tuple[int, str], float]:
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     ref = checkpoint.latest(run_dir / "checkpoints")
     assert ref is not None and ref.step == STEPS
-    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+    return model_weights(ref)
+
+
+class Straight:
+    """Uninterrupted runs, made when a test first asks for one (a -k selection runs only the ones it needs)."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory, self.runs = factory, {}
+
+    def __call__(self, ranks: int, strategy: str = "ddp") -> Path:
+        if (ranks, strategy) not in self.runs:
+            run = self.factory.mktemp(f"straight-{strategy}{ranks}") / "run"
+            assert train(run, ranks, strategy=strategy) == 0
+            self.runs[ranks, strategy] = run
+        return self.runs[ranks, strategy]
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    runs = {}
-    for ranks in (1, 2, 4):
-        run = tmp_path_factory.mktemp(f"straight{ranks}") / "run"
-        assert train(run, ranks) == 0
-        runs[ranks] = run
-    return runs
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Straight:
+    return Straight(tmp_path_factory)
 
 
-CASES = [(r, f) for r in (1, 2) for f in ("step@7", "save-written@9", "save-marked@9", "save-renamed@9:0")]
+SAVE_FAULTS = ("save-written@9", "save-marked@9", "save-renamed@9:0")
+CASES = [("ddp", r, f) for r in (1, 2) for f in ("step@7", *SAVE_FAULTS)] + [
+    ("ddp", 4, "step@7"),  # gloo's ring sums in an order that depends on DDP's bucket grouping (settle_ddp_buckets)
+    ("ddp", 4, "save-shards@9:2"),
+    ("fsdp", 1, "step@7"), ("fsdp", 1, "save-shards@9"),
+    *[("fsdp", 2, f) for f in SAVE_FAULTS],
+    ("fsdp", 4, "step@7"), ("fsdp", 4, "save-shards@9:3"),
+]
 
 
-# 4 ranks: gloo's ring sums in an order that depends on DDP's bucket grouping (see settle_ddp_buckets).
-@pytest.mark.parametrize("ranks,fault", [*CASES, (4, "step@7")])
-def test_kill_and_resume_is_exact(ranks: int, fault: str, straight: dict[int, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy,ranks,fault", CASES)
+def test_kill_and_resume_is_exact(strategy: str, ranks: int, fault: str, straight: Straight, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    assert train(run, ranks, fault) != 0, "the injected SIGKILL should have ended the first attempt"
+    assert train(run, ranks, fault, strategy) != 0, "the injected SIGKILL should have ended the first attempt"
     killed_at = losses(run)
     assert max(step for step, _ in killed_at) < STEPS
-    assert train(run, ranks) == 0
+    if fault.startswith(("save-shards", "save-written")):  # the kill came inside the (background) save of step 9
+        assert (run / "checkpoints" / ".step-9.tmp").is_dir() and checkpoint.latest(run / "checkpoints").step < 9
+    assert train(run, ranks, strategy=strategy) == 0
     log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
-    assert "resumed from" in log
-    expected, got = losses(straight[ranks]), losses(run)
+    assert "resumed from" in log and f"{ranks} rank(s), {strategy}," in log
+    expected, got = losses(straight(ranks, strategy)), losses(run)
     assert got == expected  # identical floats at every step
-    a, b = final_weights(straight[ranks]), final_weights(run)
+    a, b = final_weights(straight(ranks, strategy)), final_weights(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_different_world_size_is_refused(straight: dict[int, Path], tmp_path: Path) -> None:
+def test_different_world_size_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert train(run, 2, "step@5") != 0
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), *ARGS, cwd=REPO)
     assert out.returncode != 0
     log = "".join(p.read_text() for p in (run / "logs").rglob("rank-0.log"))
-    assert "was written by 2 ranks, this run has 1" in log
+    assert "was written by 2 ranks with --strategy ddp, this run has 1 with --strategy ddp" in log
+    assert "add --reshard" in log
 
 
 def test_different_settings_are_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    assert train(run, 1, "step@4") != 0
+    assert train(run, 1, "step@5") != 0  # after step 4's --keep-best save, made in the foreground
     args = [a if a != "0.1" else "0.2" for a in ARGS]  # another dropout: another task config
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), *args, cwd=REPO)
     assert out.returncode != 0
@@ -95,7 +115,7 @@ def test_random_augmentation_in_workers_resumes_exactly_whatever_the_worker_coun
     an epoch (the workers start afresh) and another worker count both give the same weights. Workers seeded once
     per loader would draw the resumed samples' noise from the start of their streams."""
     args = ["trainers.tasks.classifier", "--noise", "0.5", "--samples", "256", "--batch-size", "16", "--steps", "12",
-            "--ckpt-every", "3", "--log-every", "1"]
+            "--ckpt-every", "3", "--log-every", "1", "--no-async-save"]  # step 3's save is committed by step 5
 
     def run(name: str, workers: int, fault: str = "") -> tuple[int, Path]:
         out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / name), *args,
@@ -109,7 +129,7 @@ def test_random_augmentation_in_workers_resumes_exactly_whatever_the_worker_coun
     assert code == 0 and "resumed from" in (killed / "logs" / "restart-0" / "rank-0.log").read_text()
     code, one_worker = run("one-worker", 1)
     assert code == 0
-    a, b, c = (checkpoint.load_checkpoint(checkpoint.latest(r / "checkpoints"), 0)[0]["model"]  # type: ignore[arg-type]
+    a, b, c = (model_weights(checkpoint.latest(r / "checkpoints"))  # type: ignore[arg-type]
                for r in (straight, killed, one_worker))
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
 

@@ -11,6 +11,7 @@ import torch
 
 from conftest import REPO, hpcjobs
 from trainers import checkpoint
+from trainers.checkpointer import model_weights
 
 TASK = ["trainers.tasks.classifier", "--steps", "6", "--log-every", "3", "--ckpt-every", "3", "--keep", "3"]
 
@@ -26,7 +27,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, Path]:
 
 def saved_model(run: Path, step: int) -> dict[str, torch.Tensor]:
     ref = next(r for r in checkpoint.finished(run / "checkpoints") if r.step == step)
-    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+    return model_weights(ref)
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])

@@ -13,6 +13,7 @@ import torch
 
 from conftest import REPO, hpcjobs
 from trainers import checkpoint
+from trainers.checkpointer import model_weights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu)")]
@@ -32,7 +33,7 @@ def train(run: Path, *args: str, fault: str = "") -> str:
 def weights(run: Path, step: int = 12) -> dict[str, torch.Tensor]:
     ref = checkpoint.latest(run / "checkpoints")
     assert ref is not None and ref.step == step
-    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+    return model_weights(ref)
 
 
 def records(run: Path) -> list[dict[str, float]]:

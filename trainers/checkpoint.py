@@ -1,4 +1,6 @@
-"""Atomic checkpoints: RUN/checkpoints/step-N/, only finished ones count.
+"""Atomic checkpoints: RUN/checkpoints/step-N/, only finished ones count. `save_checkpoint` (one shared.pt, for
+users' own scripts) is below; the shared trainer writes a sharded layout (trainers.checkpointer) through the same
+three steps (`begin`, `write_files`, `commit`).
 
 Saving (every rank takes part, in this order):
   1. rank 0 clears a stale `.step-N.tmp` left by a killed save, creates it; barrier
@@ -96,39 +98,55 @@ def save_checkpoint(root: Path, step: int, shared: dict[str, Any] | None, per_ra
                     rank: int = 0, world_size: int = 1, barrier: Callable[[], None] = lambda: None,
                     keep: int = 2, meta: dict[str, Any] | None = None) -> Path:
     """Save atomically; call on every rank with the same step. `shared` is only read on rank 0."""
+    tmp = begin(root, step, rank, barrier, keep)
+    write_files(root, tmp, step, rank, shared, per_rank)
+    maybe_die("save-written", step)
+    barrier()
+    if rank == 0:
+        commit(root, tmp, step, {"world_size": world_size, **(meta or {})}, keep)
+    barrier()
+    return root / f"step-{step}"
+
+
+def begin(root: Path, step: int, rank: int, barrier: Callable[[], None], keep: int) -> Path:
+    """Step 1 of a save, on every rank: rank 0 clears a stale `.step-N.tmp` and makes it anew; all wait for it."""
     if keep < 2:
         raise ValueError("keep must be at least 2: the newest finished checkpoint is never the only copy")
     tmp = root / f".step-{step}.tmp"
-    final = root / f"step-{step}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
+    return tmp
+
+
+def write_files(root: Path, tmp: Path, step: int, rank: int, shared: Any, per_rank: Any) -> None:
+    """Step 2's own files: shared.pt (rank 0) and rank-R.pt, each fsynced."""
     with full_disk_explained(root, tmp, step, rank):
         if rank == 0:
             _write(shared, tmp / SHARED)
         _write(per_rank, tmp / f"rank-{rank}.pt")
-    maybe_die("save-written", step)
-    barrier()
-    if rank == 0:
-        info = {"step": step, "world_size": world_size, **(meta or {})}
-        with full_disk_explained(root, tmp, step, rank):
-            (tmp / "meta.json").write_text(json.dumps(info, sort_keys=True, default=str))
-            _fsync_file(tmp / "meta.json")
-            (tmp / FINISHED).write_text(f"{step}\n")
-            _fsync_file(tmp / FINISHED)
-            _fsync_dir(tmp)
-        maybe_die("save-marked", step)
-        if final.exists():  # the same step saved again (a stop request right after a periodic save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        maybe_die("save-renamed", step)
-        prune(root, keep)
-    barrier()
-    return final
+
+
+def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int) -> None:
+    """Step 3, rank 0, once every rank's files are written: meta.json and FINISHED, the rename, the pruning."""
+    info = {"step": step, **meta}
+    with full_disk_explained(root, tmp, step, 0):
+        (tmp / "meta.json").write_text(json.dumps(info, sort_keys=True, default=str))
+        _fsync_file(tmp / "meta.json")
+        (tmp / FINISHED).write_text(f"{step}\n")
+        _fsync_file(tmp / FINISHED)
+        _fsync_dir(tmp)
+    maybe_die("save-marked", step)
+    final = root / f"step-{step}"
+    if final.exists():  # the same step saved again (a stop request right after a periodic save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    maybe_die("save-renamed", step)
+    prune(root, keep)
 
 
 class CheckpointSpaceError(RuntimeError):
@@ -225,12 +243,13 @@ def read_meta(ref: CheckpointRef) -> dict[str, Any]:
 
 
 def read_states(ref: CheckpointRef, rank: int, shared_keys: tuple[str, ...] = (),
-                own_keys: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+                own_keys: tuple[str, ...] = (), own: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """(shared state, this rank's state), read whole into memory and checked for the keys given before anything is
     applied (a partly applied checkpoint would leave a fresh start with its weights); raises CorruptCheckpoint. Unlike
-    load_checkpoint, this rank's file must exist: save_checkpoint always writes one."""
+    load_checkpoint, this rank's file must exist (save_checkpoint always writes one) unless `own` is False, when it
+    is not read at all ({} instead)."""
     out = []
-    for name, keys in ((SHARED, shared_keys), (f"rank-{rank}.pt", own_keys)):
+    for name, keys in ((SHARED, shared_keys), (f"rank-{rank}.pt", own_keys))[:2 if own else 1]:
         path = ref.path / name
         if not path.is_file():
             raise CorruptCheckpoint(f"{name} is missing")
@@ -242,7 +261,7 @@ def read_states(ref: CheckpointRef, rank: int, shared_keys: tuple[str, ...] = ()
         if missing:
             raise CorruptCheckpoint(f"{name} lacks {', '.join(missing)}")
         out.append(state)
-    return out[0], out[1]
+    return out[0], out[1] if own else {}
 
 
 def move_aside(root: Path, ref: CheckpointRef) -> Path:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+STRATEGIES = ("ddp", "fsdp")
 LR_SCALING = ("none", "linear", "sqrt")
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 """--tracker's names; metrics.jsonl is written whichever are given (trainers/tracking.py has the others)."""
@@ -68,7 +69,25 @@ class TrainConfig:
     """Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, no TF32, deterministic SDPA):
     needed for a bit-exact resume on GPUs; slower (bench/gpu.py measures by how much)."""
     compile: bool = False
-    """torch.compile the model (the first steps take longer while it compiles)."""
+    """torch.compile the model (with fsdp: each block), off by default; the first steps take longer while it
+    compiles."""
+    strategy: str = "ddp"
+    """ddp: every rank holds the whole model, gradients are all-reduced. fsdp: FSDP2 shards parameters, gradients and
+    optimizer state over the ranks (each holds 1/world; a block's parameters are gathered while it runs): for models
+    whose weights, gradients and AdamW state (~16 bytes/parameter) do not fit on one GPU."""
+    cpu_offload: bool = False
+    """fsdp on GPUs: keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's
+    CPUOffloadPolicy); the optimizer step runs on the CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward instead of keeping them (both strategies): less memory,
+    about a third more compute."""
+    async_save: bool = True
+    """Periodic checkpoints are written in the background: training waits only while the state is copied to host
+    memory. At most one save is in flight; a stop and the end of training wait for it, then save in the foreground."""
+    reshard: bool = False
+    """Resume a checkpoint written by another number of ranks (or the other --strategy): weights, optimizer,
+    scheduler and step exactly, the data position by samples consumed; per-rank RNG streams start anew. Without it
+    such a resume is refused."""
     tracker: str = "jsonl"
     """Where rank 0 logs the metrics: jsonl (RUN/metrics.jsonl, always written), tensorboard (RUN/tensorboard),
     wandb (RUN/wandb; offline unless W&B credentials or WANDB_MODE say otherwise), mlflow (MLFLOW_TRACKING_URI, else
@@ -152,12 +171,13 @@ def trainer_help(defaults: dict[str, Any] | None = None) -> str:
 # to the task untouched and in order (argparse's parse_known_args also matches abbreviations: `--warmup 5` would
 # have become --warmup-steps).
 
-CHOICES: dict[str, tuple[str, ...]] = {"precision": PRECISIONS, "lr_scaling": LR_SCALING}
+CHOICES: dict[str, tuple[str, ...]] = {"precision": PRECISIONS, "lr_scaling": LR_SCALING, "strategy": STRATEGIES}
 MULTI_CHOICES: dict[str, tuple[str, ...]] = {"tracker": TRACKERS}
 """Settings that take one or more of their choices, joined by commas."""
 CHOICE_HINTS = {
     "precision": "auto picks bf16 on GPUs that have it and fp32 elsewhere; fp16 adds a GradScaler.",
     "lr_scaling": "linear multiplies the LR by the world size, sqrt by its square root; none keeps it.",
+    "strategy": "fsdp shards a model that does not fit on one GPU; ddp is faster when it fits.",
     "tracker": "metrics.jsonl is always written; e.g. --tracker wandb,tensorboard logs to those as well.",
 }
 

@@ -36,6 +36,9 @@ class DistContext:
     control_group: Any = None
     """A gloo group of its own for the tiny CPU collectives (the stop flag, checkpoint barriers), which keep the
     start-up timeout; None with one rank."""
+    checkpoint_group: Any = None
+    """Another gloo group, for Distributed Checkpoint's planning collectives: an asynchronous save runs them in a
+    background thread while training uses the other groups. None when there is no process group."""
 
     @property
     def rank(self) -> int:
@@ -143,9 +146,11 @@ def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
 
 
 @contextlib.contextmanager
-def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None) -> Iterator[DistContext]:
-    """Join the job's process group (if more than one rank) and always leave it, whatever happens inside.
-    `trace_prefix`: where NCCL's flight recorder dumps (RUN/nccl-trace/rank-) unless the environment says."""
+def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None,
+                group_of_one: bool = False) -> Iterator[DistContext]:
+    """Join the job's process group (if more than one rank, or `group_of_one`: FSDP2 needs one even alone) and
+    always leave it, whatever happens inside. `trace_prefix`: where NCCL's flight recorder dumps
+    (RUN/nccl-trace/rank-) unless the environment says."""
     startup.mark("imported")  # torch, the trainer and the task are loaded: what is left is the rendezvous
     env = from_environ(os.environ)
     backend, device = pick_backend(env)
@@ -172,6 +177,11 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
                 f"free; {INIT_TIMEOUT[0]} sets the wait.") from None
         control_s = max(timeout_s, CONTROL_TIMEOUT_MIN_S)
         ctx.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_s))
+        ctx.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_s))
+    elif group_of_one:  # an in-process store: no port, no rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if device.type == "cuda" else None)
+        ctx.checkpoint_group = dist.group.WORLD
     startup.mark("joined")
     try:
         yield ctx

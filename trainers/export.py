@@ -21,6 +21,7 @@ import torch
 
 from hpcjobs.runfolder import RunFolder
 from trainers import checkpoint
+from trainers.checkpointer import model_weights
 
 FORMATS = (".pt", ".pth", ".safetensors")
 USAGE_EXIT = 2
@@ -50,10 +51,10 @@ def pick(run: RunFolder, step: int | None) -> checkpoint.CheckpointRef:
 
 def model_state(ref: checkpoint.CheckpointRef) -> dict[str, torch.Tensor]:
     try:
-        shared, _ = checkpoint.read_states(ref, 0, shared_keys=("model",))
+        weights = model_weights(ref)
     except checkpoint.CorruptCheckpoint as e:
         raise ExportError(f"{ref.path} cannot be read: {e}. HINT: export another step (--step).") from None
-    return {k: v.detach().contiguous() for k, v in shared["model"].items()}
+    return {k: v.detach().contiguous() for k, v in weights.items()}
 
 
 def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:

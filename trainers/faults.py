@@ -1,9 +1,10 @@
 """Fault injection for tests: HPCJOBS_FAULT_INJECT=POINT@STEP[:RANK] SIGKILLs this process there, or with
 HPCJOBS_FAULT_ACTION=raise raises RuntimeError (a crashing task), =stop sends it SIGSTOP (a hung rank).
 
-Points: `step` (after an optimizer step), `save-written` (checkpoint files written, not committed), `save-marked`
-(FINISHED written, folder not yet renamed), `save-renamed` (committed, older ones not yet pruned). Read once at
-import, so the training step pays one falsy check when unset.
+Points: `step` (after an optimizer step), `save-shards` (a checkpoint's small files written, its sharded tensors not
+yet), `save-written` (checkpoint files written, not committed), `save-marked` (FINISHED written, folder not yet
+renamed), `save-renamed` (committed, older ones not yet pruned); an asynchronous save passes the save points in its
+background thread. Read once at import, so the training step pays one falsy check when unset.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from trainers.config import ResumeError, TrainConfig
 from trainers.dist import DistContext
 from trainers.task import Task
 
-SHARED_KEYS = ("model", "optimizer", "scheduler", "scaler", "position")
+SHARED_KEYS = ("scheduler", "scaler", "position")
 OWN_KEYS = ("rng",)
 _OK, _CORRUPT, _REFUSED = 0, 1, 2
 Anchor = tuple[int, float]
@@ -39,6 +39,7 @@ class Resumed:
     meta: dict[str, Any]
     shared: dict[str, Any]
     mine: dict[str, Any]
+    """This rank's own states; empty after a reshard (another world size has other ranks)."""
 
 
 def lr_lambda(cfg: TrainConfig, anchor: Anchor | None = None) -> Callable[[int], float]:
@@ -82,11 +83,17 @@ def lr_anchor(meta: dict[str, Any], cfg: TrainConfig, lr: float) -> tuple[Anchor
                            f"{cfg.min_lr_ratio * lr:.6g} at step {cfg.steps} along a half cosine")
 
 
-def check_compatible(meta: dict[str, Any], cfg: TrainConfig, task: Task, world: int, where: str) -> None:
-    """Raise ResumeError if the checkpoint was written under settings that would make this start another run."""
+BATCH_KEYS = ("batch_size", "global_batch_size")
+"""Under --reshard only the global batch they give must stay (check_layout), not how it was written."""
+
+
+def check_compatible(meta: dict[str, Any], cfg: TrainConfig, task: Task, world: int, where: str) -> bool:
+    """Raise ResumeError if the checkpoint was written under settings that would make this start another run;
+    returns whether loading it reshards (another world size or strategy, allowed by --reshard)."""
     saved_cfg = meta.get("config", {})
+    reshard = cfg.reshard and layout_changes(meta, cfg, world)
     diffs = [f"{k}: {saved_cfg.get(k)!r} → {getattr(cfg, k)!r}" for k in TrainConfig.RESUME_KEYS
-             if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+             if k in saved_cfg and saved_cfg[k] != getattr(cfg, k) and not (reshard and k in BATCH_KEYS)]
     if meta.get("task") != task.name:
         diffs.append(f"task: {meta.get('task')!r} → {task.name!r}")
     if meta.get("task_config", {}) != task.config:
@@ -94,11 +101,34 @@ def check_compatible(meta: dict[str, Any], cfg: TrainConfig, task: Task, world: 
     if diffs:
         raise ResumeError(f"checkpoint {where} was written with other settings ({'; '.join(diffs)}); resuming "
                           "would not continue the same run. HINT: use the same settings, or a new --run-dir.")
-    if meta.get("world_size") != world:
-        raise ResumeError(f"checkpoint {where} was written by {meta.get('world_size')} ranks, this run has {world}; "
-                          "the data order and per-rank RNG states would not continue exactly. HINT: resume with "
-                          f"{meta.get('world_size')} ranks, or start a new --run-dir.")
     check_steps(meta, cfg, where)
+    return check_layout(meta, cfg, world, where)
+
+
+def layout_changes(meta: dict[str, Any], cfg: TrainConfig, world: int) -> bool:
+    return bool(meta.get("world_size") != world or meta.get("config", {}).get("strategy", "ddp") != cfg.strategy)
+
+
+def check_layout(meta: dict[str, Any], cfg: TrainConfig, world: int, where: str) -> bool:
+    """Whether the checkpoint is resharded on load (its world size or strategy differ); ResumeError when that is
+    not allowed (no --reshard, or the global batch would change)."""
+    if not layout_changes(meta, cfg, world):
+        return False
+    saved_world, saved = meta.get("world_size") or 0, meta.get("config", {})
+    was = f"{saved_world} ranks with --strategy {saved.get('strategy', 'ddp')}"
+    now = f"{world} with --strategy {cfg.strategy}"
+    if not cfg.reshard:
+        raise ResumeError(f"checkpoint {where} was written by {was}, this run has {now}; the data order and per-rank "
+                          f"RNG states would not continue exactly. HINT: resume with {saved_world} ranks and "
+                          f"--strategy {saved.get('strategy', 'ddp')}, add --reshard to load it anyway (weights, "
+                          "optimizer and step exactly; see the README), or start a new --run-dir.")
+    saved_global = saved.get("global_batch_size") or saved.get("batch_size", 0) * saved_world
+    now_global = cfg.per_rank_batch(world) * world
+    if saved_global != now_global:
+        raise ResumeError(f"--reshard of checkpoint {where} ({was}) to {now}: the global batch would change from "
+                          f"{saved_global} to {now_global} samples per step, which is another run. HINT: give "
+                          f"--global-batch-size {saved_global} (--batch-size is per rank)")
+    return True
 
 
 def check_steps(meta: dict[str, Any], cfg: TrainConfig, where: str) -> None:
@@ -115,19 +145,22 @@ def check_steps(meta: dict[str, Any], cfg: TrainConfig, where: str) -> None:
                           f"extend. HINT: give --steps above {step}, or a new --run-dir.")
 
 
-Check = Callable[[dict[str, Any], str], None]
-"""check(meta, where): raises ResumeError when a checkpoint's settings do not match this start's."""
+Check = Callable[[dict[str, Any], str], bool]
+"""check(meta, where): raises ResumeError when a checkpoint's settings do not match this start's; returns whether it
+is resharded on load."""
+Load = Callable[[Resumed], None]
+"""load(resumed): every rank applies the checkpoint (a collective); raises CorruptCheckpoint on every rank alike."""
 
 
 def _examine(ref: CheckpointRef, rank: int, check: Check) -> tuple[int, str, Resumed | None]:
-    """This rank's verdict on a checkpoint: ok (with everything read), corrupt or refused (with why)."""
+    """This rank's verdict on a checkpoint's small files: ok (with them read), corrupt or refused (with why)."""
     try:
         meta = checkpoint.read_meta(ref)
         try:
-            check(meta, str(ref.path))
+            reshard = check(meta, str(ref.path))
         except ResumeError as e:
             return _REFUSED, str(e), None
-        shared, mine = checkpoint.read_states(ref, rank, SHARED_KEYS, OWN_KEYS)
+        shared, mine = checkpoint.read_states(ref, rank, SHARED_KEYS, () if reshard else OWN_KEYS, own=not reshard)
     except CorruptCheckpoint as e:
         return _CORRUPT, str(e), None
     return _OK, "", Resumed(ref, meta, shared, mine)
@@ -142,9 +175,10 @@ def _everyones(ctx: DistContext, mine: Any) -> list[Any]:
     return out
 
 
-def newest_readable(run: RunFolder, ctx: DistContext, check: Check) -> Resumed | None:
-    """The newest finished checkpoint that every rank read whole, after moving aside those some rank could not read;
-    None: none left (start fresh). Raises ResumeError on every rank when its settings do not match (`check`)."""
+def newest_readable(run: RunFolder, ctx: DistContext, check: Check, load: Load) -> Resumed | None:
+    """The newest finished checkpoint that every rank read and applied, after moving aside those some rank could not
+    read; None: none left (start fresh; a failed `load` may have changed the model: build it anew). Raises
+    ResumeError on every rank when its settings do not match (`check`)."""
     while True:
         ref = checkpoint.latest(run.checkpoints)
         step = _everyones(ctx, ref.step if ref else None)[0]  # rank 0's listing decides (a shared filesystem's
@@ -157,8 +191,12 @@ def newest_readable(run: RunFolder, ctx: DistContext, check: Check) -> Resumed |
         if refusals:
             raise ResumeError(why if code == _REFUSED else refusals[0])
         bad = [f"rank {r}: {w}" if ctx.world_size > 1 else w for r, (c, w) in enumerate(verdicts) if c == _CORRUPT]
-        if not bad:
-            return resumed
+        if not bad and resumed is not None:
+            try:
+                load(resumed)  # every rank: its small files were read by all
+                return resumed
+            except CorruptCheckpoint as e:
+                bad = [str(e)]  # the same on every rank: DCP gathers each rank's error
         if ctx.is_main:
             moved = checkpoint.move_aside(run.checkpoints, ref)
             print(f"hpcjobs: checkpoint {ref.path} cannot be loaded ({'; '.join(bad)}); moved it to {moved} and "

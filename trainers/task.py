@@ -53,6 +53,13 @@ class Task:
     GPUs whose peak is known (trainers.perf.PEAK_TFLOPS)."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """Trainer settings this task suggests (e.g. lr); flags on the command line still win."""
+    parallelize: Callable[[nn.Module, Any], None] | None = None
+    """parallelize(model, mesh): the task's own FSDP2 sharding under --strategy fsdp, calling
+    torch.distributed.fsdp.fully_shard on the modules it wants sharded one by one (the trainer shards the root after).
+    Default: each entry of the ModuleList holding most parameters (trainers.strategy.units)."""
+    save_frozen: bool = True
+    """False: checkpoints and `hpcjobs export` hold only the parameters that train (requires_grad) and the buffers,
+    e.g. a LoRA task's adapters; model() must then rebuild the frozen ones identically on every start."""
 
 
 def load_task(ref: str, args: list[str]) -> Task:

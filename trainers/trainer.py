@@ -1,41 +1,40 @@
-"""The shared DDP trainer. Reads top to bottom: set up, resume from the newest readable finished checkpoint, loop,
-stop (at the end, or at a checkpoint when asked to)."""
+"""The shared trainer. Reads top to bottom: build the model under its strategy (ddp | fsdp), resume from the newest
+readable finished checkpoint, loop, stop (at the end, or at a checkpoint when asked to). What each part holds lives
+in its own module: the strategy (trainers.strategy), the saved parts and how they are written (trainers.checkpointer),
+the position and RNG streams (trainers.state), the data order (trainers.data), the logging (trainers.meter)."""
 
 from __future__ import annotations
 
-import random
+import dataclasses
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.utils.data import DataLoader, DistributedSampler
 
 from hpcjobs.contract import LaunchContract
-from hpcjobs.runfolder import RunFolder, append_jsonl
+from hpcjobs.runfolder import RunFolder
 from hpcjobs.states import FinalState, StopOutcome
-from trainers import checkpoint, faults, perf, preemption, resume, startup, tracking
+from trainers import checkpoint, faults, perf, preemption, resume, startup, strategy
+from trainers.checkpointer import METADATA, Checkpointer, Parts
 from trainers.config import ConfigError, ResumeError, TrainConfig
+from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
 from trainers.logtee import Tee
-from trainers.progress import Bar, Terminal, summary
-from trainers.resume import check_compatible, lr_lambda
+from trainers.meter import Meter
+from trainers.progress import summary
+from trainers.resume import Resumed, check_compatible, lr_lambda
+from trainers.state import Position, reseed, rng_state, seed_all, set_rng_state
 from trainers.task import Task
 
-__all__ = ["ResumeError", "Training", "check_compatible", "lr_lambda", "train"]  # also trainers.trainer's names
+__all__ = ["Meter", "ResumeError", "Training", "check_compatible", "default_optimizer", "lr_lambda", "rng_state",
+           "seed_all", "set_rng_state", "train"]  # also trainers.trainer's names
 
 
-@dataclass
-class Position:
-    """Where training stands: optimizer steps done, and the next micro-batch of which epoch to read."""
-
-    step: int = 0
-    epoch: int = 0
-    micro: int = 0
+SETTLE_S = 60.0
+"""How long a failing start waits for its save in flight to commit before it ends (trainers.checkpointer.settle)."""
 
 
 def log(ctx: DistContext, msg: str) -> None:
@@ -56,106 +55,6 @@ def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.op
     # The fused CUDA kernel updates every parameter in one launch per group (torch's default is the foreach path).
     on_cuda = all(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if on_cuda else None)
-
-
-def rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = cast("tuple[Any, ...]", np.random.get_state())  # the legacy tuple
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
-    if torch.cuda.is_available():  # this rank's device only: a resume may see other GPUs (one per task)
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-class EpochOrder(Sampler[Any]):
-    """This rank's samples of one epoch (DistributedSampler's shuffle), from micro-batch `start` on; `at()` moves it
-    before each pass over the loader. With workers it yields (epoch, index) pairs for SeededSamples."""
-
-    def __init__(self, dataset: Any, ctx: DistContext, cfg: TrainConfig, micro: int) -> None:
-        self.shards: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=ctx.world_size,
-                                                                  rank=ctx.rank, shuffle=True, seed=cfg.seed,
-                                                                  drop_last=True)
-        self.micro, self.with_epoch = micro, cfg.num_workers > 0
-        self.per_epoch = len(self.shards) // micro
-        if self.per_epoch == 0:
-            raise ValueError(f"the dataset ({len(dataset)} samples) is too small for one micro-batch of {micro} on "
-                             f"each of {ctx.world_size} ranks")
-        self.epoch = self.start = 0
-
-    def at(self, epoch: int, start: int) -> None:
-        self.epoch, self.start = epoch, start
-        self.shards.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        return (self.per_epoch - self.start) * self.micro
-
-    def __iter__(self) -> Iterator[Any]:
-        order = list(self.shards)[self.start * self.micro: self.per_epoch * self.micro]
-        return iter([(self.epoch, i) for i in order] if self.with_epoch else order)
-
-
-class SeededSamples(Dataset[Any]):
-    """The dataset as worker processes read it: each sample's Python, NumPy and torch RNGs are seeded from (seed,
-    epoch, index) before it is read. A worker's stream would otherwise depend on which worker got the sample and on
-    how many it read before, so random augmentation would differ across worker counts and after a mid-epoch resume.
-    Only used with workers: in the main process it would reset the training RNG (dropout)."""
-
-    def __init__(self, dataset: Any, seed: int) -> None:
-        self.dataset, self.seed = dataset, seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
-        s = int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
-        random.seed(s)
-        np.random.seed(s)
-        torch.manual_seed(s)
-        return self.dataset[index]
-
-
-def micro_batches(dataset: Any, ctx: DistContext, cfg: TrainConfig, micro: int, pos: Position) -> Iterator[Any]:
-    """Micro-batches forever, epoch after epoch, starting exactly at `pos` (so a resume reads what comes next).
-    One loader for the whole run: its workers (if any) stay up across epochs."""
-    order = EpochOrder(dataset, ctx, cfg, micro)
-    workers = cfg.num_workers
-    loader = DataLoader(SeededSamples(dataset, cfg.seed) if workers else dataset, batch_size=micro, sampler=order,
-                        drop_last=True, num_workers=workers, pin_memory=ctx.device.type == "cuda",
-                        persistent_workers=workers > 0,
-                        generator=torch.Generator().manual_seed(cfg.seed))  # not the global RNG: it is checkpointed
-    epoch, start = pos.epoch, pos.micro
-    while True:
-        order.at(epoch, start)
-        for i, batch in enumerate(loader, start):
-            yield epoch, i + 1, batch
-        epoch, start = epoch + 1, 0
 
 
 def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, device: torch.device,
@@ -215,84 +114,138 @@ class Training:
         if cfg.eval_every and task.val_data is None:
             raise ConfigError(f"--eval-every {cfg.eval_every}: task {task.name} has no validation set; valid: "
                               "--eval-every 0 for it. HINT: give the Task a val_data, or drop --eval-every")
-        device, world = ctx.device, ctx.world_size
+        world = ctx.world_size
         self.micro = cfg.micro_batch(world)
-        self.precision = resolve_precision(cfg.precision, device)
+        self.precision = resolve_precision(cfg.precision, ctx.device)
         self.lr = cfg.lr * cfg.lr_factor(world)
-        self.math = perf.configure_math(self.precision, cfg.deterministic, device)
-        threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
-        log(ctx, f"task {task.name} | {world} rank(s), {ctx.backend} on {device.type}, {threads} thread"
-                 f"{'s' * (threads != 1)} per rank | batch {self.micro}×"
-                 f"{cfg.grad_accum} per rank, {self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × "
-                 f"{cfg.lr_factor(world):g} ({cfg.lr_scaling} scaling) = {self.lr:g} | precision {self.precision}"
-                 + "".join(f", {word}" for word in (self.math, "compiled" if cfg.compile else "") if word))
-
-        # Same initial weights on every rank, then per-rank RNG streams (dropout differs across ranks).
-        seed_all(cfg.seed)
-        self.model = task.model().to(device)
-        self.optimizer = (task.optimizer(self.model.parameters(), self.lr) if task.optimizer
-                          else default_optimizer(self.model, self.lr, cfg))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
-        seed_all(cfg.seed * 100003 + ctx.rank + 1)
-        self.pos = Position()
+        self.math = perf.configure_math(self.precision, cfg.deterministic, ctx.device)
+        why = strategy.compile_unavailable(ctx.device) if cfg.compile else None
+        if why:
+            log(ctx, f"--compile: {why}; running eager (same results, slower). HINT: install it, or drop --compile")
+            self.cfg = cfg = dataclasses.replace(cfg, compile=False)
+        log(ctx, self.describe())
+        self.checkpointer = Checkpointer(run.checkpoints, ctx, cfg.keep)
+        # Without the frozen parameters (save_frozen=False), the model's state is partial: loaded not strictly.
+        self.state_options = StateDictOptions(ignore_frozen_params=not task.save_frozen, strict=task.save_frozen)
+        self.build()
         self.resumed_from = self.resume()
         self.prepare()
         self.take_over_run_folder()
 
+    def describe(self) -> str:
+        cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
+        threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
+        extras = (self.math, "compiled" * cfg.compile, "activation checkpointing" * cfg.activation_checkpointing,
+                  "CPU offload" * cfg.cpu_offload)
+        return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "
+                f"{threads} thread{'s' * (threads != 1)} per rank | batch {self.micro}×{cfg.grad_accum} per rank, "
+                f"{self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × {cfg.lr_factor(world):g} "
+                f"({cfg.lr_scaling} scaling) = {self.lr:g} | precision {self.precision}"
+                + "".join(f", {word}" for word in extras if word))
+
+    def build(self) -> None:
+        """The model (same initial weights on every rank) under its strategy, the optimizer and the GradScaler,
+        then per-rank RNG streams (dropout differs across ranks). Built again after a load that failed halfway."""
+        cfg, ctx = self.cfg, self.ctx
+        seed_all(cfg.seed)
+        self.model = self.task.model()
+        if cfg.strategy == "ddp":
+            self.model.to(ctx.device)  # FSDP2 moves each unit's shard to the device as it shards it
+        self.strategy = strategy.make(self.model, ctx, cfg, self.precision, self.task.parallelize)
+        self.optimizer = (self.task.optimizer(self.model.parameters(), self.lr) if self.task.optimizer
+                          else default_optimizer(self.model, self.lr, cfg))
+        fp16 = self.precision == "fp16"
+        if cfg.strategy == "fsdp":  # overflow in any rank's shard skips the step on every rank
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            self.scaler: torch.amp.GradScaler = ShardedGradScaler(ctx.device.type, enabled=fp16)
+        else:
+            self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=fp16)
+        seed_all(cfg.seed * 100003 + ctx.rank + 1)
+        self.pos = Position()
+        self.dirty = False
+
     def resume(self) -> checkpoint.CheckpointRef | None:
         """Always try to resume: the newest finished checkpoint that every rank can read wins; its LR schedule goes
-        on (re-planned only by --extend). Every state is read before any is applied, and none is kept once applied
-        (the loaded tensors would double the memory of the model and optimizer for the whole run)."""
+        on (re-planned only by --extend). Every rank's small files are read before any state is applied."""
         cfg, ctx = self.cfg, self.ctx
 
-        def check(meta: dict[str, Any], where: str) -> None:
-            check_compatible(meta, cfg, self.task, ctx.world_size, where)
+        def check(meta: dict[str, Any], where: str) -> bool:
+            return check_compatible(meta, cfg, self.task, ctx.world_size, where)
 
-        found = resume.newest_readable(self.folder, ctx, check)
+        found = resume.newest_readable(self.folder, ctx, check, self.load)
+        if found is None and self.dirty:
+            self.build()  # a load failed halfway: fresh weights and optimizer, as if it never happened
         self.anchor, note = resume.lr_anchor(found.meta, cfg, self.lr) if found else (None, "")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.anchor))
         if found is None:
             log(ctx, f"no finished checkpoint in {self.folder.checkpoints}: starting at step 0")
             return None
-        shared = found.shared
-        self.model.load_state_dict(shared["model"])
-        self.optimizer.load_state_dict(shared["optimizer"])
-        self.scheduler.load_state_dict(shared["scheduler"])
-        self.scaler.load_state_dict(shared["scaler"])
-        self.pos = Position(**shared["position"])
-        set_rng_state(found.mine["rng"])
+        self.scheduler.load_state_dict(found.shared["scheduler"])
+        saved_groups = found.shared.get("optimizer_groups") or found.shared["optimizer"]["param_groups"]
+        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
+            group["lr"] = saved["lr"]  # LambdaLR's constructor set the LR of step 0
+        self.scaler.load_state_dict(found.shared["scaler"])
+        self.pos = Position(**found.shared["position"])
+        if found.mine:
+            set_rng_state(found.mine["rng"])
+        else:  # resharded: the saved streams belong to other ranks (README, "Resharding")
+            reseed(cfg.seed, ctx.rank, self.pos.step)
+        resharded = "" if found.mine else f", resharded from {found.meta.get('world_size')} ranks"
         log(ctx, f"resumed from {found.ref.path} (step {self.pos.step}, epoch {self.pos.epoch}, micro-batch "
-                 f"{self.pos.micro})")
+                 f"{self.pos.micro}){resharded}")
         if note:
             log(ctx, f"schedule: {note}")
         return found.ref
 
+    def load(self, found: Resumed) -> None:
+        """Every rank: the checkpoint's model and optimizer tensors, read straight into this rank's (sharded)
+        tensors, then the optimizer's param groups. A checkpoint of save_checkpoint's single-file layout (written
+        before the sharded one) loads whole under ddp."""
+        self.dirty = True
+        if not (found.ref.path / METADATA).is_file() and "model" in found.shared:
+            if self.cfg.strategy != "ddp":
+                raise ResumeError(f"checkpoint {found.ref.path} is a single-file one; valid: --strategy ddp to "
+                                  "resume it. HINT: resume with ddp, the next checkpoint is sharded")
+            self.model.load_state_dict(found.shared["model"])
+            self.optimizer.load_state_dict(found.shared["optimizer"])
+            return
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_options)
+        optim_state.pop("param_groups", None)
+        self.checkpointer.load(found.ref, {"model": model_state, "optimizer": optim_state})
+        optim_state["param_groups"] = found.shared["optimizer_groups"]
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=self.state_options)
+
+    def parts(self) -> Parts:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_options)
+        shared = {"optimizer_groups": optim_state.pop("param_groups"), "scheduler": self.scheduler.state_dict(),
+                  "scaler": self.scaler.state_dict(), "position": vars(self.pos).copy()}
+        return Parts({"model": model_state, "optimizer": optim_state}, shared, {"rng": rng_state()})
+
     def prepare(self) -> None:
-        """Everything the loop reads: the validation set, the DDP wrapper, the data from the resumed position."""
+        """Everything the loop reads: the validation set, the compiled net, the data from the resumed position."""
         cfg, ctx, task = self.cfg, self.ctx, self.task
         self.val_set = task.val_data() if cfg.eval_every and task.val_data else None
         if cfg.eval_every and self.val_set is None:
             raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name}'s val_data gave no dataset")
         self.best = checkpoint.read_best(self.folder.checkpoints) if cfg.keep_best else None
-        device, world = ctx.device, ctx.world_size
-        # Gradients as views into DDP's buckets: no copy into the buckets and no second copy of the gradients.
-        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True) if world > 1 else None)
-        net = self.ddp or self.model
-        self.net = cast(nn.Module, torch.compile(net)) if cfg.compile else net
+        self.net = self.strategy.net
         self.agreement = preemption.Agreement(ctx.control_group)
         self.cadence = preemption.Cadence(cfg.stop_check_every, self.pos.step, ctx.control_group)
         dataset = task.train_data()
         self.data = micro_batches(dataset, ctx, cfg, self.micro, self.pos)
-        self.autocast = torch.autocast(device.type, dtype=torch.float16 if self.precision == "fp16" else
-                                       torch.bfloat16, enabled=self.precision in ("bf16", "fp16"))
-        if world > 1:
+        low = self.precision in ("bf16", "fp16") and not self.strategy.mixed_precision  # FSDP2 casts by itself
+        self.autocast = torch.autocast(ctx.device.type, dtype=torch.float16 if self.precision == "fp16" else
+                                       torch.bfloat16, enabled=low)
+        ddp = getattr(self.strategy, "ddp", None)
+        if ddp is not None:
             # The uncompiled DDP module: its graph is the same, and compiling an eval-mode graph first would make
             # the first step compile again for train mode.
-            settle_ddp_buckets(self.ddp or self.net, task, dataset, self.micro, device, self.autocast, self.optimizer)
+            settle_ddp_buckets(ddp, task, dataset, self.micro, ctx.device, self.autocast, self.optimizer)
         self.first_step = self.pos.step
         self.last_saved = self.pos.step if self.resumed_from is not None else -1
-        peak = perf.peak_flops(device, self.precision, tf32=self.math == "TF32 matmuls")
+        world = ctx.world_size
+        peak = perf.peak_flops(ctx.device, self.precision, tf32=self.math == "TF32 matmuls")
         self.meter = Meter(ctx, cfg, task, self.folder, self.micro * cfg.grad_accum * world, self.pos.step,
                            Tee.active, peak_flops=peak * world if peak and task.flops_per_sample else None)
 
@@ -324,6 +277,9 @@ class Training:
                 if self.stop_agreed():
                     return self.stop()
             return self.finish()
+        except BaseException:
+            self.checkpointer.settle(SETTLE_S)
+            raise
         finally:
             self.meter.close()
 
@@ -338,19 +294,18 @@ class Training:
         return self.agreement.any_rank_pipelined(preemption.requested_locally())
 
     def step(self) -> None:
-        """One optimizer step: grad_accum micro-batches (gradients all-reduced on the last one only)."""
+        """One optimizer step: grad_accum micro-batches, gradients reduced on the last one only."""
         cfg = self.cfg
         for i in range(cfg.grad_accum):
             self.pos.epoch, self.pos.micro, batch = next(self.data)
             batch = to_device(batch, self.ctx.device)
-            last = i == cfg.grad_accum - 1
-            with (self.ddp.no_sync() if self.ddp is not None and not last else _nullcontext), self.autocast:
+            with self.strategy.accumulate(last=i == cfg.grad_accum - 1), self.autocast:
                 loss = self.task.loss(self.net, batch) / cfg.grad_accum
             self.scaler.scale(loss).backward()
             self.meter.add(loss)
         if cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.strategy.clip(cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -373,30 +328,29 @@ class Training:
         if self.val_set is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             self.evaluate()
         if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
-            self.save()
+            self.save(background=cfg.async_save)
 
     def evaluate(self) -> None:
         step = self.pos.step
         val_loss = evaluate(self.model, self.task, self.val_set, self.ctx, self.micro, self.autocast)
         self.meter.record_eval(step, val_loss)
         if self.cfg.keep_best and (self.best is None or val_loss < self.best["value"]):
-            self.save()
+            self.save()  # in the foreground: best.json only ever names a committed checkpoint
             if self.ctx.is_main:
                 checkpoint.mark_best(self.folder.checkpoints, step, "val_loss", val_loss)
             self.best = {"step": step, "value": val_loss}
 
-    def save(self) -> None:
-        """Commit a checkpoint of this step, once: a stop or an end right after a periodic save reuses it."""
+    def save(self, background: bool = False) -> None:
+        """Commit a checkpoint of this step, once: a stop or an end right after a periodic save waits for that one
+        instead. In the foreground, every rank returns once it is committed."""
         if self.last_saved == self.pos.step:
+            if not background:
+                self.checkpointer.wait()
+                self.ctx.barrier()
             return
-        shared_state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                        "position": vars(self.pos).copy()}
         meta = {"config": self.cfg.as_dict(), "task": self.task.name, "task_config": self.task.config,
                 "lr_anchor": list(self.anchor) if self.anchor else None}  # how a resume re-plans the schedule
-        checkpoint.save_checkpoint(self.folder.checkpoints, self.pos.step, shared_state, {"rng": rng_state()},
-                                   rank=self.ctx.rank, world_size=self.ctx.world_size, barrier=self.ctx.barrier,
-                                   keep=self.cfg.keep, meta=meta)
+        self.checkpointer.save(self.pos.step, self.parts(), meta, background)
         self.last_saved = self.pos.step
 
     def stop(self) -> int:
@@ -415,90 +369,3 @@ class Training:
             self.folder.write_final(FinalState.FINISHED, f"reached step {step}", step, job_id=self.ctx.env.job_id)
             log(self.ctx, summary(self.folder, step, self.first_step, time.time() - self.t0))
         return 0
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_nullcontext = _NullContext()
-
-
-class Meter:
-    """Loss and throughput between logging intervals; the only host-device syncs happen in flush(). On rank 0 it
-    writes metrics.jsonl, logs to the --tracker trackers (trainers.tracking) and draws the progress bar when the
-    rank was started on a terminal (`terminal.was_tty`)."""
-
-    def __init__(self, ctx: DistContext, cfg: TrainConfig, task: Task, run: RunFolder, samples_per_step: int,
-                 start_step: int, terminal: Terminal | None, peak_flops: float | None = None) -> None:
-        self.ctx, self.run, self.samples_per_step = ctx, run, samples_per_step
-        self.tokens_per_sample = task.tokens_per_sample
-        self.flops_per_sample, self.peak_flops = task.flops_per_sample, peak_flops  # peak: all ranks together
-        self.loss_sum = torch.zeros((), device=ctx.device)
-        self.steps, self.total_steps = start_step, cfg.steps
-        self.restart = ctx.env.restart
-        self.bar: Bar | None = None
-        # Every rank checks the packages: a missing one refuses the start on all ranks alike, not on rank 0 alone.
-        tracking.require(cfg.trackers())
-        self.trackers = (tracking.open_trackers(cfg.trackers(), run, cfg.as_dict(), start_step) if ctx.is_main
-                         else [])
-        self.t0 = time.perf_counter()  # after opening them (seconds): the first interval's throughput is training's
-        if ctx.is_main and terminal is not None and terminal.was_tty:
-            self.bar = Bar(terminal, cfg.steps, start_step)
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss.detach()
-
-    def tick(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(step)
-
-    def flush(self, step: int, lr: float) -> None:
-        if self.ctx.world_size > 1:
-            torch.distributed.all_reduce(self.loss_sum)
-            self.loss_sum /= self.ctx.world_size
-        n = max(1, step - self.steps)
-        loss = self.loss_sum.item() / n
-        dt = time.perf_counter() - self.t0
-        samples_s = n * self.samples_per_step / dt if dt > 0 else 0.0
-        self.loss_sum.zero_()
-        self.steps, self.t0 = step, time.perf_counter()
-        if not self.ctx.is_main:
-            return
-        rec = {"step": step, "loss": loss, "lr": lr, "samples_per_s": samples_s, "time": time.time(),
-               "restart": self.restart}
-        if self.tokens_per_sample:
-            rec["tokens_per_s"] = samples_s * self.tokens_per_sample
-        if self.peak_flops:
-            rec["mfu"] = samples_s * self.flops_per_sample / self.peak_flops
-        append_jsonl(self.run.metrics, rec)
-        self.run.write_heartbeat(step, loss=loss, restart=self.restart)
-        tokens = f" | {rec['tokens_per_s']:,.0f} tok/s" if self.tokens_per_sample else ""
-        mfu = f" | MFU {rec['mfu']:.1%}" if self.peak_flops else ""
-        print(f"[hpcjobs rank 0] step {step} | loss {loss:.4f} | lr {lr:.3g} | {samples_s:,.1f} samples/s{tokens}"
-              f"{mfu}", flush=True)
-        values = {k: v for k, v in rec.items() if k not in ("step", "time", "restart")}
-        for tracker in self.trackers:
-            tracker.log(values, step)
-
-    def record_eval(self, step: int, val_loss: float) -> None:
-        if not self.ctx.is_main:
-            return
-        append_jsonl(self.run.metrics, {"step": step, "val_loss": val_loss, "time": time.time(),
-                                        "restart": self.restart})
-        print(f"[hpcjobs rank 0] step {step} | val_loss {val_loss:.4f}", flush=True)
-        for tracker in self.trackers:
-            tracker.log({"val_loss": val_loss}, step)
-
-    def close(self) -> None:
-        """Idempotent: the loop's `finally` closes it again after a stop or a failure. The trackers learn whether
-        the run is done (its last step logged) or only this start."""
-        for tracker in self.trackers:
-            tracker.close(finished=self.steps >= self.total_steps)
-        self.trackers = []
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None

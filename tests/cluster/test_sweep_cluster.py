@@ -21,6 +21,7 @@ import torch
 
 from conftest import REPO, hpcjobs, slurm, wait_for_state, wait_for_step
 from trainers import checkpoint
+from trainers.checkpointer import model_weights
 
 pytestmark = pytest.mark.cluster
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -31,7 +32,7 @@ TASK = ["trainers.tasks.lm", "--size", "tiny", "--seed", "5", "--steps", str(STE
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
     ref = checkpoint.latest(run / "checkpoints")
     assert ref is not None and ref.step == STEPS, (run, ref)
-    return checkpoint.load_checkpoint(ref, 0)[0]["model"]
+    return model_weights(ref)
 
 
 def starts(run: Path) -> list[dict]:

@@ -1,0 +1,56 @@
+"""What a run's position is, beyond its weights: the step, where the data stands, and each rank's RNG streams.
+Saved in every checkpoint (the position in shared.pt, the RNG states in each rank's rank-R.pt)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Position:
+    """Where training stands: optimizer steps done, and the next micro-batch of which epoch to read."""
+
+    step: int = 0
+    epoch: int = 0
+    micro: int = 0
+
+    def resharded(self, samples_per_micro_was: int, samples_per_micro: int) -> Position:
+        """This position at another world size, by samples consumed: `samples_per_micro` is the micro-batch size
+        times the world size (the samples all ranks read per micro-batch), before and now. A resume refuses a
+        change of the global batch (resume.check_reshard), so the division is exact."""
+        return Position(self.step, self.epoch, self.micro * samples_per_micro_was // samples_per_micro)
+
+
+def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = cast("tuple[Any, ...]", np.random.get_state())  # the legacy tuple
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if torch.cuda.is_available():  # this rank's device only: a resume may see other GPUs (one per task)
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def reseed(seed: int, rank: int, step: int) -> None:
+    """Fresh RNG streams for a rank that has no saved ones (a resharded resume): distinct per rank and per step."""
+    seed_all(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
