@@ -7,8 +7,9 @@ Writes bench/results/checkpoint.json and prints a summary. Two parts:
     AdamW state. Target: median save / median dd ≤ 1.3.
   - sharded (the shared trainer's `trainers.checkpointer`), 2 ranks under --strategy fsdp, ~500 MB in all
     (`--sharded-mb`), each round: a foreground save (from the state dict on: what the trainer pays), the same bytes
-    by dd, a background save (how long the caller is blocked, then until it is committed) and a load (bytes each rank
-    read, from /proc/self/io, against the checkpoint's size). Targets (issue 12): sync save ≤ 1.3 × dd; background
+    by dd, a background save (what training loses: the call plus how much longer the next training step takes than
+    a step without a save, then the time until it is committed) and a load (bytes each rank read, from
+    /proc/self/io, against the checkpoint's size). Targets (issue 12): sync save ≤ 1.3 × dd; background
     save blocks ≤ 0.1 × the sync save; a rank of a 2-rank checkpoint reads ≤ 0.6 × the checkpoint's bytes.
 """
 
@@ -91,12 +92,24 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
         model(torch.randn(4, width)).sum().backward()
         opt.step()
         ckpt = Checkpointer(folder / "sharded", ctx, keep=2)
+        x = torch.randn(64, width)
 
         def parts() -> Parts:
             m, o = get_state_dict(model, opt)
             groups = o.pop("param_groups")
             return Parts({"model": m, "optimizer": o}, {"optimizer_groups": groups}, {"rng": torch.get_rng_state()})
 
+        def step() -> float:
+            """One training step as the trainer runs it (the save in flight may hold the update back)."""
+            t = time.perf_counter()
+            model(x).square().mean().backward()
+            ckpt.before_update()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ctx.barrier()
+            return time.perf_counter() - t
+
+        plain = statistics.median(step() for _ in range(5))
         rows = []
         for r in range(rounds):
             ctx.barrier()
@@ -106,9 +119,11 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
             size = sum(f.stat().st_size for f in (folder / "sharded" / f"step-{2 * r}").iterdir())
             dd_s = time_dd(folder, size) if ctx.is_main else 0.0
             ctx.barrier()
+            plain = statistics.median([plain, step(), step()])
             t = time.perf_counter()
             ckpt.save(2 * r + 1, parts(), {}, background=True)
-            blocked_s = time.perf_counter() - t
+            in_save = time.perf_counter() - t
+            blocked_s = in_save + step() - plain  # what training lost: the call, then the next step's slowdown
             ckpt.wait()
             ctx.barrier()
             async_s = time.perf_counter() - t
@@ -116,8 +131,9 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
             o.pop("param_groups")
             before = read_bytes()
             ckpt.load(CheckpointRef(2 * r, folder / "sharded" / f"step-{2 * r}"), {"model": m, "optimizer": o})
-            rows.append({"sync_s": sync_s, "dd_s": dd_s, "blocked_s": blocked_s, "async_total_s": async_s,
-                         "read_bytes": read_bytes() - before, "checkpoint_bytes": size})
+            rows.append({"sync_s": sync_s, "dd_s": dd_s, "blocked_s": blocked_s, "in_save_call_s": in_save,
+                         "plain_step_s": plain, "async_total_s": async_s, "read_bytes": read_bytes() - before,
+                         "checkpoint_bytes": size})
         everyone: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(everyone, rows, group=ctx.control_group)
         if ctx.is_main:

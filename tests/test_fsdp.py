@@ -43,8 +43,9 @@ def test_cpu_offload_on_a_cpu_rank_is_refused_in_one_line(tmp_path: Path) -> Non
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(tmp_path / "run"), *ARGS,
                   "--strategy", "fsdp", "--cpu-offload", cwd=REPO, timeout=300)
     assert out.returncode == 2
-    said = [line for line in out.stderr.splitlines() if "--cpu-offload" in line]
-    assert len(said) == 1 and "valid: --cpu-offload on GPU ranks" in said[0] and "HINT:" in said[0], out.stderr
+    log = (tmp_path / "run" / "logs" / "restart-0" / "rank-0.log").read_text()
+    said = [line for line in log.splitlines() if line.startswith("hpcjobs: --cpu-offload")]
+    assert len(said) == 1 and "valid: --cpu-offload on GPU ranks" in said[0] and "HINT:" in said[0], log
 
 
 def test_the_default_units_are_the_blocks_and_activation_checkpointing_wraps_each_once() -> None:

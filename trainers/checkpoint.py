@@ -158,8 +158,8 @@ def full_disk_explained(root: Path, tmp: Path, step: int, rank: int) -> Iterator
     """Writes of a checkpoint: a full disk or quota inside becomes a CheckpointSpaceError; anything else passes."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
-        full = space_error(e, root, tmp, step, rank)
+    except BaseException as e:  # OSError; RuntimeError from torch.save; DCP's CheckpointException (a BaseException)
+        full = space_error(e, root, tmp, step, rank) if isinstance(e, Exception) or hasattr(e, "failures") else None
         if full is None:
             raise
         raise full from None
@@ -171,7 +171,9 @@ def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -
     back, and nothing in it was ever going to be loaded."""
     cause: BaseException | None = e
     while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
-        cause = cause.__cause__ or cause.__context__
+        wrapped = getattr(cause, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+        inner = [f[0] if isinstance(f, tuple) else f for f in wrapped.values()] if isinstance(wrapped, dict) else []
+        cause = next((x for x in inner if isinstance(x, BaseException)), None) or cause.__cause__ or cause.__context__
     if cause is None:
         return None
     if rank == 0:

@@ -7,31 +7,42 @@ A step folder (RUN/checkpoints/step-N/) holds
   - rank-R.pt (every rank): its RNG states;
   - meta.json and FINISHED, written by rank 0 once every rank's files are on disk, then the rename
     (`.step-N.tmp` → `step-N`). A kill at any point leaves the earlier checkpoints and at most a `.tmp` folder.
-All of it is read without executing pickled code: DCP reads tensors with weights_only, and only tensors are asked
-for; the small files go through torch.load(weights_only=True).
+All of it is read without executing pickled code: `.metadata` (a pickle) through an allowlist of DCP's own metadata
+classes (SafeReader), tensors with weights_only (a checkpoint holding anything else is refused), the small files
+through torch.load(weights_only=True).
 
 Loading asks DCP for exactly the tensors this rank holds now, so a rank reads its own shards only, and a checkpoint
 written by N ranks loads at M ranks (DCP maps the saved chunks onto the new sharding).
 
 Asynchronous saves: the tensors are copied into host buffers (kept from one save to the next, pinned on GPUs), then a
-thread writes, fsyncs and commits while training goes on. Its collectives (DCP's planning) run on a gloo group of
-their own (DistContext.checkpoint_group). At most one save is in flight: the next save, a stop or the end waits for
-it, and an error in the thread is raised there.
+thread writes, fsyncs and commits while training goes on. Only the model's buffers are copied before save() returns
+(a forward may change them); parameters and optimizer state change only in the optimizer's step, so the thread copies
+them while the next step's forward and backward run, and the trainer calls `before_update()` before each optimizer
+step to wait for that copy. Its collectives (DCP's planning) run on a gloo group of their own
+(DistContext.checkpoint_group). At most one save is in flight: the next save, a stop or the end waits for it, and an
+error in the thread is raised there.
 """
 
 from __future__ import annotations
 
 import copy
+import pickle
+import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from trainers import checkpoint
+from trainers.config import ResumeError
 from trainers.dist import DistContext
 from trainers.faults import maybe_die
 
@@ -44,11 +55,14 @@ class Parts:
     """One checkpoint's content, by where it goes."""
 
     tensors: dict[str, Any]
-    """The model and optimizer tensors (DTensor shards under FSDP): DCP files."""
+    """The model and optimizer tensors (DTensor shards under FSDP): DCP files, {"model": {...}, "optimizer": {...}}."""
     shared: dict[str, Any]
     """Small states every rank has the same copy of: shared.pt, written by rank 0."""
     own: dict[str, Any]
     """This rank's states (its RNG streams): rank-R.pt."""
+    buffers: frozenset[str] = frozenset()
+    """Keys of tensors["model"] that a forward may change (buffers: running statistics, DDP's broadcast): an
+    asynchronous save copies them at once. Everything else only changes in the optimizer's step."""
 
 
 class Checkpointer:
@@ -56,30 +70,66 @@ class Checkpointer:
         self.root, self.ctx, self.keep = root, ctx, keep
         self.buffers: dict[str, torch.Tensor] = {}
         self.pending: threading.Thread | None = None
+        self.staged: threading.Event | None = None
         self.failed: BaseException | None = None
 
     def save(self, step: int, parts: Parts, meta: dict[str, Any], background: bool) -> None:
-        """Save step `step` on every rank; returns once committed, or (`background`) once the tensors are staged."""
-        self.wait()
+        """Save step `step` on every rank; returns once committed, or (`background`) once the tensors are staged.
+        A background save that failed is raised here, except before a foreground save (a stop, the end), which is
+        then the retry: a preemption must not lose its checkpoint to an earlier failure."""
+        try:
+            self.wait()
+        except Exception as e:
+            if background:
+                raise
+            print(f"hpcjobs: rank {self.ctx.rank}: the background save before step {step} failed ({e}); saving step "
+                  f"{step} in the foreground", file=sys.stderr, flush=True)
         tmp = checkpoint.begin(self.root, step, self.ctx.rank, self.ctx.barrier, self.keep)
         if not background:
             self.write(step, tmp, parts, meta)
             self.ctx.barrier()  # every rank returns knowing the checkpoint is committed
             return
-        staged = Parts(stage(parts.tensors, self.buffers, ""), copy.deepcopy(parts.shared), copy.deepcopy(parts.own))
-        self.pending = threading.Thread(target=self.write_in_background, args=(step, tmp, staged, meta),
+        model = parts.tensors["model"]
+        now = {"model": stage({k: v for k, v in model.items() if k in parts.buffers}, self.buffers, "model")}
+        later = {"model": {k: v for k, v in model.items() if k not in parts.buffers},
+                 "optimizer": parts.tensors["optimizer"]}
+        small = Parts(now, copy.deepcopy(parts.shared), copy.deepcopy(parts.own))
+        self.staged = threading.Event()
+        self.pending = threading.Thread(target=self.write_in_background, args=(step, tmp, small, later, meta),
                                         name=f"hpcjobs-save-{step}", daemon=True)
         self.pending.start()
 
-    def write_in_background(self, step: int, tmp: Path, parts: Parts, meta: dict[str, Any]) -> None:
+    def write_in_background(self, step: int, tmp: Path, parts: Parts, later: dict[str, Any],
+                            meta: dict[str, Any]) -> None:
+        """The thread of an asynchronous save: copy the parameters and optimizer state into the host buffers while
+        the next step's forward and backward run (they change neither), let the optimizer step go on, then write."""
+        assert self.staged is not None
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)  # the current device is per thread: copies wait on this one's stream
         try:
+            try:
+                staged = stage(later, self.buffers, "")
+            finally:
+                self.staged.set()
+            parts.tensors = {"model": {**parts.tensors["model"], **staged["model"]}, "optimizer": staged["optimizer"]}
             self.write(step, tmp, parts, meta)
         except BaseException as e:  # noqa: BLE001 - raised by wait(), on the training thread
             self.failed = e
 
     def write(self, step: int, tmp: Path, parts: Parts, meta: dict[str, Any]) -> None:
         rank = self.ctx.rank
-        checkpoint.write_files(self.root, tmp, step, rank, parts.shared, parts.own)
+        try:
+            checkpoint.write_files(self.root, tmp, step, rank, parts.shared, parts.own)
+            failed = ""
+        except Exception as e:  # noqa: BLE001 - every rank must learn it before DCP's collectives, or they would hang
+            failed, error = f"rank {rank}: {e}", e
+        if self.ctx.checkpoint_group is not None:
+            words: list[Any] = [None] * self.ctx.world_size
+            dist.all_gather_object(words, failed, group=self.ctx.checkpoint_group)
+            failed = failed or next((w for w in words if w), "")
+        if failed:
+            raise error if failed.startswith(f"rank {rank}: ") else RuntimeError(
+                f"checkpoint step-{step} was not written: {failed}")
         maybe_die("save-shards", step)
         with checkpoint.full_disk_explained(self.root, tmp, step, rank):
             # Returns on rank 0 only once every rank has written its shards (DCP gathers their results before it
@@ -90,11 +140,18 @@ class Checkpointer:
         if rank == 0:
             checkpoint.commit(self.root, tmp, step, {"world_size": self.ctx.world_size, **meta}, self.keep)
 
+    def before_update(self) -> None:
+        """Before each optimizer step (the only thing that changes parameters and optimizer state): wait until a
+        save in flight has copied them."""
+        if self.staged is not None:
+            self.staged.wait()
+            self.staged = None
+
     def wait(self) -> None:
         """Until the save in flight (if any) is committed on this rank's side; raises what it raised."""
         if self.pending is not None:
             self.pending.join()
-            self.pending = None
+            self.pending = self.staged = None
         failed, self.failed = self.failed, None
         if failed is not None:
             raise failed
@@ -108,13 +165,74 @@ class Checkpointer:
 
     def load(self, ref: checkpoint.CheckpointRef, tensors: dict[str, Any]) -> None:
         """Fill `tensors` (this rank's model and optimizer tensors, any sharding) in place from `ref`; every rank
-        calls it. Raises checkpoint.CorruptCheckpoint on every rank if any rank could not read its part."""
+        calls it. Raises ResumeError when the checkpoint holds other tensors than these (the model changed), and
+        checkpoint.CorruptCheckpoint on every rank if any rank could not read its part."""
         if not (ref.path / METADATA).is_file():
             raise checkpoint.CorruptCheckpoint(f"{METADATA} is missing (not a sharded checkpoint)")
+        reader = SafeReader(ref.path)
         try:
-            dcp.load(tensors, storage_reader=dcp.FileSystemReader(ref.path), process_group=self.ctx.checkpoint_group)
-        except Exception as e:  # noqa: BLE001 - DCP wraps every rank's error into one CheckpointException
+            saved = reader.read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file: pickle raises many types
             raise unreadable(e) from None
+        differ = [why for key, t in flat(tensors) if (why := mismatch(key, t, saved))]
+        if differ:
+            raise ResumeError(f"checkpoint {ref.path} holds other tensors than this model and optimizer "
+                              f"({'; '.join(differ[:3])}{'; …' if len(differ) > 3 else ''}). HINT: resume with "
+                              "the model it was written for, or start a new --run-dir")
+        try:
+            dcp.load(tensors, storage_reader=reader, process_group=self.ctx.checkpoint_group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's error into one
+            raise unreadable(e) from None
+
+
+SAFE_IN_METADATA = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("torch", "Size"),
+                    ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                    *(("torch.distributed.checkpoint.metadata", name) for name in (
+                        "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                        "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+"""What a `.metadata` of this trainer's checkpoints is made of (tensors only: no BytesStorageMetadata, whose entries
+DCP would unpickle with weights_only=False), and torch's dtypes."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in SAFE_IN_METADATA or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's {METADATA}")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's reader, but `.metadata` (a pickle) is read with an allowlist: a checkpoint is data, never code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(str(self.path)) / METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{METADATA} holds a {type(metadata).__name__}")
+        storage = metadata.storage_meta or StorageMeta()
+        storage.load_id = self.load_id  # what DCP's own reader does
+        metadata.storage_meta = storage
+        return metadata
+
+
+def flat(tensors: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(DCP's key, tensor) of a nested state dict: keys joined with dots, as DCP flattens them."""
+    if isinstance(tensors, dict):
+        return [pair for k, v in tensors.items() for pair in flat(v, f"{prefix}{k}.")]
+    return [(prefix[:-1], tensors)] if isinstance(tensors, torch.Tensor) else []
+
+
+def mismatch(key: str, t: torch.Tensor, saved: dict[str, Any]) -> str:
+    """Why `key` cannot be loaded from a checkpoint's entries ("" if it can)."""
+    entry = saved.get(key)
+    if entry is None:
+        return f"{key} is not in it"
+    if not isinstance(entry, TensorStorageMetadata):
+        return f"{key} is not a tensor there"
+    if tuple(entry.size) != tuple(t.shape):
+        return f"{key} is {tuple(entry.size)} there, {tuple(t.shape)} here"
+    return ""
 
 
 def stage(state: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
@@ -124,9 +242,8 @@ def stage(state: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
     if isinstance(state, dict):
         return {k: stage(v, buffers, f"{key}.{k}") for k, v in state.items()}
     if isinstance(state, DTensor):
-        local = _stage_tensor(state.to_local(), buffers, key)
-        return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False, shape=state.shape,
-                                  stride=state.stride())
+        # The constructor, not DTensor.from_local: that would copy the host buffer back onto the mesh's device.
+        return DTensor(_stage_tensor(state.to_local(), buffers, key), state._spec, requires_grad=False)
     if isinstance(state, torch.Tensor):
         return _stage_tensor(state, buffers, key)
     return copy.deepcopy(state)
@@ -151,7 +268,7 @@ def model_weights(ref: checkpoint.CheckpointRef) -> dict[str, torch.Tensor]:
         return dict(shared["model"])
     try:
         return offline_tensors(ref.path, "model.")
-    except Exception as e:  # noqa: BLE001 - DCP raises its own types for torn files
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises its own types for torn files
         raise unreadable(e) from None
 
 
@@ -162,11 +279,13 @@ def unreadable(e: BaseException) -> checkpoint.CorruptCheckpoint:
 def offline_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     """The full tensors saved under `prefix` (e.g. "model.") in a sharded step folder, on the CPU, without a process
     group: for `hpcjobs export` and tests. Every shard is read (this is the whole model, on purpose)."""
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)
     meta = reader.read_metadata()
     wanted = {fqn: torch.empty(m.size, dtype=m.properties.dtype)
               for fqn, m in meta.state_dict_metadata.items()
-              if fqn.startswith(prefix) and isinstance(m, dcp.metadata.TensorStorageMetadata)}
-    dcp.load(wanted, storage_reader=reader, no_dist=True)
+              if fqn.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
     return {fqn.removeprefix(prefix): t for fqn, t in wanted.items()}
 

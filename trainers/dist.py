@@ -147,10 +147,11 @@ def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
 
 @contextlib.contextmanager
 def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None,
-                group_of_one: bool = False) -> Iterator[DistContext]:
+                group_of_one: bool = False, cpu_collectives: bool = False) -> Iterator[DistContext]:
     """Join the job's process group (if more than one rank, or `group_of_one`: FSDP2 needs one even alone) and
     always leave it, whatever happens inside. `trace_prefix`: where NCCL's flight recorder dumps
-    (RUN/nccl-trace/rank-) unless the environment says."""
+    (RUN/nccl-trace/rank-) unless the environment says. `cpu_collectives`: the default group also reduces CPU
+    tensors (gloo beside NCCL), as FSDP2's CPU offload needs for the gradient norm of host-held shards."""
     startup.mark("imported")  # torch, the trainer and the task are loaded: what is left is the rendezvous
     env = from_environ(os.environ)
     backend, device = pick_backend(env)
@@ -163,6 +164,8 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
         for name, value in flight_recorder_env(trace_prefix).items():
             os.environ.setdefault(name, value)
     ctx = DistContext(env, device, backend)
+    if cpu_collectives and backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl"
     if env.world_size > 1:
         try:
             dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",

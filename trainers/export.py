@@ -57,12 +57,17 @@ def model_state(ref: checkpoint.CheckpointRef) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in weights.items()}
 
 
-def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:
+def check_output(out: Path, force: bool) -> None:
+    """Before anything is read: an -o that would be refused is refused at once."""
     if out.suffix not in FORMATS:
         raise ExportError(f"-o {out}: the suffix {out.suffix or '(none)'} is not a format; valid: "
                           f"{', '.join(FORMATS)}. HINT: e.g. -o model.safetensors")
     if out.exists() and not force:
         raise ExportError(f"{out} already exists; nothing was written. HINT: pass --force to overwrite, or -o NEW.")
+
+
+def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:
+    check_output(out, force)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         if out.suffix == ".safetensors":
@@ -88,9 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
     ns = p.parse_args(argv)
     try:
+        out = Path(ns.output)
+        check_output(out, ns.force)
         ref = pick(RunFolder(ns.run_dir), ns.step)
         state = model_state(ref)
-        out = Path(ns.output)
         write(state, out, ns.force)
     except ExportError as e:
         print(f"hpcjobs export: error: {e}", file=sys.stderr)

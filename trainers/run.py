@@ -26,7 +26,8 @@ def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchCon
         return task_help(task_ref)
     task = load_task_checked(task_ref, task_args)
     cfg, _ = parse_trainer_args(args, task.defaults)  # the task's suggestions under the flags given
-    with distributed(trace_prefix=run.nccl_traces / "rank-", group_of_one=cfg.strategy == "fsdp") as ctx:
+    with distributed(trace_prefix=run.nccl_traces / "rank-", group_of_one=cfg.strategy == "fsdp",
+                     cpu_collectives=cfg.cpu_offload) as ctx:
         try:
             return train(task, cfg, run, ctx, contract)
         except ConfigError:

@@ -18,12 +18,8 @@ class Position:
     step: int = 0
     epoch: int = 0
     micro: int = 0
-
-    def resharded(self, samples_per_micro_was: int, samples_per_micro: int) -> Position:
-        """This position at another world size, by samples consumed: `samples_per_micro` is the micro-batch size
-        times the world size (the samples all ranks read per micro-batch), before and now. A resume refuses a
-        change of the global batch (resume.check_reshard), so the division is exact."""
-        return Position(self.step, self.epoch, self.micro * samples_per_micro_was // samples_per_micro)
+    """Micro-batches this rank has read of the epoch. The same count at any world size means the same samples
+    consumed, since a --reshard keeps the global batch (trainers.resume.check_layout)."""
 
 
 def rng_state() -> dict[str, Any]:

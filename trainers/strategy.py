@@ -102,7 +102,9 @@ class Fsdp:
                 if cfg.compile:
                     unit.compile()
                 fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
-        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
+        # The root's outputs in fp32, as autocast leaves a loss: the loss and its softmax never run in bf16/fp16.
+        root = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        fully_shard(model, mesh=mesh, mp_policy=root, offload_policy=offload)
         self.net = model
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager[None]:

@@ -33,6 +33,7 @@ __all__ = ["Meter", "ResumeError", "Training", "check_compatible", "default_opti
            "seed_all", "set_rng_state", "train"]  # also trainers.trainer's names
 
 
+WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 SETTLE_S = 60.0
 """How long a failing start waits for its save in flight to commit before it ends (trainers.checkpointer.settle)."""
 
@@ -220,7 +221,11 @@ class Training:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_options)
         shared = {"optimizer_groups": optim_state.pop("param_groups"), "scheduler": self.scheduler.state_dict(),
                   "scaler": self.scaler.state_dict(), "position": vars(self.pos).copy()}
-        return Parts({"model": model_state, "optimizer": optim_state}, shared, {"rng": rng_state()})
+        # State-dict keys drop the wrappers' parts of module names (activation checkpointing, compile).
+        buffers = {".".join(p for p in name.split(".") if p not in WRAPPER_NAMES)
+                   for name, _ in self.model.named_buffers()}
+        return Parts({"model": model_state, "optimizer": optim_state}, shared, {"rng": rng_state()},
+                     frozenset(buffers))
 
     def prepare(self) -> None:
         """Everything the loop reads: the validation set, the compiled net, the data from the resumed position."""
@@ -306,6 +311,7 @@ class Training:
         if cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             self.strategy.clip(cfg.grad_clip)
+        self.checkpointer.before_update()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()

@@ -241,7 +241,8 @@ if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and os.environ.get("SLURM_P
 """
 
 
-@pytest.mark.parametrize("path", ["submit", "sbatch"])
+# CI runs the rendered script's path (~5 min); the submit path shares the node side and runs with -m slow.
+@pytest.mark.parametrize("path", [pytest.param("submit", marks=pytest.mark.slow), "sbatch"])
 def test_a_time_limit_signal_that_comes_while_ranks_start_neither_kills_nor_is_missed(
         path: str, folder: Path, reference: dict[str, torch.Tensor]) -> None:
     """Slurm sends the time-limit signal at its first periodic check (every 30 s) once the job is within
