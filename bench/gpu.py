@@ -167,9 +167,25 @@ def resume(a: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def fsdp(a: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """The FSDP path (issue 12): bf16, activation checkpointing, compile, against ddp on the same model; tokens/s
+    and the peak GPU memory the trainer logged (metrics.jsonl's peak_mem_gib)."""
+    rows = []
+    for strategy, extra in (("ddp", []), ("fsdp", []), ("fsdp", ["--activation-checkpointing"]),
+                            ("fsdp", ["--activation-checkpointing", "--compile"])):
+        run = tmp / f"fsdp-{strategy}-{len(extra)}"
+        got = trainer_run(run, [*lm_args(a.size, a.batch, a.steps), "--precision", "bf16", "--strategy", strategy,
+                                *extra])
+        recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        got["peak_mem_gib"] = max((r.get("peak_mem_gib", 0.0) for r in recs), default=None)
+        rows.append({"strategy": strategy, "flags": extra, **got})
+        print(f"{strategy} {' '.join(extra)}: {got['tokens_per_s']} tok/s, peak {got['peak_mem_gib']} GiB", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="throughput,compile,determinism,resume")
+    p.add_argument("--parts", default="throughput,compile,determinism,resume,fsdp")
     p.add_argument("--size", default="large")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
@@ -189,7 +205,8 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d"), "model": f"trainers.tasks.lm --size {a.size}",
                     "batch": a.batch, "steps": a.steps})
     parts = {"throughput": lambda t: throughput(a, t, False), "compile": lambda t: throughput(a, t, True),
-             "determinism": lambda t: determinism(a, t), "resume": lambda t: resume(a, t)}
+             "determinism": lambda t: determinism(a, t), "resume": lambda t: resume(a, t),
+             "fsdp": lambda t: fsdp(a, t)}
     with tempfile.TemporaryDirectory() as tmp:
         for part in a.parts.split(","):
             t0 = time.perf_counter()
