@@ -184,7 +184,8 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
     elif group_of_one:  # an in-process store: no port, no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device if device.type == "cuda" else None)
-        ctx.checkpoint_group = dist.group.WORLD
+        # Never the default group: on NCCL, a save thread's collectives would share the training's communicator.
+        ctx.checkpoint_group = dist.new_group(backend="gloo")
     startup.mark("joined")
     try:
         yield ctx
