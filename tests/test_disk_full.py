@@ -43,3 +43,53 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_previous_one_intact(tmp_path:
     assert "HINT: free space there" in lines["ERROR"] and "\n" not in lines["ERROR"]
     assert lines["LEFT"] == "['step-1']"  # the unfinished .step-2.tmp is gone: its space is given back
     assert lines["LATEST"] == "1 True"
+
+
+SHARDED = r'''
+import sys, time, torch
+from pathlib import Path
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from trainers import checkpoint
+from trainers.checkpointer import Checkpointer, Parts, model_weights
+from trainers.dist import DistContext
+from trainers.distenv import DistEnv
+root = Path(sys.argv[1]) / "checkpoints"
+env = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "0", 0, "single")
+model = torch.nn.Linear(300, 1000)  # 1.2 MB of weights, 3.6 MB with AdamW's moments: one fits in 6 MiB, two do not
+opt = torch.optim.AdamW(model.parameters())
+model(torch.ones(1, 300)).sum().backward()
+opt.step()
+def parts():
+    m, o = get_state_dict(model, opt)
+    o.pop("param_groups")
+    return Parts({"model": m, "optimizer": o}, {}, {"rng": 1})
+ckpt = Checkpointer(root, DistContext(env, torch.device("cpu"), "gloo"), keep=2)
+ckpt.save(1, parts(), {}, background=False)
+ckpt.save(2, parts(), {}, background=True)
+try:
+    for _ in range(600):  # the trainer's steps: each asks whether the save in flight failed
+        ckpt.before_update()
+        ckpt.check()
+        time.sleep(0.01)
+except checkpoint.CheckpointSpaceError as e:
+    print("ERROR", e)
+print("LEFT", sorted(p.name for p in root.iterdir()))
+ref = checkpoint.latest(root)
+print("LATEST", ref.step, bool(torch.equal(model_weights(ref)["weight"], model.weight.detach())))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (CI has both)")
+def test_a_background_save_that_does_not_fit_is_raised_at_the_next_step(tmp_path: Path) -> None:
+    """The trainer's sharded, asynchronous save: the full disk is raised on the training thread at the next step
+    (not one interval later), with the same one line, the unfinished folder removed, the previous one loadable."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    out = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=6M tmpfs "$1" && exec "$2" -c "$3" "$1"',
+                          "sh", str(disk), sys.executable, SHARDED], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["ERROR"].startswith(f"checkpoint step-2 does not fit in {disk}/checkpoints: No space left on device ")
+    assert "step-1 is intact" in lines["ERROR"] and "\n" not in lines["ERROR"]
+    assert lines["LEFT"] == "['step-1']"
+    assert lines["LATEST"] == "1 True"

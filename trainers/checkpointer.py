@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import shutil
 import sys
 import threading
 import warnings
@@ -120,16 +121,22 @@ class Checkpointer:
         rank = self.ctx.rank
         try:
             checkpoint.write_files(self.root, tmp, step, rank, parts.shared, parts.own)
-            failed = ""
+            mine: tuple[str, bool] = ("", False)
         except Exception as e:  # noqa: BLE001 - every rank must learn it before DCP's collectives, or they would hang
-            failed, error = f"rank {rank}: {e}", e
+            mine, error = (str(e), isinstance(e, checkpoint.CheckpointSpaceError)), e
+        words = [mine]
         if self.ctx.checkpoint_group is not None:
-            words: list[Any] = [None] * self.ctx.world_size
-            dist.all_gather_object(words, failed, group=self.ctx.checkpoint_group)
-            failed = failed or next((w for w in words if w), "")
-        if failed:
-            raise error if failed.startswith(f"rank {rank}: ") else RuntimeError(
-                f"checkpoint step-{step} was not written: {failed}")
+            words = [("", False)] * self.ctx.world_size
+            dist.all_gather_object(words, mine, group=self.ctx.checkpoint_group)
+        if mine[0]:
+            raise error
+        failed = next((w for w in words if w[0]), None)
+        if failed is not None:  # another rank's: the same error here (a full disk is a full disk on every rank)
+            if failed[1]:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise checkpoint.CheckpointSpaceError(failed[0])
+            raise RuntimeError(f"checkpoint step-{step} was not written: {failed[0]}")
         maybe_die("save-shards", step)
         with checkpoint.full_disk_explained(self.root, tmp, step, rank):
             # Returns on rank 0 only once every rank has written its shards (DCP gathers their results before it
@@ -139,6 +146,12 @@ class Checkpointer:
         maybe_die("save-written", step)
         if rank == 0:
             checkpoint.commit(self.root, tmp, step, {"world_size": self.ctx.world_size, **meta}, self.keep)
+
+    def check(self) -> None:
+        """After each step: a background save that has failed is raised now, not at the next save (a full disk
+        should end the run at once, not after another interval that cannot be saved)."""
+        if self.pending is not None and self.failed is not None and not self.pending.is_alive():
+            self.wait()
 
     def before_update(self) -> None:
         """Before each optimizer step (the only thing that changes parameters and optimizer state): wait until a

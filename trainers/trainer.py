@@ -327,6 +327,7 @@ class Training:
             log(self.ctx, f"first step done: training collectives now time out after {seconds:g} s")
 
     def after_step(self) -> None:
+        self.checkpointer.check()
         cfg, step = self.cfg, self.pos.step
         if step % cfg.log_every == 0 or step == cfg.steps:
             self.meter.flush(step, float(self.scheduler.get_last_lr()[0]))
