@@ -41,7 +41,7 @@ def test_literal_two_by_eight_submit_completes_across_both_nodes() -> None:
         assert sorted(hosts) == list(range(16))
         assert set(hosts.values()) == {"node1", "node2"}
         log0 = (run / "logs" / "restart-0" / "rank-0.log").read_text()
-        assert "16 rank(s), gloo on cpu" in log0 and "finished at step 20" in log0
+        assert "16 rank(s), ddp, gloo on cpu" in log0 and "finished at step 20" in log0
         assert json.loads((run / "final.json").read_text())["state"] == "finished"
         status = json.loads(hpcjobs("status", rec["job_id"], "--json").stdout)
         assert status["state"] == "COMPLETED" and status["last_step"] == 20
