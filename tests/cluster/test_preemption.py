@@ -104,12 +104,13 @@ def report(trigger: str, path: str, run: Path, job: str) -> dict[str, object]:
     """Steps lost = steps done before a stop that the next start had to redo; latency from the stop records."""
     records = [json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines()]
     stops = [r for r in records if "stopped" in r]
+    # In restart order: restart-10 sorts before restart-2 by name.
+    logs = sorted((run / "logs").glob("restart-*/rank-0.log"), key=lambda p: int(p.parent.name.split("-")[1]))
     resumed = []
-    for log in sorted((run / "logs").glob("restart-*/rank-0.log"))[1:]:
+    for log in logs[1:]:
         m = re.search(r"resumed from .* \(step (\d+),", log.read_text())
         resumed.append(int(m.group(1)) if m else 0)
-    beats = [int(m.group(1)) for log in sorted((run / "logs").glob("restart-*/rank-0.log"))
-             for m in re.finditer(r"step (\d+) \| loss", log.read_text())]
+    beats = [int(m.group(1)) for log in logs for m in re.finditer(r"step (\d+) \| loss", log.read_text())]
     lost = [max(0, s["step"] - r) for s, r in zip(stops, resumed, strict=False)] if stops else [max(beats, default=0)]
     row = {"trigger": trigger, "path": path, "job": job, "restarts": len(resumed),
            "reasons": [s.get("stopped") for s in stops], "signals": [s.get("signal") for s in stops],
