@@ -166,9 +166,8 @@ def full_disk_explained(root: Path, tmp: Path, step: int, rank: int) -> Iterator
 
 
 def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -> CheckpointSpaceError | None:
-    """The error to raise when `e` (or what it wraps: torch.save turns the OSError into a RuntimeError) is a full
-    disk or quota, None otherwise. Rank 0 removes the unfinished folder at once: its space is what the user needs
-    back, and nothing in it was ever going to be loaded."""
+    """The error to raise when `e` (or what it wraps: torch.save turns the OSError into a RuntimeError, DCP into a
+    CheckpointException) is a full disk or quota, None otherwise. The unfinished folder is removed at once."""
     cause: BaseException | None = e
     while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
         wrapped = getattr(cause, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
@@ -176,8 +175,9 @@ def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -
         cause = next((x for x in inner if isinstance(x, BaseException)), None) or cause.__cause__ or cause.__context__
     if cause is None:
         return None
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Every rank (whichever removes it first): the space is what the user needs back, and what the ranks need to
+    # record their failure in the run folder; nothing in it was ever going to be loaded.
+    shutil.rmtree(tmp, ignore_errors=True)
     previous = latest(root)
     size = sum(p.stat().st_size for p in previous.path.iterdir()) if previous else None
     free = shutil.disk_usage(root).free

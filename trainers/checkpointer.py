@@ -133,8 +133,7 @@ class Checkpointer:
         failed = next((w for w in words if w[0]), None)
         if failed is not None:  # another rank's: the same error here (a full disk is a full disk on every rank)
             if failed[1]:
-                if rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)
                 raise checkpoint.CheckpointSpaceError(failed[0])
             raise RuntimeError(f"checkpoint step-{step} was not written: {failed[0]}")
         maybe_die("save-shards", step)
