@@ -30,14 +30,25 @@ print("LATEST", ref.step, bool(torch.equal(checkpoint.load_checkpoint(ref, 0)[0]
 '''
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (CI has both)")
-def test_a_checkpoint_that_does_not_fit_leaves_the_previous_one_intact(tmp_path: Path) -> None:
+NEEDS_UNSHARE = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                   reason="needs root and unshare (CI has both)")
+
+
+def on_small_disk(tmp_path: Path, size: str, script: str) -> tuple[Path, dict[str, str]]:
+    """Run `script` with a fresh tmpfs of `size` as its argv[1] (a private mount namespace); (that folder, its
+    printed `KEY value` lines), after checking that it exited 0."""
     disk = tmp_path / "small"
     disk.mkdir()
-    out = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=2M tmpfs "$1" && exec "$2" -c "$3" "$1"',
-                          "sh", str(disk), sys.executable, SCRIPT], capture_output=True, text=True, timeout=120)
+    mount = f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"'
+    out = subprocess.run(["unshare", "-m", "sh", "-c", mount, "sh", str(disk), sys.executable, script],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    return disk, dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
+@NEEDS_UNSHARE
+def test_a_checkpoint_that_does_not_fit_leaves_the_previous_one_intact(tmp_path: Path) -> None:
+    disk, lines = on_small_disk(tmp_path, "2M", SCRIPT)
     assert lines["ERROR"].startswith(f"checkpoint step-2 does not fit in {disk}/checkpoints: No space left on device ")
     assert "bytes free; a checkpoint of this run takes 1,2" in lines["ERROR"] and "step-1 is intact" in lines["ERROR"]
     assert "HINT: free space there" in lines["ERROR"] and "\n" not in lines["ERROR"]
@@ -79,16 +90,11 @@ print("LATEST", ref.step, bool(torch.equal(model_weights(ref)["weight"], model.w
 '''
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (CI has both)")
+@NEEDS_UNSHARE
 def test_a_background_save_that_does_not_fit_is_raised_at_the_next_step(tmp_path: Path) -> None:
     """The trainer's sharded, asynchronous save: the full disk is raised on the training thread at the next step
     (not one interval later), with the same one line, the unfinished folder removed, the previous one loadable."""
-    disk = tmp_path / "small"
-    disk.mkdir()
-    out = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=6M tmpfs "$1" && exec "$2" -c "$3" "$1"',
-                          "sh", str(disk), sys.executable, SHARDED], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    disk, lines = on_small_disk(tmp_path, "6M", SHARDED)
     assert lines["ERROR"].startswith(f"checkpoint step-2 does not fit in {disk}/checkpoints: No space left on device ")
     assert "step-1 is intact" in lines["ERROR"] and "\n" not in lines["ERROR"]
     assert lines["LEFT"] == "['step-1']"
