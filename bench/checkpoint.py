@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hpcjobs.ports import free_port
 from trainers.checkpoint import CheckpointRef, save_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
@@ -75,10 +75,9 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
     """One rank of the sharded part (run under torch.distributed.run, 2 ranks)."""
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from trainers import strategy
-    from trainers.checkpointer import Checkpointer, Parts
+    from trainers.checkpointer import Checkpointer, Parts, tensors_of
     from trainers.config import TrainConfig
     from trainers.dist import distributed
 
@@ -95,9 +94,8 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
         x = torch.randn(64, width)
 
         def parts() -> Parts:
-            m, o = get_state_dict(model, opt)
-            groups = o.pop("param_groups")
-            return Parts({"model": m, "optimizer": o}, {"optimizer_groups": groups}, {"rng": torch.get_rng_state()})
+            tensors, groups = tensors_of(model, opt)
+            return Parts(tensors, {"optimizer_groups": groups}, {"rng": torch.get_rng_state()})
 
         def step() -> float:
             """One training step as the trainer runs it (the save in flight may hold the update back)."""
@@ -127,10 +125,9 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
             ckpt.wait()
             ctx.barrier()
             async_s = time.perf_counter() - t
-            m, o = get_state_dict(model, opt)
-            o.pop("param_groups")
+            tensors, _ = tensors_of(model, opt)
             before = read_bytes()
-            ckpt.load(CheckpointRef(2 * r, folder / "sharded" / f"step-{2 * r}"), {"model": m, "optimizer": o})
+            ckpt.load(CheckpointRef(2 * r, folder / "sharded" / f"step-{2 * r}"), tensors)
             rows.append({"sync_s": sync_s, "dd_s": dd_s, "blocked_s": blocked_s, "in_save_call_s": in_save,
                          "plain_step_s": plain, "async_total_s": async_s, "read_bytes": read_bytes() - before,
                          "checkpoint_bytes": size})
@@ -143,9 +140,7 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
 
 def sharded(folder: Path, megabytes: int, rounds: int) -> dict[str, Any]:
     env = {**os.environ, "HPCJOBS_BACKEND": "gloo", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
                           __file__, "--sharded-worker", "--dir", str(folder), "--sharded-mb", str(megabytes),
                           "--rounds", str(rounds)], capture_output=True, text=True, env=env, timeout=1800)

@@ -14,11 +14,12 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from hpcjobs.ports import free_port
 
 RESULTS = Path(__file__).parent / "results" / "memory.json"
 TARGET = 1.15
@@ -70,11 +71,6 @@ def worker(size: str, strategy_name: str) -> None:
             print("MEMORY " + json.dumps({"strategy": strategy_name, "ranks": ctx.world_size, "params": n_params,
                                           "per_rank": rows}), flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def measure(size: str, strategy: str, ranks: int) -> dict[str, Any]:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainers import checkpoint
-from trainers.checkpointer import Checkpointer, Parts, model_weights
+from trainers.checkpointer import Checkpointer, Parts, model_weights, tensors_of
 from trainers.config import ResumeError
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
@@ -36,16 +36,12 @@ def trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def parts(model: nn.Module, opt: torch.optim.Optimizer) -> Parts:
-    m, o = get_state_dict(model, opt)
-    o.pop("param_groups")
-    return Parts({"model": m, "optimizer": o}, {"groups": 1}, {"rng": torch.get_rng_state()},
+    return Parts(template(model, opt), {"groups": 1}, {"rng": torch.get_rng_state()},
                  frozenset(name for name, _ in model.named_buffers()))
 
 
-def template(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    m, o = get_state_dict(model, opt)
-    o.pop("param_groups")
-    return {"model": m, "optimizer": o}
+def template(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return tensors_of(model, opt)[0]
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

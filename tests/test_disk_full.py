@@ -59,9 +59,8 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_previous_one_intact(tmp_path:
 SHARDED = r'''
 import sys, time, torch
 from pathlib import Path
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from trainers import checkpoint
-from trainers.checkpointer import Checkpointer, Parts, model_weights
+from trainers.checkpointer import Checkpointer, Parts, model_weights, tensors_of
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 root = Path(sys.argv[1]) / "checkpoints"
@@ -71,9 +70,7 @@ opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 300)).sum().backward()
 opt.step()
 def parts():
-    m, o = get_state_dict(model, opt)
-    o.pop("param_groups")
-    return Parts({"model": m, "optimizer": o}, {}, {"rng": 1})
+    return Parts(tensors_of(model, opt)[0], {}, {"rng": 1})
 ckpt = Checkpointer(root, DistContext(env, torch.device("cpu"), "gloo"), keep=2)
 ckpt.save(1, parts(), {}, background=False)
 ckpt.save(2, parts(), {}, background=True)

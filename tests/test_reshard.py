@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import REPO, hpcjobs
+from hpcjobs.ports import free_port
 
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--steps", "6", "--ckpt-every", "3", "--log-every", "1",
         "--global-batch-size", "8", "--seed", "3"]
@@ -52,11 +52,6 @@ with distributed(group_of_one=True) as ctx:
                                    "unequal": bad}), flush=True)
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def probe(run: Path, ranks: int, *extra: str) -> dict[str, Any]:

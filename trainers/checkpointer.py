@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
 from trainers import checkpoint
@@ -245,6 +246,16 @@ def mismatch(key: str, t: torch.Tensor, saved: dict[str, Any]) -> str:
     if tuple(entry.size) != tuple(t.shape):
         return f"{key} is {tuple(entry.size)} there, {tuple(t.shape)} here"
     return ""
+
+
+def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               options: StateDictOptions | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What a checkpoint holds of a model and its optimizer, as this rank has them: ({"model": ..., "optimizer":
+    ...} with tensors only, for DCP; the optimizer's param groups, small, for shared.pt). The tensors are the live
+    ones (a load fills them in place)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    groups = optim_state.pop("param_groups")
+    return {"model": model_state, "optimizer": optim_state}, list(groups)  # type: ignore[arg-type]
 
 
 def stage(state: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainers.config import STRATEGIES as STRATEGIES
 from trainers.config import ConfigError, TrainConfig
 from trainers.dist import DistContext
 

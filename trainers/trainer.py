@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder
 from hpcjobs.states import FinalState, StopOutcome
 from trainers import checkpoint, faults, perf, preemption, resume, startup, strategy
-from trainers.checkpointer import METADATA, Checkpointer, Parts
+from trainers.checkpointer import METADATA, Checkpointer, Parts, tensors_of
 from trainers.config import ConfigError, ResumeError, TrainConfig
 from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
@@ -210,21 +210,20 @@ class Training:
             self.model.load_state_dict(found.shared["model"])
             self.optimizer.load_state_dict(found.shared["optimizer"])
             return
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_options)
-        optim_state.pop("param_groups", None)
-        self.checkpointer.load(found.ref, {"model": model_state, "optimizer": optim_state})
-        optim_state["param_groups"] = found.shared["optimizer_groups"]
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+        tensors, _ = tensors_of(self.model, self.optimizer, self.state_options)
+        self.checkpointer.load(found.ref, tensors)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={**tensors["optimizer"], "param_groups": found.shared["optimizer_groups"]},
                        options=self.state_options)
 
     def parts(self) -> Parts:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_options)
-        shared = {"optimizer_groups": optim_state.pop("param_groups"), "scheduler": self.scheduler.state_dict(),
+        tensors, groups = tensors_of(self.model, self.optimizer, self.state_options)
+        shared = {"optimizer_groups": groups, "scheduler": self.scheduler.state_dict(),
                   "scaler": self.scaler.state_dict(), "position": vars(self.pos).copy()}
         # State-dict keys drop the wrappers' parts of module names (activation checkpointing, compile).
         buffers = {".".join(p for p in name.split(".") if p not in WRAPPER_NAMES)
                    for name, _ in self.model.named_buffers()}
-        return Parts({"model": model_state, "optimizer": optim_state}, shared, {"rng": rng_state()},
+        return Parts(tensors, shared, {"rng": rng_state()},
                      frozenset(buffers))
 
     def prepare(self) -> None:
