@@ -65,6 +65,10 @@ from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 root = Path(sys.argv[1]) / "checkpoints"
 env = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "0", 0, "single")
+if GROUP:  # DCP then pickles each rank's error to gather it, as on a real multi-rank run
+    import torch.distributed as dist
+    from hpcjobs.ports import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 model = torch.nn.Linear(300, 1000)  # 1.2 MB of weights, 3.6 MB with AdamW's moments: one fits in 6 MiB, two do not
 opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 300)).sum().backward()
@@ -88,10 +92,12 @@ print("LATEST", ref.step, bool(torch.equal(model_weights(ref)["weight"], model.w
 
 
 @NEEDS_UNSHARE
-def test_a_background_save_that_does_not_fit_is_raised_at_the_next_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group", [False, True], ids=["no-group", "process-group"])
+def test_a_background_save_that_does_not_fit_is_raised_at_the_next_step(tmp_path: Path, group: bool) -> None:
     """The trainer's sharded, asynchronous save: the full disk is raised on the training thread at the next step
-    (not one interval later), with the same one line, the unfinished folder removed, the previous one loadable."""
-    disk, lines = on_small_disk(tmp_path, "6M", SHARDED)
+    (not one interval later), with the same one line, the unfinished folder removed, the previous one loadable.
+    With a process group, DCP gathers the error through pickle, which drops what torch.save's error wraps."""
+    disk, lines = on_small_disk(tmp_path, "6M", SHARDED.replace("GROUP", str(group)))
     assert lines["ERROR"].startswith(f"checkpoint step-2 does not fit in {disk}/checkpoints: No space left on device ")
     assert "step-1 is intact" in lines["ERROR"] and "\n" not in lines["ERROR"]
     assert lines["LEFT"] == "['step-1']"

@@ -165,14 +165,21 @@ def full_disk_explained(root: Path, tmp: Path, step: int, rank: int) -> Iterator
         raise full from None
 
 
-def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -> CheckpointSpaceError | None:
-    """The error to raise when `e` (or what it wraps: torch.save turns the OSError into a RuntimeError, DCP into a
-    CheckpointException) is a full disk or quota, None otherwise. The unfinished folder is removed at once."""
+def full_disk(e: BaseException) -> OSError | None:
+    """The full disk or quota error inside `e` (torch.save turns it into a RuntimeError whose __context__ it is, DCP
+    gathers each rank's into a CheckpointException), None when `e` is something else."""
     cause: BaseException | None = e
     while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
         wrapped = getattr(cause, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
         inner = [f[0] if isinstance(f, tuple) else f for f in wrapped.values()] if isinstance(wrapped, dict) else []
         cause = next((x for x in inner if isinstance(x, BaseException)), None) or cause.__cause__ or cause.__context__
+    return cause if isinstance(cause, OSError) else None
+
+
+def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -> CheckpointSpaceError | None:
+    """The error to raise when `e` (or what it wraps) is a full disk or quota, None otherwise. The unfinished folder
+    is removed at once."""
+    cause = full_disk(e)
     if cause is None:
         return None
     # Every rank (whichever removes it first): the space is what the user needs back, and what the ranks need to

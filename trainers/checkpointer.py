@@ -141,7 +141,7 @@ class Checkpointer:
         with checkpoint.full_disk_explained(self.root, tmp, step, rank):
             # Returns on rank 0 only once every rank has written its shards (DCP gathers their results before it
             # writes .metadata), and each rank wrote its rank-R.pt before: rank 0 may then commit alone.
-            dcp.save(parts.tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+            dcp.save(parts.tensors, storage_writer=Writer(tmp, sync_files=True),
                      process_group=self.ctx.checkpoint_group)
         maybe_die("save-written", step)
         if rank == 0:
@@ -196,6 +196,23 @@ class Checkpointer:
             dcp.load(tensors, storage_reader=reader, process_group=self.ctx.checkpoint_group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's error into one
             raise unreadable(e) from None
+
+
+class Writer(dcp.FileSystemWriter):
+    """DCP's file writer, whose failures keep the errno of a full disk when DCP gathers them to every rank: it
+    pickles each rank's exception, and pickling drops __context__, where torch.save's RuntimeError ("unexpected
+    pos") keeps the OSError that says the disk is full."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            written = super().write_data(plan, planner)
+            written.wait()
+        except Exception as e:
+            full = checkpoint.full_disk(e)
+            if full is None:
+                raise
+            raise OSError(full.errno, full.strerror) from e
+        return written
 
 
 SAFE_IN_METADATA = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("torch", "Size"),

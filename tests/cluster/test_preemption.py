@@ -26,7 +26,7 @@ from trainers import checkpoint
 from trainers.checkpointer import model_weights
 
 pytestmark = pytest.mark.cluster
-STEPS = {"ddp": 1000, "fsdp": 400}  # fsdp is slower on these CPUs: fewer steps keep each case near two minutes
+STEPS = {"ddp": 500, "fsdp": 400}  # ~40 s and ~70 s of training here: each trigger lands well before the end
 CONFIG = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--seed", "3", "--log-every", "10"]
 
 
@@ -147,10 +147,13 @@ def test_interrupted_job_comes_back_and_ends_bit_identical(strategy: str, trigge
     reference = references(strategy)
     run = folder / f"{strategy}-{trigger}-{path}"
     if trigger == "time-limit":
-        # USR2 90 s before the limit: every start is cut short after ~30 s of its time (ddp), ~90 s (fsdp, whose
-        # steps are slower here: 30 s would be mostly start-up).
-        job = start(path, make_profile(folder, seconds_before=90, max_restarts=30), run, folder,
-                    time_limit="3:00" if strategy == "fsdp" else "2:00", strategy=strategy)
+        # Slurm keeps limits in whole minutes and sends the signal at a check every 30 s once `seconds_before` is
+        # reached: 2:00 with 90 s cuts each start 0-30 s in (ddp); fsdp's steps are slower here (30 s would be mostly
+        # start-up): 3:00 with 120 s, 30-60 s in. (3:00 with 90 s came 60-90 s in: all 400 steps were done by then
+        # on a quiet machine, which proved nothing.)
+        lead, limit = (120, "3:00") if strategy == "fsdp" else (90, "2:00")
+        job = start(path, make_profile(folder, seconds_before=lead, max_restarts=30), run, folder,
+                    time_limit=limit, strategy=strategy)
     else:
         job = start(path, make_profile(folder), run, folder, strategy=strategy)
         wait_for_step(run, 100)
@@ -195,6 +198,7 @@ def test_preemption_by_sigterm_without_the_user_signal(path: str, folder: Path,
 
 
 OWN = str(REPO / "trainers" / "examples" / "own_script.py")
+OWN_STEPS = "2500"  # ~30 s here; the signal comes at step 500
 
 
 def own_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -216,23 +220,23 @@ def test_own_script_with_stopguard_survives_a_signal(path: str, folder: Path) ->
     common = ["--profile", str(profile), "--nodes", "2", "--gpus", "2"]
     ref_run = folder / "own-reference"
     if not (ref_run / "done").exists():
-        out = hpcjobs("submit", *common, "--json", "--run-dir", str(ref_run), OWN, "--steps", "6000", cwd=REPO)
+        out = hpcjobs("submit", *common, "--json", "--run-dir", str(ref_run), OWN, "--steps", OWN_STEPS, cwd=REPO)
         assert wait_for_state(json.loads(out.stdout)["job_id"], DONE) == "COMPLETED"
         (ref_run / "done").touch()
     run = folder / f"own-{path}"
     if path == "submit":
-        out = hpcjobs("submit", *common, "--json", "--run-dir", str(run), OWN, "--steps", "6000", cwd=REPO)
+        out = hpcjobs("submit", *common, "--json", "--run-dir", str(run), OWN, "--steps", OWN_STEPS, cwd=REPO)
         job = json.loads(out.stdout)["job_id"]
     else:
         script = folder / "own.sbatch"
-        assert hpcjobs("render", *common, "-o", str(script), "--run-dir", str(run), OWN, "--steps", "6000",
+        assert hpcjobs("render", *common, "-o", str(script), "--run-dir", str(run), OWN, "--steps", OWN_STEPS,
                        cwd=REPO).returncode == 0
         job = slurm("sbatch", "--parsable", str(script)).strip()
     wait_for_log(run / "logs" / "restart-0" / "rank-0.log", "step 500 ")
     slurm("scancel", "--signal=USR2", job)
     assert wait_for_state(job, DONE, timeout=300) == "COMPLETED"
     log1 = (run / "logs" / "restart-1" / "rank-0.log").read_text()
-    assert "resumed from" in log1 and "done at step 6000" in log1
+    assert "resumed from" in log1 and f"done at step {OWN_STEPS}" in log1
     a, b = own_weights(ref_run), own_weights(run)  # the script settles DDP's buckets: bit-identical, as the trainer
     assert all(torch.equal(a[k], b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
 
