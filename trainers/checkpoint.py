@@ -62,19 +62,25 @@ def _fsync_dir(path: Path) -> None:
     _fsync_file(path)  # a directory opened read-only can be fsynced on Linux
 
 
-def _write(obj: Any, path: Path) -> None:
-    # No zip CRC32: computing it costs more than the disk write (~9x here, see bench/checkpoint.py); torn files are
-    # already excluded by the fsync + FINISHED marker + atomic rename protocol.
+@contextlib.contextmanager
+def no_crc32() -> Iterator[None]:
+    """torch.save without the zip CRC32 of each record: computing it costs more than the disk write (~9x here, see
+    bench/checkpoint.py) and torch.load never checks it; torn files are already excluded by the fsync + FINISHED
+    marker + atomic rename protocol. (A process-wide setting: restored on the way out.)"""
     from torch.utils.serialization import config
 
     crc, config.save.compute_crc32 = config.save.compute_crc32, False
     try:
-        with open(path, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        yield
     finally:
         config.save.compute_crc32 = crc
+
+
+def _write(obj: Any, path: Path) -> None:
+    with no_crc32(), open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def finished(root: Path) -> list[CheckpointRef]:
