@@ -7,10 +7,13 @@ Writes bench/results/checkpoint.json and prints a summary. Two parts:
     AdamW state. Target: median save / median dd ≤ 1.3.
   - sharded (the shared trainer's `trainers.checkpointer`), 2 ranks under --strategy fsdp, ~500 MB in all
     (`--sharded-mb`), each round: a foreground save (from the state dict on: what the trainer pays), the same bytes
-    by dd, a background save (what training loses: the call plus how much longer the next training step takes than
-    a step without a save, then the time until it is committed) and a load (bytes each rank read, from
-    /proc/self/io, against the checkpoint's size). Targets (issue 12): sync save ≤ 1.3 × dd; background
-    save blocks ≤ 0.1 × the sync save; a rank of a 2-rank checkpoint reads ≤ 0.6 × the checkpoint's bytes.
+    by dd, a background save, DCP's own `async_save` of the same tensors, and a load (bytes each rank read, from
+    /proc/self/io, against the checkpoint's size). A background save is timed twice: what it blocks training (the
+    call, then the wait before the next optimizer step for the copy of what that step changes) and what the steps
+    during its write lose in all against plain steps (that, plus the CPU the writer takes from training: on this
+    2-core machine, whose ranks use both cores, any background write costs its CPU time); DCP's async_save is
+    timed the same two ways. Targets (issue 12): sync save ≤ 1.3 × dd; a background save blocks ≤ 0.1 × the sync
+    save; a rank of a 2-rank checkpoint reads ≤ 0.6 × the checkpoint's bytes.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,21 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_difference(tmp_path: 
     other = torch.optim.AdamW(wider.parameters(), lr=0.1)
     with pytest.raises(ResumeError, match=r"model.2.weight is \(2, 8\) there, \(3, 8\) here"):
         ckpt.load(ref, template(wider, other))
+
+
+def test_checkpoint_files_carry_no_crc32_and_overlapping_saves_restore_the_setting(tmp_path: Path) -> None:
+    """The CRC32 costs more than the write and nothing reads it; the setting is process-wide, and the background
+    writer and the training thread may save at once: only the last one out restores the user's value."""
+    from torch.utils.serialization import config
+
+    ref = checkpoint.save_checkpoint(tmp_path / "ckpt", 1, {"w": torch.arange(1000.0)}, {"rng": 1})
+    with zipfile.ZipFile(ref / checkpoint.SHARED) as z:
+        assert {i.CRC for i in z.infolist() if i.file_size} == {0}
+    assert config.save.compute_crc32 is True
+    background, training = checkpoint.no_crc32(), checkpoint.no_crc32()
+    background.__enter__()
+    training.__enter__()
+    background.__exit__(None, None, None)
+    assert config.save.compute_crc32 is False  # the training thread is still writing
+    training.__exit__(None, None, None)
+    assert config.save.compute_crc32 is True

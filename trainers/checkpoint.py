@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,18 +63,33 @@ def _fsync_dir(path: Path) -> None:
     _fsync_file(path)  # a directory opened read-only can be fsynced on Linux
 
 
-@contextlib.contextmanager
-def no_crc32() -> Iterator[None]:
-    """torch.save without the zip CRC32 of each record: computing it costs more than the disk write (~9x here, see
-    bench/checkpoint.py) and torch.load never checks it; torn files are already excluded by the fsync + FINISHED
-    marker + atomic rename protocol. (A process-wide setting: restored on the way out.)"""
-    from torch.utils.serialization import config
+class _Crc32Off:
+    """`with no_crc32():` torch.save without the zip CRC32 of each record: computing it costs more than the disk write
+    (~9x here, see bench/checkpoint.py) and torch.load never checks it; torn files are already excluded by the
+    fsync + FINISHED marker + atomic rename protocol. The setting is process-wide and the background writer saves
+    while the training thread may too: the first one in turns it off, the last one out restores it."""
 
-    crc, config.save.compute_crc32 = config.save.compute_crc32, False
-    try:
-        yield
-    finally:
-        config.save.compute_crc32 = crc
+    def __init__(self) -> None:
+        self.lock, self.inside, self.saved = threading.Lock(), 0, True
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        from torch.utils.serialization import config
+
+        with self.lock:
+            if self.inside == 0:
+                self.saved, config.save.compute_crc32 = config.save.compute_crc32, False
+            self.inside += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.inside -= 1
+                if self.inside == 0:
+                    config.save.compute_crc32 = self.saved
+
+
+no_crc32 = _Crc32Off()
 
 
 def _write(obj: Any, path: Path) -> None:
