@@ -18,7 +18,9 @@ Importing this module does not import torch: the submit side pickles SubmititEnt
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import os
 import runpy
 import sys
@@ -128,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         preemption.ignore_from_now(contract)  # the work is over: a late signal must not turn it into a failure
         tee.close()
+        # The exit of a process that imported torch collects every object it ever made: ~0.6 s of CPU on each rank
+        # at the end of every start, paid by all ranks of a node at once (and by a requeue, whose next start waits
+        # for every rank to leave). What is left is freed by the OS; the atexit handlers still run.
+        atexit.register(gc.freeze)
 
 
 def claim_run_folder(run: RunFolder, env: DistEnv) -> int | None:

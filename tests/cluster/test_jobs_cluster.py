@@ -57,13 +57,16 @@ def jobs(accounting: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["job_id"]
 
+    # ~60 steps/s here: the requeue lands a few hundred steps in, and the restart's ~30 s are all the fixture waits.
+    requeued = 2000
     long = ("trainers.tasks.classifier", "--steps", "1000000", "--log-every", "20", "--ckpt-every", "0")
     ids = {
         "completed": submit("trainers.tasks.classifier", "--steps", "30", "--log-every", "10"),
         "failed": submit(str(crash)),
         "running": submit(*long),
         "cancelled": submit(*long),
-        "requeued": submit("trainers.tasks.classifier", "--steps", "4000", "--log-every", "20", nodes="2"),
+        "requeued": submit("trainers.tasks.classifier", "--steps", str(requeued), "--log-every", "20",
+                           nodes="2"),
     }
     for key in ("completed", "failed"):
         wait_for_state(ids[key], DONE)
@@ -75,7 +78,7 @@ def jobs(accounting: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     assert out.returncode == 0 and "cancelled" in out.stdout, out.stderr
     wait_for_hpcjobs_state(home, ids["cancelled"], "CANCELLED")
     wait_for_hpcjobs_state(home, ids["requeued"], "COMPLETED", timeout=300)
-    yield {**ids, "home": str(home)}
+    yield {**ids, "home": str(home), "requeued_steps": str(requeued)}
     subprocess.run(["scancel", ids["running"]], capture_output=True)
 
 
@@ -137,13 +140,13 @@ def test_cancelled_and_cancel_again_is_a_no_op(jobs: dict[str, str]) -> None:
 
 def test_requeued_job_shows_its_restart_and_keeps_each_restarts_logs(jobs: dict[str, str]) -> None:
     st = status(jobs, "requeued")
-    assert st["state"] == "COMPLETED" and st["restarts"] == 1 and st["last_step"] == 4000
+    assert st["state"] == "COMPLETED" and st["restarts"] == 1 and st["last_step"] == int(jobs["requeued_steps"])
     home = {"HPCJOBS_HOME": jobs["home"]}
     first = hpcjobs("logs", jobs["requeued"], "--restart", "0", "--rank", "1", env=home).stdout
     second = hpcjobs("logs", jobs["requeued"], "--restart", "1", "--rank", "1", env=home).stdout
     assert "restart 0" in first and "restart 1" in second and first != second
     latest = hpcjobs("logs", jobs["requeued"], env=home).stdout
-    assert "resumed from" in latest and "finished at step 4000" in latest
+    assert "resumed from" in latest and f"finished at step {jobs['requeued_steps']}" in latest
 
 
 def test_list_table_filters_and_json(jobs: dict[str, str]) -> None:
