@@ -1,5 +1,5 @@
-"""`hpcjobs doctor` against the live test cluster: everything passes for a request that fits; a wrong partition and
-more GPUs than a node has each fail their rows, exit 1, and queue nothing."""
+"""`hpcjobs doctor` against the live test cluster: everything passes for a request that fits; a wrong partition, a
+--time over the partition's MaxTime and more GPUs than a node has each fail their rows, exit 1, and queue nothing."""
 
 from __future__ import annotations
 
@@ -40,6 +40,20 @@ def test_a_wrong_partition_fails(cluster_profile: Path) -> None:
     code, result, found = doctor("--profile", str(cluster_profile), "--nodes", "2", "--partition", "nosuch")
     assert code == 1 and result["request"] == "fail" and result["partition"] == "fail"
     assert "invalid partition" in found["request"] and found["partition"].endswith("valid: high, low")
+
+
+def test_a_time_over_the_partitions_max_time_fails(cluster_profile: Path) -> None:
+    """The test cluster's `high` allows 1:00:00. Without EnforcePartLimits Slurm takes such a job and leaves it pending
+    (PartitionTimeLimit) for good, so this row is the one that says so before it queues."""
+    before = queued()
+    within = doctor("--profile", str(cluster_profile), "--nodes", "2", "--partition", "high", "--time", "30:00")
+    assert within[0] == 0 and within[1]["partition"] == "pass" and "MaxTime 01:00:00" in within[2]["partition"]
+    code, result, found = doctor("--profile", str(cluster_profile), "--nodes", "2", "--partition", "high",
+                                 "--time", "2:00:00")
+    assert code == 1 and result["partition"] == "fail", found
+    assert found["partition"] == "high: --time 02:00:00 is over its MaxTime 01:00:00"
+    assert result["request"] == "pass", found  # sbatch --test-only takes it ("would start at"): only this row says no
+    assert queued() == before
 
 
 def test_more_gpus_than_a_node_has_fails(cluster_profile: Path, shared_tmp: Path) -> None:

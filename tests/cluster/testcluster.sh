@@ -132,7 +132,8 @@ EOF
       echo "NodeName=$n NodeAddr=$(node_ip "$n") CPUs=16 RealMemory=16000 Gres=gpu:8 State=UNKNOWN"
     done
     echo "PartitionName=low Nodes=ALL Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=20 MaxTime=INFINITE State=UP"
-    echo "PartitionName=high Nodes=ALL PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP"
+    # high has a MaxTime so that `hpcjobs doctor`'s check of --time against it has a real partition to fail on.
+    echo "PartitionName=high Nodes=ALL PriorityTier=10 PreemptMode=OFF MaxTime=1:00:00 State=UP"
   } >"$D/etc/slurm/slurm.conf"
   # GPUs without hardware: Slurm 22.05 drops file-less GPUs ("Removing file-less GPU"), so each node gets 8 empty
   # placeholder files. Jobs asking for GPUs schedule (and see CUDA_VISIBLE_DEVICES) and then run on the CPU.
