@@ -98,7 +98,8 @@ class LaunchContract:
 
     def job_end(self, env: Mapping[str, str]) -> int | None:
         """When Slurm ends this start of the job (epoch seconds): SLURM_JOB_END_TIME on newer Slurm, else the
-        start time plus the time limit (a few seconds late: the job started before the launcher did)."""
+        start time plus the time limit (late by the job script's own work before it launched this rank's process:
+        the start time is that process's, see trainers.startup.launched_at)."""
         end = env.get("SLURM_JOB_END_TIME", "")
         if end.isdigit():
             return int(end)

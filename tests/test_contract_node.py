@@ -269,6 +269,21 @@ def test_the_launcher_resolves_stamps_and_exports_the_contract(tmp_path: Path) -
     assert (tmp_path / "run-local-7" / "logs" / "restart-0" / "rank-0.log").exists()
 
 
+def test_the_start_time_is_the_process_start_however_long_python_took_to_reach_the_launcher(tmp_path: Path) -> None:
+    """A time limit's own stop (the `deadline`) counts from this stamp: stamped when the launcher's code ran, a
+    slow start (here a 3 s sitecustomize; on clusters a container or imports from NFS) made it that much late."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(3)\n")
+    given = LaunchContract(run_dir=str(tmp_path / "run"), time_limit_s=3600)
+    before = time.time()
+    out = launch(["--contract", given.to_json(), "--kind", "script", "--", str(probe)], tmp_path,
+                 PYTHONPATH=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    stamped = LaunchContract.from_json(json.loads(out.stdout.strip().splitlines()[-1])["contract"]).start_time
+    assert before - 1 <= stamped < before + 1.5  # /proc's boot time is whole seconds; the launcher ran 3 s later
+
+
 def test_the_launcher_by_hand_takes_a_run_dir_with_the_defaults(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)

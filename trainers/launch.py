@@ -33,7 +33,7 @@ from hpcjobs.contract import ContractError, LaunchContract
 from hpcjobs.runfolder import RunDirPatternError, RunFolder, append_jsonl
 from hpcjobs.states import FinalState
 from hpcjobs.sweep import Point, as_args
-from trainers import preemption, runlock
+from trainers import preemption, runlock, startup
 from trainers.config import ConfigError, TaskArgError
 from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.logtee import Tee
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for setting in (INIT_TIMEOUT, COLLECTIVE_TIMEOUT):  # a typo refused now, not after the first step
             setting_seconds(setting, os.environ)
         env: DistEnv = from_environ(os.environ)
-        contract = start_contract(read_contract(ns), env, os.environ, time.time())
+        contract = start_contract(read_contract(ns), env, os.environ, startup.launched_at())
         point = contract.point(os.environ)
         ns.args = [*ns.args, *as_args(point or ())]  # a sweep's task: its point's flags after the entry's own
     except (ContractError, DistEnvError, TorchTooOld) as e:

@@ -32,6 +32,15 @@ def process_started() -> float | None:
         return None
 
 
+def launched_at() -> float:
+    """The earliest moment this rank's start is known to have existed: its process's start, or now where /proc
+    cannot say. A rank's time limit counts from here, so time spent before Python reached hpcjobs (a container, a
+    `sitecustomize`, imports from a slow filesystem) does not make its own stop late."""
+    now = time.time()
+    started = process_started()
+    return now if started is None else min(now, started)
+
+
 def record(run: RunFolder, env: DistEnv) -> None:
     """Append this rank's line; `cpu_s` is the CPU time the process used to get here (on hosts where ranks share
     cores, start-up wall time grows with the ranks per core; this does not)."""
