@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -180,6 +181,35 @@ def test_a_rank_stops_by_itself_when_the_time_limit_signal_never_came() -> None:
     finally:
         preemption.reset()
         _restore_handlers(signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+def test_a_rank_whose_start_outlasted_the_deadline_still_joins_its_rank_0(tmp_path: Path) -> None:
+    """The time limit is already overdue when a slow rank 1 reaches the launcher (its start took longer than the
+    time left): it must wait for its rank 0 and stop with the others at their first check. Counted as a stop, it
+    left quietly while rank 0 went on and waited for it until Slurm killed the job (FAILED, seen on the cluster)."""
+    from hpcjobs.runfolder import RunFolder
+    from trainers import runlock
+    from trainers.distenv import DistEnv
+    from trainers.launch import claim_run_folder
+
+    contract = LaunchContract(run_dir=str(tmp_path), preemption=Preemption(seconds_before=60), time_limit_s=90)
+    job = {"SLURM_JOB_ID": "5"}
+    env = [DistEnv(rank, rank, 2, 2, "127.0.0.1", 1, "5", 0, "slurm") for rank in (0, 1)]
+    run = RunFolder(str(tmp_path))
+    preemption.reset()
+    try:
+        preemption.install(replace(contract, start_time=time.time() - 120), job)  # due 90 s ago
+        assert not preemption.signalled()
+        later = threading.Timer(0.5, lambda: held.append(runlock.take(run, env[0])))
+        held: list[runlock.RunLock] = []
+        later.start()
+        assert claim_run_folder(run, env[1]) is None and runlock.same_start(runlock.read_holder(run), env[1])
+        later.join()
+        os.kill(os.getpid(), signal.SIGUSR2)  # a real stop signal before rank 0 holds the folder still counts
+        assert preemption.signalled()
+    finally:
+        preemption.reset()
+        _restore_handlers(signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
 EXITING_RANK = """import sys, time

@@ -147,7 +147,7 @@ def claim_run_folder(run: RunFolder, env: DistEnv) -> int | None:
             return REFUSED_EXIT
         return None
     wait = min(setting_seconds(INIT_TIMEOUT, os.environ), runlock.WAIT_FOR_RANK0_S)
-    if runlock.wait_for_rank0(run, env, wait, preemption.requested_locally) or not preemption.requested_locally():
+    if runlock.wait_for_rank0(run, env, wait, preemption.signalled) or not preemption.signalled():
         return None  # rank 0 holds the folder, or is late: the rendezvous waits for it and says so if it never comes
     return REFUSED_EXIT  # stopped before it began (its rank 0 was refused and the launcher stops the rest): quiet
 

@@ -100,6 +100,13 @@ def requested_locally(now: float | None = None, runner: Callable[..., Any] = sub
     return bool(_requested)
 
 
+def signalled() -> bool:
+    """Has a stop signal come (or `request_stop`)? Unlike `requested_locally`, an overdue time limit does not count
+    and Slurm is never asked: what a rank that has not begun yet may look at (its start may itself have taken
+    longer than the time left before the deadline, and then it must still join the others to stop with them)."""
+    return any(signum != DEADLINE for signum, _ in _requested)
+
+
 def request_stop(signum: int) -> None:
     """What the handler does for `signum`, callable from code and tests."""
     _requested.append((signum, time.time()))
