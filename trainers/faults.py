@@ -1,5 +1,7 @@
 """Fault injection for tests: HPCJOBS_FAULT_INJECT=POINT@STEP[:RANK] SIGKILLs this process there, or with
 HPCJOBS_FAULT_ACTION=raise raises RuntimeError (a crashing task), =stop sends it SIGSTOP (a hung rank).
+HPCJOBS_FAULT_SLOW_STEP=SECONDS makes every step that much longer (a bigger model, a slower machine): a test that
+needs a signal to land mid-run then holds however fast the machine running it is.
 
 Points: `step` (after an optimizer step), `save-shards` (a checkpoint's small files written, its sharded tensors not
 yet), `save-written` (checkpoint files written, not committed), `save-marked` (FINISHED written, folder not yet
@@ -11,9 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 _SPEC = os.environ.get("HPCJOBS_FAULT_INJECT", "")
 _ACTION = os.environ.get("HPCJOBS_FAULT_ACTION", "kill")
+_SLOW_STEP_S = float(os.environ.get("HPCJOBS_FAULT_SLOW_STEP") or 0)
 
 
 class InjectedFault(RuntimeError):
@@ -21,10 +25,12 @@ class InjectedFault(RuntimeError):
 
 
 def armed() -> bool:
-    return bool(_SPEC)
+    return bool(_SPEC) or _SLOW_STEP_S > 0
 
 
 def maybe_die(point: str, step: int) -> None:
+    if point == "step" and _SLOW_STEP_S > 0:
+        time.sleep(_SLOW_STEP_S)
     if not _SPEC:
         return
     where, _, rank = _SPEC.partition(":")

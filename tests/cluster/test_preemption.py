@@ -151,9 +151,11 @@ def test_interrupted_job_comes_back_and_ends_bit_identical(strategy: str, trigge
         # reached: 2:00 with 90 s cuts each start 0-30 s in (ddp); fsdp's steps are slower here (30 s would be mostly
         # start-up): 3:00 with 120 s, 30-60 s in. (3:00 with 90 s came 60-90 s in: all 400 steps were done by then
         # on a quiet machine, which proved nothing.)
-        lead, limit = (120, "3:00") if strategy == "fsdp" else (90, "2:00")
-        job = start(path, make_profile(folder, seconds_before=lead, max_restarts=30), run, folder,
-                    time_limit=limit, strategy=strategy)
+        # Each step is also made longer (HPCJOBS_FAULT_SLOW_STEP) so that a run takes longer than the latest
+        # signal whatever this machine's speed: on a fresh VM all 400 fsdp steps took 41 s, done before the signal.
+        lead, limit, slow = (120, "3:00", "0.2") if strategy == "fsdp" else (90, "2:00", "0.1")
+        profile = make_profile(folder, env={"HPCJOBS_FAULT_SLOW_STEP": slow}, seconds_before=lead, max_restarts=30)
+        job = start(path, profile, run, folder, time_limit=limit, strategy=strategy)
     else:
         job = start(path, make_profile(folder), run, folder, strategy=strategy)
         wait_for_step(run, 100)
