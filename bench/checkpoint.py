@@ -90,8 +90,10 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
     layers = max(1, (megabytes << 20) // (12 * width * width))  # 12 bytes per parameter: weights + 2 moments
     with distributed(group_of_one=True) as ctx:
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-        strategy.make(model, ctx, TrainConfig(strategy="fsdp"), "fp32")
+        cfg = TrainConfig(strategy="fsdp")
+        model = strategy.build_model(lambda: nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]), cfg,
+                                     ctx)
+        strategy.make(model, ctx, cfg, "fp32")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(4, width)).sum().backward()
         opt.step()

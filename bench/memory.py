@@ -1,9 +1,10 @@
 """bench/memory: what each rank holds under --strategy ddp and fsdp, at 1, 2 and 4 ranks (CPU, gloo).
 
     .venv/bin/python bench/memory.py [--size medium] [--ranks 1 2 4]
-Every rank builds the LM task's model exactly as the shared trainer does (trainers.strategy.make, the default AdamW),
-runs one optimizer step, and sums the bytes of the parameters, gradients and optimizer state it holds (its local
-tensors: a DTensor counts its shard), before the gradients are dropped; also its peak resident memory (ru_maxrss).
+Every rank builds the LM task's model exactly as the shared trainer does (trainers.strategy.build_model and make:
+under fsdp only rank 0 builds it in memory; the default AdamW), runs one optimizer step, and sums the bytes of the
+parameters, gradients and optimizer state it holds (its local tensors: a DTensor counts its shard), before the
+gradients are dropped; also its peak resident memory (ru_maxrss), which shows what building on rank 0 only saves.
 Writes bench/results/memory.json and prints a table. Target (issue 12): FSDP's held bytes per rank ≤ 1.15 × DDP's
 / ranks.
 """
@@ -51,7 +52,7 @@ def worker(size: str, strategy_name: str) -> None:
     cfg = TrainConfig(strategy=strategy_name, batch_size=2)
     with distributed(group_of_one=True) as ctx:
         torch.manual_seed(0)
-        model = task.model()
+        model = strategy.build_model(task.model, cfg, ctx)  # fsdp: on the meta device but on rank 0
         net = strategy.make(model, ctx, cfg, "fp32").net
         optimizer = default_optimizer(model, 1e-3, cfg)
         batch = torch.stack([task.train_data()[i] for i in range(2)])
@@ -61,7 +62,7 @@ def worker(size: str, strategy_name: str) -> None:
                 "optimizer": local_bytes(v for s in optimizer.state.values() for v in s.values())}
         held["total"] = sum(held.values())
         held["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        n_params = sum(p.numel() for p in task.model().parameters())
+        n_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
         rows: list[Any] = [None] * ctx.world_size
         if dist.is_initialized() and ctx.world_size > 1:
             dist.all_gather_object(rows, held, group=ctx.control_group)

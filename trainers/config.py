@@ -78,6 +78,12 @@ class TrainConfig:
     cpu_offload: bool = False
     """fsdp on GPUs: keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's
     CPUOffloadPolicy); the optimizer step runs on the CPU."""
+    meta_init: bool = True
+    """fsdp with more than one rank: only rank 0 builds the model in host memory; the others build it on the meta
+    device (no memory), shard it, and receive their shards and buffers from rank 0, one tensor at a time. A node
+    then holds one full copy of the model while the job starts instead of one per rank (8 × 28 GB for a 7B model in
+    fp32 on an 8-GPU node). The weights are the same either way. --no-meta-init builds it on every rank, for a
+    task whose model() must compute with real tensors (e.g. calls .item() on one)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward instead of keeping them (both strategies): less memory,
     about a third more compute."""

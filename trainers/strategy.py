@@ -94,6 +94,9 @@ class Fsdp:
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         self.mixed_precision = low is not None
         offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+        spread = from_rank0(cfg, ctx.world_size)
+        # Rank 0's full tensors, kept alive while its shards are cut from them: the source of the other ranks'.
+        full = {name: p.detach() for name, p in model.named_parameters()} if spread and ctx.rank == 0 else None
         if hook is not None:
             hook(model, mesh)
         else:
@@ -104,6 +107,8 @@ class Fsdp:
         # The root's outputs in fp32, as autocast leaves a loss: the loss and its softmax never run in bf16/fp16.
         root = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
         fully_shard(model, mesh=mesh, mp_policy=root, offload_policy=offload)
+        if spread:
+            _from_rank0(model, full, ctx.device, cfg.cpu_offload)
         self.net = model
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager[None]:
@@ -113,6 +118,49 @@ class Fsdp:
         # The parameters are DTensors: the norm is computed over every rank's shard, then the same scale applies.
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def from_rank0(cfg: TrainConfig, world_size: int) -> bool:
+    """Whether only rank 0 builds the model and gives the others their shards (--meta-init under fsdp, more than one
+    rank); the others build it on the meta device (`build_model`)."""
+    return cfg.strategy == "fsdp" and cfg.meta_init and world_size > 1
+
+
+def builds_on_meta(cfg: TrainConfig, ctx: DistContext) -> bool:
+    return from_rank0(cfg, ctx.world_size) and ctx.rank != 0
+
+
+def build_model(factory: Callable[[], nn.Module], cfg: TrainConfig, ctx: DistContext) -> nn.Module:
+    """The task's model, on the meta device where `builds_on_meta` (its factory calls allocate nothing there)."""
+    with torch.device("meta") if builds_on_meta(cfg, ctx) else contextlib.nullcontext():
+        return factory()
+
+
+def _from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device, offload: bool) -> None:
+    """After sharding: the ranks that built on the meta device (`full` None) get storage, then every rank takes its
+    shard of each parameter and each buffer (the non-persistent ones too, which no state dict holds) from rank 0's
+    `full`, one tensor at a time, so no rank holds more than one whole parameter beyond its shards."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if full is None:
+        model.to_empty(device="cpu" if offload else device)  # offloaded shards live in host memory
+        for module in model.modules():  # buffers go where FSDP2 puts rank 0's: with the compute
+            for name, buf in module.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            whole = (full[name].to(device) if full is not None
+                     else torch.empty(param.shape, dtype=param.dtype, device=device))
+            if isinstance(param, DTensor):
+                shard = distribute_tensor(whole, param.device_mesh, param.placements).to_local()
+                if full is None:
+                    param.to_local().copy_(shard)
+            else:
+                dist.broadcast(whole, src=0)
+                if full is None:
+                    param.copy_(whole)
+        for buf in model.buffers():
+            dist.broadcast(buf.view(torch.uint8) if buf.dtype == torch.bool else buf, src=0)  # gloo has no bool
 
 
 @contextlib.contextmanager

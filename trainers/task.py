@@ -35,7 +35,9 @@ class Task:
     name: str
     """Shown in logs and stored in checkpoints."""
     model: Callable[[], nn.Module]
-    """Builds the model (on the CPU; the trainer moves it to the rank's device)."""
+    """Builds the model (on the CPU; the trainer moves it to the rank's device). Under --strategy fsdp with more
+    than one rank, only rank 0 builds it for real: the others call it under `torch.device("meta")` and receive their
+    shards from rank 0 (--no-meta-init: every rank builds it)."""
     train_data: Callable[[], Dataset[Any]]
     """Builds the training set: a map-style Dataset whose items the default collate can batch."""
     loss: Callable[[nn.Module, Any], torch.Tensor]

@@ -137,6 +137,7 @@ class Training:
         cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
         extras = (self.math, "compiled" * cfg.compile, "activation checkpointing" * cfg.activation_checkpointing,
+                  "model built on rank 0" * strategy.from_rank0(cfg, world),
                   "CPU offload" * cfg.cpu_offload)
         return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "
                 f"{threads} thread{'s' * (threads != 1)} per rank | batch {self.micro}×{cfg.grad_accum} per rank, "
@@ -149,7 +150,7 @@ class Training:
         then per-rank RNG streams (dropout differs across ranks). Built again after a load that failed halfway."""
         cfg, ctx = self.cfg, self.ctx
         seed_all(cfg.seed)
-        self.model = self.task.model()
+        self.model = strategy.build_model(self.task.model, cfg, ctx)
         if cfg.strategy == "ddp":
             self.model.to(ctx.device)  # FSDP2 moves each unit's shard to the device as it shards it
         self.strategy = strategy.make(self.model, ctx, cfg, self.precision, self.task.parallelize)
