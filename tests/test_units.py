@@ -205,7 +205,7 @@ def test_a_rank_whose_start_outlasted_the_deadline_still_joins_its_rank_0(tmp_pa
         later.start()
         assert claim_run_folder(run, env[1]) is None and runlock.same_start(runlock.read_holder(run), env[1])
         later.join()
-        os.kill(os.getpid(), signal.SIGUSR2)  # a real stop signal before rank 0 holds the folder still counts
+        os.kill(os.getpid(), signal.SIGUSR2)  # a real stop signal counts where the overdue deadline did not
         assert preemption.signalled()
     finally:
         preemption.reset()

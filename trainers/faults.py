@@ -13,11 +13,24 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 _SPEC = os.environ.get("HPCJOBS_FAULT_INJECT", "")
 _ACTION = os.environ.get("HPCJOBS_FAULT_ACTION", "kill")
-_SLOW_STEP_S = float(os.environ.get("HPCJOBS_FAULT_SLOW_STEP") or 0)
+
+
+def _seconds(name: str) -> float:
+    text = os.environ.get(name) or "0"
+    try:
+        return float(text)
+    except ValueError:
+        print(f"hpcjobs: {name}={text!r} is not a number of seconds. HINT: e.g. {name}=0.2, or unset it",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+_SLOW_STEP_S = _seconds("HPCJOBS_FAULT_SLOW_STEP")
 
 
 class InjectedFault(RuntimeError):
