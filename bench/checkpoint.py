@@ -219,6 +219,9 @@ def main() -> None:
     ns = p.parse_args()
     if ns.sharded_worker:
         sharded_worker(ns.dir, ns.sharded_mb, ns.rounds)
+        from trainers.dist import release_groups
+
+        release_groups()
         return
     ns.dir.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -13,7 +13,6 @@ Writes bench/results/memory.json and prints a table. Target (issue 12): FSDP's h
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import resource
@@ -46,7 +45,7 @@ def worker(size: str, strategy_name: str, meta_init: bool) -> None:
 
     from trainers import strategy
     from trainers.config import TrainConfig
-    from trainers.dist import distributed
+    from trainers.dist import distributed, release_groups
     from trainers.tasks.lm import make_task
     from trainers.trainer import default_optimizer
 
@@ -77,9 +76,7 @@ def worker(size: str, strategy_name: str, meta_init: bool) -> None:
             print("MEMORY " + json.dumps({"strategy": strategy_name, "meta_init": meta, "ranks": ctx.world_size,
                                           "params": n_params, "per_rank": rows}), flush=True)
         del model, net, optimizer
-    # FSDP's modules hold the process groups in reference cycles: collected while the interpreter is whole (at its
-    # shutdown, a gloo worker thread that can no longer take the GIL aborts the process)
-    gc.collect()
+    release_groups()
 
 
 

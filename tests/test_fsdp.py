@@ -4,7 +4,6 @@ rank 0 builds the model (the others on the meta device), with the same weights a
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from conftest import REPO, hpcjobs
 from trainers import checkpoint, strategy
 from trainers.checkpointer import model_weights
 from trainers.config import TrainConfig
-from trainers.dist import DistContext
+from trainers.dist import DistContext, release_groups
 from trainers.distenv import DistEnv
 
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", "6", "--log-every", "2",
@@ -89,10 +88,8 @@ def _shard_masked(rank: int, store: str, out: str, meta_init: bool) -> None:
     strategy.make(model, ctx, cfg, "fp32")
     params = {n: p.full_tensor() for n, p in model.named_parameters()}  # type: ignore[operator]
     torch.save({"built_on": built_on, "params": params, "buffers": dict(model.named_buffers())}, f"{out}-{rank}")
-    # FSDP's modules hold the group in reference cycles: collected here, while the interpreter is whole, not at its
-    # shutdown, where a gloo worker thread that cannot take the GIL any more aborts the process (SIGABRT, 1 run in 8)
     del model, params
-    gc.collect()
+    release_groups()
     dist.destroy_process_group()
 
 

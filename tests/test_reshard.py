@@ -21,7 +21,6 @@ ARGS = ["trainers.tasks.lm", "--size", "tiny", "--steps", "6", "--ckpt-every", "
         "--global-batch-size", "8", "--seed", "3"]
 
 PROBE = """
-import gc
 import json
 import sys
 import torch
@@ -30,7 +29,7 @@ from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder
 from trainers.checkpointer import offline_tensors
 from trainers.config import parse_trainer_args
-from trainers.dist import distributed
+from trainers.dist import distributed, release_groups
 from trainers.task import load_task
 from trainers.trainer import Training
 
@@ -54,12 +53,8 @@ def main() -> None:
                                        "unequal": bad}), flush=True)
 
 
-# The model (and through it the process groups) must be gone before the interpreter shuts down, as in the trainer,
-# whose Training is a local of train(): a gloo worker thread that drops the last reference to a finished all-gather
-# once finalisation has begun cannot take the GIL and aborts the process ('terminate called without an active
-# exception', SIGABRT, in about 1 run in 4 on 2 cores when the model was a global here).
 main()
-gc.collect()
+release_groups()  # not left to the interpreter's shutdown, where a gloo thread may abort the process
 """
 
 
