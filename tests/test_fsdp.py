@@ -1,10 +1,12 @@
 """--strategy fsdp's options on CPU (gloo): activation checkpointing changes memory, not results; --compile falls back
 to eager with one line where the compiler is missing; options a rank cannot honour are refused in one line; only
-rank 0 builds the model (the others on the meta device), with the same weights as when every rank builds it."""
+rank 0 builds the model (the others on the meta device), with the same weights as when every rank builds it, what it
+shares still shared, and ranks whose models differ refusing together."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 from conftest import REPO, hpcjobs
 from trainers import checkpoint, strategy
 from trainers.checkpointer import model_weights
-from trainers.config import TrainConfig
+from trainers.config import ConfigError, TrainConfig
 from trainers.dist import DistContext, release_groups
 from trainers.distenv import DistEnv
 
@@ -76,37 +78,113 @@ class Masked(nn.Module):
         self.built_on = torch.empty(0).device.type  # the default device model() ran under
 
 
-def _shard_masked(rank: int, store: str, out: str, meta_init: bool) -> None:
+class Shared(nn.Module):
+    """What the ranks' models alias must survive the meta device: a table every block shares (as a RoPE cache) and
+    an output layer tied to the embedding. `wrapping_hook` renames every block parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        table = torch.randn(4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        for block in self.blocks:
+            block.register_buffer("table", table)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+        self.built_on = torch.empty(0).device.type
+
+
+class Uneven(nn.Module):
+    """A model() that builds other shapes on other ranks."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4 + dist.get_rank()) for _ in range(2))
+
+
+def wrapping_hook(model: nn.Module, mesh: Any) -> None:
+    """A task's parallelize(): checkpoint-wraps each block (its parameters' names change), then shards it."""
+    from torch.distributed.fsdp import fully_shard
+
+    assert strategy.checkpoint_activations(model) == 3
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+
+
+def _plain(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _shard(rank: int, store: str, out: str, meta_init: bool, which: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     ctx = DistContext(DistEnv(rank, rank, 2, 2, "localhost", 0, "test", 0, "single"), torch.device("cpu"), "gloo")
     cfg = TrainConfig(strategy="fsdp", meta_init=meta_init)
     torch.manual_seed(3 + rank)  # each rank draws other weights: only rank 0's may survive
-    model = strategy.build_model(Masked, cfg, ctx)
-    built_on = model.built_on
-    strategy.make(model, ctx, cfg, "fp32")
-    params = {n: p.full_tensor() for n, p in model.named_parameters()}  # type: ignore[operator]
-    torch.save({"built_on": built_on, "params": params, "buffers": dict(model.named_buffers())}, f"{out}-{rank}")
-    del model, params
+    factory = {"masked": Masked, "shared": Shared, "uneven": Uneven}[which]
+    model = strategy.build_model(factory, cfg, ctx)
+    got: dict[str, object] = {"built_on": getattr(model, "built_on", None)}
+    try:
+        strategy.make(model, ctx, cfg, "fp32", wrapping_hook if which == "shared" else None)
+    except ConfigError as e:
+        got["error"] = str(e)
+    else:
+        got["params"] = {_plain(n): p.full_tensor() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+        got["buffers"] = {_plain(n): b for n, b in model.named_buffers(remove_duplicate=False)}
+        got["aliases"] = len({id(b) for b in model.buffers()}), len({id(p) for p in model.parameters()})
+    torch.save(got, f"{out}-{rank}")
+    del model
     release_groups()
     dist.destroy_process_group()
+
+
+def _spawn(tmp_path: Path, meta_init: bool, which: str) -> list[dict[str, object]]:
+    out = str(tmp_path / "model")
+    mp.spawn(_shard, args=(str(tmp_path / "store"), out, meta_init, which), nprocs=2)
+    return [torch.load(f"{out}-{rank}") for rank in (0, 1)]
+
+
+def _same(got: dict[str, object], reference: nn.Module) -> bool:
+    mine = cast(dict[str, torch.Tensor], got["params"])
+    return all(torch.equal(mine[n], p) for n, p in reference.named_parameters())
 
 
 @pytest.mark.parametrize("meta_init", [True, False])
 def test_only_rank_0_builds_the_model_and_every_rank_gets_its_weights_and_buffers(tmp_path: Path,
                                                                                    meta_init: bool) -> None:
-    out = str(tmp_path / "model")
-    mp.spawn(_shard_masked, args=(str(tmp_path / "store"), out, meta_init), nprocs=2)
+    got = _spawn(tmp_path, meta_init, "masked")
     torch.manual_seed(3)
     reference = Masked()
-    got = [torch.load(f"{out}-{rank}") for rank in (0, 1)]
     assert [g["built_on"] for g in got] == ["cpu", "meta" if meta_init else "cpu"]
-    same = [all(torch.equal(g["params"][n], p) for n, p in reference.named_parameters()) for g in got]
-    assert same == ([True, True] if meta_init else [False, False])  # --no-meta-init: rank 1's own draws in its shards
+    # --no-meta-init: rank 1's own draws in its shards
+    assert [_same(g, reference) for g in got] == ([True, True] if meta_init else [False, False])
     if meta_init:
         for g in got:
-            assert all(torch.equal(g["buffers"][n], b) for n, b in reference.named_buffers())
+            mine = cast(dict[str, torch.Tensor], g["buffers"])
+            assert all(torch.equal(mine[n], b) for n, b in reference.named_buffers())
+
+
+def test_a_shared_buffer_a_tied_weight_and_a_hook_that_renames_arrive_as_rank_0_built_them(tmp_path: Path) -> None:
+    got = _spawn(tmp_path, True, "shared")
+    torch.manual_seed(3)
+    reference = Shared()
+    assert [g["built_on"] for g in got] == ["cpu", "meta"]
+    for g in got:
+        assert _same(g, reference)
+        tables = cast(dict[str, torch.Tensor], g["buffers"])
+        assert sorted(tables) == [f"blocks.{i}.table" for i in range(3)]
+        assert all(torch.equal(t, cast(torch.Tensor, reference.blocks[0].table)) for t in tables.values())
+        assert g["aliases"] == (1, 1 + 3 * 2)  # one table; the tied weight once, each block's weight and bias
+
+
+def test_ranks_whose_models_differ_all_refuse_in_one_line_instead_of_hanging(tmp_path: Path) -> None:
+    got = _spawn(tmp_path, True, "uneven")
+    errors = [cast(str, g.get("error")) for g in got]
+    assert all(e and e.startswith("--meta-init: rank 1's parameters differ from rank 0's") for e in errors), errors
+    assert all("\n" not in e and "HINT: --no-meta-init" in e for e in errors)
 
 
 def test_the_model_built_on_rank_0_only_trains_to_the_same_weights(tmp_path: Path) -> None:

@@ -96,7 +96,9 @@ class Fsdp:
         offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
         spread = from_rank0(cfg, ctx.world_size)
         # Rank 0's full tensors, kept alive while its shards are cut from them: the source of the other ranks'.
-        full = {name: p.detach() for name, p in model.named_parameters()} if spread and ctx.rank == 0 else None
+        # Keyed by the module that holds each, not by its name, which a task's hook may change (a wrapper).
+        full = ({(id(m), n): p.detach() for _, m, n, p in _registrations(model, "parameters")}
+                if spread and ctx.rank == 0 else None)
         if hook is not None:
             hook(model, mesh)
         else:
@@ -108,7 +110,7 @@ class Fsdp:
         root = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
         fully_shard(model, mesh=mesh, mp_policy=root, offload_policy=offload)
         if spread:
-            _from_rank0(model, full, ctx.device, cfg.cpu_offload)
+            _from_rank0(model, full, ctx, cfg.cpu_offload)
         self.net = model
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager[None]:
@@ -136,30 +138,88 @@ def build_model(factory: Callable[[], nn.Module], cfg: TrainConfig, ctx: DistCon
         return factory()
 
 
-def _from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device, offload: bool) -> None:
+Registration = tuple[str, nn.Module, str, torch.Tensor]
+"""A parameter or buffer as one module holds it: (qualified name, module, its name there, the tensor). A tensor that
+several modules share (a tied weight, a table every block uses) is one registration per module."""
+
+
+def _registrations(model: nn.Module, kind: str) -> list[Registration]:
+    """Every registration of the model's "parameters" or "buffers", in the model's order, shared ones included: the
+    same list on every rank whatever each rank's tensors alias, so the collectives over it pair up."""
+    return [(f"{prefix}.{name}".lstrip("."), module, name, t) for prefix, module in model.named_modules()
+            for name, t in getattr(module, f"named_{kind}")(recurse=False)]
+
+
+def _signature(states: list[Registration]) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """What must agree across ranks before rank 0 sends anything: names, shapes, dtypes, and which registrations
+    share a tensor (the index of the first one holding it)."""
+    first: dict[int, int] = {}
+    return [(q, tuple(t.shape), str(t.dtype), first.setdefault(id(t), i)) for i, (q, _, _, t) in enumerate(states)]
+
+
+def _check_same_model(params: list[Registration], buffers: list[Registration],
+                      full: dict[tuple[int, str], torch.Tensor] | None, group: Any) -> None:
+    """Raise ConfigError on every rank (never a hang on some) when the ranks' models differ or rank 0 lost track of
+    a parameter (a hook that replaced a module). One small CPU collective on `group`."""
+    mine = (_signature(params), _signature(buffers),
+            [q for q, m, n, _ in params if full is not None and (id(m), n) not in full])
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    rank0 = every[0]
+    differ = [(r, what) for r, theirs in enumerate(every) for what, a, b in
+              (("parameters", theirs[0], rank0[0]), ("buffers", theirs[1], rank0[1])) if a != b]
+    if differ or rank0[2]:
+        found = (f"rank {differ[0][0]}'s {differ[0][1]} differ from rank 0's" if differ else
+                 f"rank 0 no longer holds {rank0[2][0]!r} after the sharding hook replaced its module")
+        raise ConfigError(f"--meta-init: {found}; valid: every rank's model() builds the same modules, and a "
+                          "parallelize() hook that wraps modules rather than replacing them. HINT: --no-meta-init "
+                          "builds the model on every rank")
+
+
+def _materialise(model: nn.Module, device: torch.device, offload: bool) -> None:
+    """Storage for a model built on the meta device and sharded: parameters where FSDP2 keeps them, buffers where it
+    put rank 0's (with the compute), a buffer several modules share still one tensor (to_empty makes one per module)."""
+    shared = [(m, n, id(b)) for _, m, n, b in _registrations(model, "buffers")]
+    model.to_empty(device="cpu" if offload else device)  # offloaded shards live in host memory
+    made: dict[int, torch.Tensor] = {}
+    for module, name, was in shared:
+        setattr(module, name, made.setdefault(was, getattr(module, name).to(device)))
+
+
+def _from_rank0(model: nn.Module, full: dict[tuple[int, str], torch.Tensor] | None, ctx: DistContext,
+                offload: bool) -> None:
     """After sharding: the ranks that built on the meta device (`full` None) get storage, then every rank takes its
     shard of each parameter and each buffer (the non-persistent ones too, which no state dict holds) from rank 0's
     `full`, one tensor at a time, so no rank holds more than one whole parameter beyond its shards."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    device = ctx.device
     if full is None:
-        model.to_empty(device="cpu" if offload else device)  # offloaded shards live in host memory
-        for module in model.modules():  # buffers go where FSDP2 puts rank 0's: with the compute
-            for name, buf in module.named_buffers(recurse=False):
-                setattr(module, name, buf.to(device))
+        _materialise(model, device, offload)
+    params, buffers = _registrations(model, "parameters"), _registrations(model, "buffers")
+    _check_same_model(params, buffers, full, ctx.control_group)
+    done: set[int] = set()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            whole = (full[name].to(device) if full is not None
+        for _, module, name, param in params:
+            if id(param) in done:  # a tied weight: sent with its first holder (the signatures agree on which)
+                continue
+            done.add(id(param))
+            whole = (full.pop((id(module), name)).to(device) if full is not None
                      else torch.empty(param.shape, dtype=param.dtype, device=device))
             if isinstance(param, DTensor):
                 shard = distribute_tensor(whole, param.device_mesh, param.placements).to_local()
                 if full is None:
                     param.to_local().copy_(shard)
+                del shard
             else:
                 dist.broadcast(whole, src=0)
                 if full is None:
                     param.copy_(whole)
-        for buf in model.buffers():
+            del whole  # before the next one is allocated: at most one whole parameter at a time
+        once: dict[int, torch.Tensor] = {}  # each tensor once, where it is first held: the signatures agree on which
+        for _, _, _, b in buffers:
+            once.setdefault(id(b), b)
+        for buf in once.values():
             dist.broadcast(buf.view(torch.uint8) if buf.dtype == torch.bool else buf, src=0)  # gloo has no bool
 
 
