@@ -32,13 +32,12 @@ import os
 import re
 import types
 import typing
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from hpcjobs import yamlfile
 from hpcjobs.backends import SCHEDULERS
 from hpcjobs.contract import Preemption
 from hpcjobs.errors import ProfileError, UsageError, shown
@@ -46,14 +45,12 @@ from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
-MAX_FILE_BYTES = 256 * 1024
-"""The largest profile file read: real ones are a few hundred bytes, and a 50 MB one took PyYAML 23 s."""
+PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, preemption)",
+                             ProfileError)
 MAX_ITEMS = 200
 """The most entries of a list or mapping key (setup, srun_args, env, nccl)."""
 MAX_STRING = 4096
 """The longest string any key (or list entry, or environment value) may hold."""
-MAX_NUMERAL = 100
-"""The longest number a profile may write as a number (its largest valid one has 6 digits); longer is text."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """Matched whole (fullmatch): `$` also matches before a final newline, and `A\n` would be `export A` and a line `=x`."""
 
@@ -426,123 +423,9 @@ def find_profile(name_or_path: str) -> Path:
                        "`hpcjobs profiles` lists them with where each came from; or pass a path to a .yaml file.")
 
 
-# --- reading the file --------------------------------------------------------------------------------------------
-
-
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: Hashable, first: int, again: int) -> None:
-        super().__init__(f"duplicate key {key!r}")
-        self.key, self.first, self.again = key, first, again
-
-
-class _NulInText(yaml.YAMLError):
-    def __init__(self, line: int) -> None:
-        super().__init__(f"a NUL character on line {line}")
-        self.line = line
-
-
-def _text_or_number(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
-    # YAML 1.1 reads an unquoted 30:00 as the base-60 number 1800, which would become 1800 minutes. A numeral longer
-    # than any profile's number stays text too, which its key's check then refuses: Python's int() refuses a decimal
-    # one of over 4300 digits (a ValueError, not a YAML error), and a long hex one could not even be printed.
-    if ":" in node.value or len(node.value) > MAX_NUMERAL:
-        return loader.construct_scalar(node)
-    return loader.construct_yaml_float(node) if node.tag.endswith(":float") else loader.construct_yaml_int(node)
-
-
-class _ProfileLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last, silently) and a NUL
-    character in text, and keeps colon-separated numbers (Slurm times) as the text they were written as."""
-
-    def construct_scalar(self, node: yaml.ScalarNode | yaml.MappingNode) -> str:
-        # The file holds no NUL byte (_read_text), but a quoted "\0" makes one, which no path, argument or environment
-        # value can hold: the run folder's mkdir and the local ranks' Popen raised ValueError on it.
-        value = super().construct_scalar(node)
-        if "\x00" in value:
-            raise _NulInText(node.start_mark.line + 1)
-        return value
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        seen: dict[Hashable, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` entries may be overridden: that is what they are for
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                if key in seen:
-                    raise _DuplicateKey(key, seen[key], line)
-                seen[key] = line
-            except TypeError:  # an unhashable key: the base class refuses it with its line
-                pass
-        return super().construct_mapping(node, deep)
-
-
-_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _text_or_number)
-_ProfileLoader.add_constructor("tag:yaml.org,2002:float", _text_or_number)
-
-
-def _too_big(path: Path, size: int) -> ProfileError:
-    return ProfileError(f"profile {path} is {size} bytes; valid: at most {MAX_FILE_BYTES} bytes "
-                        f"({MAX_FILE_BYTES // 1024} KiB).", "a profile is a few dozen lines: check that --profile "
-                        "names the profile's .yaml file.")
-
-
-def _read_bytes(path: Path) -> bytes:
-    """The file's bytes, refused by size before it is read (a 50 MB profile took PyYAML 23 s)."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise _too_big(path, size)
-        with path.open("rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat: never read more than the limit
-    except OSError as e:
-        raise ProfileError(f"profile {path} cannot be read ({e.strerror or e}).",
-                           f"check that it is a file you may read: ls -l {path}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise _too_big(path, len(raw))
-    return raw
-
-
-def _read_text(path: Path) -> str:
-    raw = _read_bytes(path)
-    hint = "check that --profile names the profile's .yaml file, and save it as UTF-8 text."
-    try:
-        text = raw.decode("utf-8-sig")  # a BOM some editors write is not part of the YAML
-    except UnicodeDecodeError as e:
-        raise ProfileError(f"profile {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                           "valid: a UTF-8 YAML file.", hint) from None
-    if "\x00" in text:
-        raise ProfileError(f"profile {path} is a binary file (a NUL byte at offset {text.index(chr(0))}); "
-                           "valid: a UTF-8 YAML file.", hint)
-    return text
-
-
-def _parse_yaml(path: Path, text: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_ProfileLoader)
-    except _NulInText as e:
-        raise ProfileError(f"profile {path}: line {e.line} holds a NUL character (an escape such as \\0 or \\x00); "
-                           "valid: text without NUL (no path, argument or environment value can hold one).",
-                           "delete the escape.") from None
-    except _DuplicateKey as e:
-        raise ProfileError(f"profile {path}: key {shown(e.key)} is given twice (line {e.first} and line "
-                           f"{e.again}); valid: each key once per mapping.",
-                           "delete one of them (YAML would silently keep the last).") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ProfileError(f"profile {path}:{where} is not valid YAML ({getattr(e, 'problem', e)}).",
-                           "check indentation and quoting; values with ':' or '#' need quotes.") from None
-    except RecursionError:
-        raise ProfileError(f"profile {path} nests too deeply to be a profile; valid: keys, lists and one level "
-                           "of mappings (env, nccl, preemption).", "check that --profile names the profile's "
-                           ".yaml file.") from None
-
-
 def load_profile(name_or_path: str) -> ClusterProfile:
     path = find_profile(name_or_path)
-    return parse_profile(_parse_yaml(path, _read_text(path)), path.stem, str(path))
+    return parse_profile(yamlfile.load(PROFILE_FILE, path), path.stem, str(path))
 
 
 def profile_as_dict(profile: ClusterProfile) -> dict[str, Any]:

@@ -91,16 +91,12 @@ def parse_sweep_flags(flags: Sequence[str]) -> list[Point]:
 
 def read_sweep_file(path: Path) -> list[Point]:
     """A sweep file's grid, then its listed points."""
-    import yaml  # here: the node imports this module, never this function
+    from hpcjobs import yamlfile  # here: the node imports this module, never this function (nor yaml)
 
     where = f"sweep file {path}"
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise UsageError(f"{where} cannot be read ({e.strerror}).", "give --sweep-file an existing YAML file.") \
-            from None
-    except yaml.YAMLError as e:
-        raise UsageError(f"{where} is not YAML ({' '.join(str(e).split())[:200]}).", FILE_HINT) from None
+    kind = yamlfile.Kind("sweep file", "--sweep-file", "`grid:` (a mapping of lists) and/or `points:` (a list of "
+                                                        "mappings)")
+    data = yamlfile.load(kind, path)
     if not isinstance(data, dict) or not data:
         raise UsageError(f"{where} holds {type(data).__name__}, not a mapping of {' and/or '.join(SWEEP_FILE_KEYS)}.",
                          FILE_HINT)

@@ -349,6 +349,9 @@ def test_the_launcher_enforces_the_contracts_restart_cap(tmp_path: Path) -> None
     (["--min-lr-ratio", "1.5"], "--min-lr-ratio 1.5 is too large", "0 ≤ X ≤ 1"),
     (["--eval-every", "-5"], "--eval-every -5 is too small", "N ≥ 0 (0: never)"),
     (["--keep-best=yes", "--eval-every", "5"], "--keep-best=yes gives a value to a switch", "--no-keep-best"),
+    (["--seed", "9" * 26], f"--seed {'9' * 26} is too large", "0 ≤ N ≤ 9223372036854775807"),  # torch's limit
+    (["--seed", "1" * 5000], f"--seed '{'1' * 40}...' (5000 characters) has more digits than Python reads (4300)",
+     "--seed N"),
 ])
 def test_bad_trainer_flags_are_one_line_with_what_is_valid(args: list[str], given: str, valid: str) -> None:
     with pytest.raises(ConfigError) as e:

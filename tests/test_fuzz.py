@@ -48,9 +48,10 @@ from hpcjobs.backends import slurm_probe
 from hpcjobs.backends.local import LocalBackend, rank_envs
 from hpcjobs.cli import main
 from hpcjobs.contract import SIGNALS
-from hpcjobs.profiles import GPU_REQUEST_FORMS, MAX_FILE_BYTES, ClusterProfile
+from hpcjobs.profiles import GPU_REQUEST_FORMS, ClusterProfile
 from hpcjobs.render import launcher_argv
 from hpcjobs.store import JobStore
+from hpcjobs.yamlfile import MAX_FILE_BYTES
 
 # Hypothesis keeps caches (constants, unicode data) in ./.hypothesis even with the example database off: not in the
 # checkout. The variable is read when it first writes them, in the first test (a user's own setting wins).

@@ -21,7 +21,6 @@ from hpcjobs.backends import SCHEDULERS
 from hpcjobs.contract import Preemption
 from hpcjobs.errors import ProfileError
 from hpcjobs.profiles import (
-    MAX_FILE_BYTES,
     MAX_ITEMS,
     MAX_STRING,
     ClusterProfile,
@@ -29,6 +28,7 @@ from hpcjobs.profiles import (
     parse_profile,
     reference_table,
 )
+from hpcjobs.yamlfile import MAX_FILE_BYTES
 from test_bad_inputs import GOOD, assert_refused
 
 SOURCE = "/site/bad.yaml"

@@ -76,15 +76,20 @@ BAD_FILES = [
     ("points: []\n", "points must be a non-empty list"),
     ("points: [{lr: [1, 2]}]\n", "is not a single non-empty value"),
     ("points: [{lr: 1}, {lr: 1}]\n", "point 1 (lr=1) is the same as point 0"),
-    ("grid: {lr: [1, 2]\n", "is not YAML"),
+    ("grid: {lr: [1, 2]\n", "is not valid YAML"),
+    # read as a profile is (hpcjobs.yamlfile): each was a traceback, or a silent pick, before
+    ("grid: {lr: [1]}\ngrid: {lr: [2]}\n", "key 'grid' is given twice (line 1 and line 2)"),
+    ('grid: {lr: ["1\\0x"]}\n', "line 1 holds a NUL character"),
+    ("grid: {lr: [" + "[" * 20000 + "]" * 20000 + "]}\n", "nests too deeply to be a sweep file"),
+    (b"grid: {lr: ['\xff']}\n", "is not UTF-8 text (byte 0xff at offset 13)"),
 ]
 
 
 @pytest.mark.parametrize("text,fragment", BAD_FILES, ids=[f"file-{i}" for i in range(len(BAD_FILES))])
-def test_bad_sweep_file_is_refused(text: str, fragment: str, tmp_path: Path, sbatch_log: Path,  # noqa: F811
+def test_bad_sweep_file_is_refused(text: str | bytes, fragment: str, tmp_path: Path, sbatch_log: Path,  # noqa: F811
                                    hpcjobs_home: Path) -> None:
     f = tmp_path / "sweep.yaml"
-    f.write_text(text)
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
     out = hpcjobs("submit", "--profile", "testcluster", "--gpus", "1", "--sweep-file", str(f), *TASK, cwd=REPO)
     assert_refused(out, fragment, sbatch_log)
 

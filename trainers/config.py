@@ -204,10 +204,13 @@ class Bounds:
         return low_ok and (self.high is None or value <= self.high)
 
     def describe(self, letter: str) -> str:
+        def num(x: float) -> str:
+            return str(x) if isinstance(x, int) else f"{x:g}"  # 2**63 - 1 in full, not 9.22337e+18
+
         if self.high is not None:
-            text = f"{self.low:g} ≤ {letter} ≤ {self.high:g}"
+            text = f"{num(self.low)} ≤ {letter} ≤ {num(self.high)}"
         else:
-            text = f"{letter} {'>' if self.above else '≥'} {self.low:g}"
+            text = f"{letter} {'>' if self.above else '≥'} {num(self.low)}"
         return text + (f" ({self.note})" if self.note else "")
 
 
@@ -221,7 +224,7 @@ BOUNDS: dict[str, Bounds] = {
     "min_lr_ratio": Bounds(0, high=1, example="0.1"),
     "weight_decay": Bounds(0, example="0.1"),
     "grad_clip": Bounds(0, note="0: no clipping", example="1.0"),
-    "seed": Bounds(0, example="0"),
+    "seed": Bounds(0, high=2**63 - 1, example="0"),  # torch's generators take < 2**64, and the sampler adds the epoch
     "log_every": Bounds(1, example="10"),
     "ckpt_every": Bounds(0, note="0: only at the end and on a stop", example="100"),
     "keep": Bounds(2, note="the newest checkpoint is never the only copy", example="2"),
@@ -264,6 +267,13 @@ def _error(given: str, valid: str, hint: str) -> ConfigError:
     return ConfigError(f"{given}; valid: {valid}. HINT: {hint}")
 
 
+def _quoted(text: str, quote: bool = True) -> str:
+    """A flag's value as its error shows it (repr'd, or as written where it reads as a number): a long one cut, so
+    the line stays readable."""
+    short = text if len(text) <= 60 else f"{text[:40]}..."
+    return (repr(short) if quote else short) + ("" if short == text else f" ({len(text)} characters)")
+
+
 def _valid(name: str) -> str:
     """The `valid:` part for a setting."""
     kind, flag = _fields()[name], _flag(name)
@@ -289,17 +299,19 @@ def _convert(name: str, text: str) -> Any:
     kind, flag = _fields()[name], _flag(name)
     if name in CHOICES:
         if text not in CHOICES[name]:
-            raise _error(f"{flag} {text!r} is not a choice", _valid(name), _hint(name))
+            raise _error(f"{flag} {_quoted(text)} is not a choice", _valid(name), _hint(name))
         return text
     if name in MULTI_CHOICES:
         return _convert_multi(name, text)
     try:
         value = int(text) if kind == "int" else float(text)
     except ValueError:
-        what = "a whole number" if kind == "int" else "a number"
-        raise _error(f"{flag} {text!r} is not {what}", _valid(name), _hint(name)) from None
+        digits = text.strip().lstrip("+-")
+        wrong = (f"is not {'a whole number' if kind == 'int' else 'a number'}" if not digits.isdigit() else
+                 "has more digits than Python reads (4300)")
+        raise _error(f"{flag} {_quoted(text)} {wrong}", _valid(name), _hint(name)) from None
     if not math.isfinite(value):
-        raise _error(f"{flag} {text!r} is not a finite number", _valid(name), _hint(name))
+        raise _error(f"{flag} {_quoted(text)} is not a finite number", _valid(name), _hint(name))
     return value
 
 
@@ -308,11 +320,11 @@ def _convert_multi(name: str, text: str) -> str:
     checkpoint's config records); `wandb, mlflow` is read as `wandb,mlflow`."""
     flag, words = _flag(name), [w.strip() for w in text.split(",") if w.strip()]
     if not words:
-        raise _error(f"{flag} {text!r} names none", _valid(name), _hint(name))
+        raise _error(f"{flag} {_quoted(text)} names none", _valid(name), _hint(name))
     wrong = [w for w in words if w not in MULTI_CHOICES[name]]
     if wrong:
         what = ", ".join(repr(w) for w in wrong)
-        raise _error(f"{flag} {text!r}: {what} {'is not a choice' if len(wrong) == 1 else 'are not choices'}",
+        raise _error(f"{flag} {_quoted(text)}: {what} {'is not a choice' if len(wrong) == 1 else 'are not choices'}",
                      _valid(name), _hint(name))
     return ",".join(dict.fromkeys(words))
 
@@ -387,7 +399,7 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
             text = _value_after(name, args, i)
             i += 1
         value = _convert(name, text)
-        _check_range(name, value, f"{flag} {text}")
+        _check_range(name, value, f"{flag} {_quoted(text, quote=False)}")
         values[name] = value
         i += 1
     cfg = TrainConfig(**values)
