@@ -309,13 +309,11 @@ def run_render(ns: argparse.Namespace) -> int:
     if helped is not None:
         return helped
     script = backend_for(spec.profile.scheduler).script(spec)
-    from hpcjobs.submit import refuse_output, take_snapshot, write_script
+    from hpcjobs.paths import refuse_output
+    from hpcjobs.submit import take_snapshot, write_script
 
     if ns.output:
-        try:
-            refuse_output(Path(ns.output), ns.force)  # before the snapshot: a refused render copies nothing
-        except OSError:
-            pass  # write_script says what is wrong with the path
+        refuse_output(Path(ns.output), ns.force)  # before the snapshot: a refused render copies nothing
     take_snapshot(spec)  # the script runs the code as it is now, however long it waits to be submitted
     if not ns.output:
         print(script.text, end="")
@@ -522,6 +520,7 @@ def add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="a run folder, or a job id (a sweep's array id stands for all its tasks)")
     p.add_argument("--plot", metavar="FILE", help="also draw the loss curves into FILE (.png, .pdf or .svg; needs "
                    "matplotlib: pip install 'hpcjobs[plot]')")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(run=run_compare)
 
@@ -550,12 +549,12 @@ def run_compare(ns: argparse.Namespace) -> int:
     from hpcjobs.store import JobStore
 
     if ns.plot:
-        compare.plot_format(ns.plot)
+        compare.plot_format(ns.plot, ns.force)
         compare.require_matplotlib()
     store = JobStore()
     rows = compare.rows_for(compare_targets(ns.runs, store), store)
     if ns.plot:
-        path = compare.plot(rows, ns.plot)
+        path = compare.plot(rows, ns.plot, ns.force)
         print(f"Wrote {path} (loss curves of {len(rows)} run(s))", file=sys.stderr)
     if ns.json:
         _print_json([r.as_dict() for r in rows])
@@ -616,8 +615,9 @@ def run_export(ns: argparse.Namespace) -> int:
     import subprocess
 
     run_dir = ns.target if Path(ns.target).is_dir() else one_record(ns.target, "export").run_dir
-    argv = [run_dir, "-o", ns.output, *(["--step", str(ns.step)] if ns.step is not None else []),
-            *(["--force"] if ns.force else [])]
+    # "--output=" and "--": an -o or RUN that starts with "-" stays a value there, as it was here
+    argv = [f"--output={ns.output}", *(["--step", str(ns.step)] if ns.step is not None else []),
+            *(["--force"] if ns.force else []), "--", run_dir]
     return subprocess.run([sys.executable, "-m", "trainers.export", *argv]).returncode
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.jobs import FOLDER_STATES, last_step, restart_count, status_of
+from hpcjobs.paths import refuse_output
 from hpcjobs.runfolder import RunFolder, read_jsonl
 from hpcjobs.states import JobState
 from hpcjobs.store import JobRecord, JobStore
@@ -233,13 +234,15 @@ def table(rows: Sequence[Row]) -> tuple[list[str], list[tuple[str, ...]]]:
 
 # --- the plot ---------------------------------------------------------------------------------------------------------
 
-def plot_format(out_path: str | os.PathLike[str]) -> str:
-    """Checked before anything is read: a wrong name must not cost a sweep's worth of reading first."""
+def plot_format(out_path: str | os.PathLike[str], force: bool = False) -> str:
+    """Checked before anything is read: a wrong name must not cost a sweep's worth of reading first, and an
+    existing file is kept unless forced."""
     path = Path(out_path)
     fmt = PLOT_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise UsageError(f"--plot {out_path}: cannot tell the format from {path.suffix or 'a name with no suffix'!r}; "
                          f"valid: {', '.join(PLOT_FORMATS)}.", "e.g. --plot loss.png")
+    refuse_output(path, force, "--plot", "loss.png")
     if not path.parent.is_dir():
         raise UsageError(f"--plot {out_path}: the folder {path.parent} does not exist.",
                          "create it first, or write the plot elsewhere.")
@@ -261,10 +264,10 @@ def log_scale(rows: Sequence[Row]) -> bool:
     return bool(values) and min(values) > 0 and max(values) / min(values) > 10
 
 
-def plot(rows: Sequence[Row], out_path: str | os.PathLike[str]) -> Path:
+def plot(rows: Sequence[Row], out_path: str | os.PathLike[str], force: bool = False) -> Path:
     """One curve per run (x = step, y = loss; val_loss dashed in the same colour), written atomically: a reader
     (an image viewer, a notebook) sees the old picture or the new one, never half a file."""
-    fmt = plot_format(out_path)
+    fmt = plot_format(out_path, force)
     require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogFormatter, MaxNLocator

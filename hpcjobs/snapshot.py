@@ -104,6 +104,14 @@ def _under(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def _real(path: Path) -> Path:
+    """Where a path leads; the path itself where it leads nowhere (a symlink loop: kept, and copied, as a link)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # Path.resolve's symlink loop (RuntimeError until Python 3.13)
+        return path
+
+
 def _digest(root: Path, files: list[str]) -> tuple[str, int]:
     h = hashlib.sha256()
     total = 0
@@ -136,7 +144,7 @@ def plan(workdir: Path, runs_root: Path) -> Snapshot:
     if runs != root.resolve() and _under(runs, root.resolve()):
         keep_out.append(runs)
     files = sorted(p for p in {*tracked, *untracked}
-                   if not any(_under((root / p).resolve(), k) for k in keep_out)
+                   if not any(_under(_real(root / p), k) for k in keep_out)
                    and ((root / p).is_file() or (root / p).is_symlink()))
     if len(files) > MAX_FILES:
         raise UsageError(f"the code snapshot of {root} would hold {len(files)} files; valid: at most {MAX_FILES}.",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hpcjobs.backends import backend_for
 from hpcjobs.errors import UsageError, shown
+from hpcjobs.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
 from hpcjobs.slurmtime import format_time, parse_time
@@ -23,9 +24,6 @@ from hpcjobs.sweep import Point, as_args, as_mapping, build_points
 ENTRY_KINDS = ("task", "script", "module")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
-NAME_MAX = 255
-"""The longest name of one file or folder that Linux filesystems take (bytes); PATH_MAX bounds a whole path."""
-PATH_MAX = 4096
 _ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
 
@@ -158,7 +156,7 @@ def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path
         _require_module(entry, "module", hint, workdir)
         return Entry("module", entry, args)
     if entry.endswith(".py") or os.sep in entry:
-        path = (workdir / entry).resolve()
+        path = resolved(workdir / entry, "script", hint)
         if not path.is_file():
             raise UsageError(f"script {entry!r} does not exist (looked in {workdir}).", hint)
         return Entry("script", str(path), args)
@@ -263,7 +261,7 @@ def _bytes(path: str) -> int:
 def _check_run_dir(run_dir: str) -> None:
     """A run folder is named on an #SBATCH line (submitit's --output) and made here or on the node: one line, and a
     path a filesystem can hold (a longer one failed stat with ENAMETOOLONG: a traceback here, a failed job there)."""
-    hint = "pick another --run-dir (or runs_dir in the profile); nothing was submitted."
+    hint = RUN_DIR_HINT
     _check_one_line("run folder", run_dir, hint)
     too_long = next((part for part in run_dir.split("/") if _bytes(part) > NAME_MAX), None)
     if too_long is not None:
@@ -272,6 +270,7 @@ def _check_run_dir(run_dir: str) -> None:
     if _bytes(run_dir) >= PATH_MAX:
         raise UsageError(f"run folder {shown(run_dir)} is longer than {PATH_MAX - 1} bytes; valid: a path of at "
                          f"most {PATH_MAX - 1} bytes.", hint)
+    run_folder_place(run_dir)  # a file on the way: refused by --dry-run and render too, not only by a real submit
 
 
 def _check_max_parallel(max_parallel: int | None, points: int) -> None:
@@ -343,7 +342,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
     array = len(points) > 1
     if req.run_dir:  # absolute, so status and logs find it from anywhere; a pattern (%j) is resolved later
-        run_dir = str((workdir / os.path.expanduser(req.run_dir)).resolve())
+        run_dir = str(resolved(workdir / os.path.expanduser(req.run_dir), "run folder", RUN_DIR_HINT))
     else:
         root = profile.runs_path()
         root = root if root.is_absolute() else workdir / root

@@ -10,19 +10,11 @@ from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
 from hpcjobs.backends.common import check_run_folder
-from hpcjobs.errors import RuntimeFailure, UsageError
+from hpcjobs.errors import RuntimeFailure
+from hpcjobs.paths import refuse_output
 from hpcjobs.snapshot import materialize
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord, JobStore
-
-
-def refuse_output(path: Path, force: bool) -> None:
-    """A script is never written over an existing file unless forced, nor over a folder. Raises UsageError (or
-    OSError for a name too long, or a folder we may not look into)."""
-    if path.exists() and not force:
-        raise UsageError(f"{path} already exists; nothing was written.", "pass --force to overwrite, or -o NEW_FILE.")
-    if path.is_dir():
-        raise UsageError(f"{path} is a folder; nothing was written.", "give -o a file name, e.g. -o train.sbatch.")
 
 
 def write_script(script: Script, path: Path, force: bool = False) -> Path:

@@ -162,6 +162,31 @@ def test_render_refuses_to_overwrite(tmp_path: Path, sbatch_log: Path) -> None:
     assert target.read_text() == "precious\n"
 
 
+PATH_CASES = [
+    ("submit", ["--dry-run", "--run-dir", "LOOP", "trainers.tasks.lm"], "/LOOP' is a symlink loop"),
+    ("submit", ["--dry-run", "--run-dir", "FILE", "trainers.tasks.lm"], "FILE is a file, not a folder"),
+    ("render", ["--run-dir", "FILE/run", "trainers.tasks.lm"], "FILE is a file, not a folder"),
+    ("submit", ["--dry-run", "LOOP.py"], "/LOOP.py' is a symlink loop"),
+    ("submit", ["--dry-run", "a" * 256 + ".py"], "cannot be looked up (File name too long)"),
+    ("render", ["-o", "DANGLING", "trainers.tasks.lm"], "DANGLING already exists; nothing was written"),
+    ("render", ["-o", "FILE/x.sbatch", "trainers.tasks.lm"], "FILE is a file, not a folder; nothing was written"),
+]
+
+
+@pytest.mark.parametrize("command,args,fragment", PATH_CASES, ids=[f"paths-{i}" for i in range(len(PATH_CASES))])
+def test_a_path_the_system_cannot_use_is_one_line(command: str, args: list[str], fragment: str, tmp_path: Path,
+                                                   sbatch_log: Path) -> None:
+    """A symlink loop, a name over 255 bytes, a file on the way, a link that leads nowhere: each was a traceback,
+    a success that the real submission then refused, or a file written over (found by a bad-input probe)."""
+    (tmp_path / "FILE").write_text("precious\n")
+    for name, target in (("LOOP", "LOOP"), ("LOOP.py", "LOOP.py"), ("DANGLING", "nowhere")):
+        (tmp_path / name).symlink_to(target)
+    out = hpcjobs(command, "--profile", "testcluster", "--run-dir", str(tmp_path / "runs" / "x"), *args, cwd=tmp_path)
+    assert_refused(out, fragment, sbatch_log)
+    assert (tmp_path / "FILE").read_text() == "precious\n" and (tmp_path / "DANGLING").is_symlink()
+    assert not (tmp_path / "runs").exists()  # no code snapshot copied for a refused request
+
+
 def test_render_with_local_profile(sbatch_log: Path) -> None:
     out = hpcjobs("render", "--profile", "local", "trainers.tasks.lm", cwd=REPO)
     assert_refused(out, "there is no sbatch script to render", sbatch_log)

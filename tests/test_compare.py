@@ -153,6 +153,17 @@ def test_plot_format_follows_the_suffix(sweep: dict[str, Path], tmp_path: Path, 
     assert out.read_bytes().startswith(magic)
 
 
+def test_an_existing_plot_is_kept_unless_forced(sweep: dict[str, Path], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "loss.png"
+    out.write_bytes(b"precious")
+    err = one_line_error(*run_cli(capsys, str(sweep["finished"]), "--plot", str(out)))
+    assert "loss.png already exists; nothing was written" in err and "--force" in err
+    assert out.read_bytes() == b"precious"
+    assert run_cli(capsys, str(sweep["finished"]), "--plot", str(out), "--force")[0] == 0
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_log_scale_when_the_losses_span_more_than_ten_times(tmp_path: Path) -> None:
     wide = compare.row_for(make_run(tmp_path / "w", None, metrics=[{"step": 1, "loss": 50.0},
                                                                    {"step": 2, "loss": 0.5}]))

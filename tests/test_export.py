@@ -54,15 +54,19 @@ def test_export_by_job_id_and_by_folder_writes_the_checkpoints_weights(run: tupl
     (["--step", "4"], "--step 4: "),
     (["-o", "model.txt"], "the suffix .txt is not a format"),
     (["-o", "exists.pt"], "already exists; nothing was written"),
+    (["-o", "dangling.pt"], "dangling.pt already exists; nothing was written"),  # a link that leads nowhere
+    (["-o=-m.txt"], "-o -m.txt: the suffix .txt is not a format"),  # a value, not an option, on the node side too
 ])
 def test_bad_export_requests_are_one_line(run: tuple[Path, str, Path], args: list[str], said: str,
                                           tmp_path: Path) -> None:
     (tmp_path / "exists.pt").write_text("precious")
-    argv = ["export", str(run[0]), *args] + ([] if "-o" in args else ["-o", "m.pt"])
+    (tmp_path / "dangling.pt").symlink_to("nowhere")
+    argv = ["export", str(run[0]), *args] + ([] if any(a.startswith("-o") for a in args) else ["-o", "m.pt"])
     out = hpcjobs(*argv, cwd=tmp_path)
     assert out.returncode == 2 and said in out.stderr and "HINT:" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert (tmp_path / "exists.pt").read_text() == "precious" and not (tmp_path / "m.pt").exists()
+    assert (tmp_path / "dangling.pt").is_symlink()
 
 
 def test_export_of_a_folder_without_checkpoints(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from hpcjobs.errors import UsageError
+from hpcjobs.paths import refuse_output
 from hpcjobs.runfolder import RunFolder
 from trainers import checkpoint
 from trainers.checkpointer import model_weights
@@ -62,8 +64,10 @@ def check_output(out: Path, force: bool) -> None:
     if out.suffix not in FORMATS:
         raise ExportError(f"-o {out}: the suffix {out.suffix or '(none)'} is not a format; valid: "
                           f"{', '.join(FORMATS)}. HINT: e.g. -o model.safetensors")
-    if out.exists() and not force:
-        raise ExportError(f"{out} already exists; nothing was written. HINT: pass --force to overwrite, or -o NEW.")
+    try:
+        refuse_output(out, force, "-o", "model.safetensors")
+    except UsageError as e:
+        raise ExportError(e.one_line()) from None
 
 
 def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:

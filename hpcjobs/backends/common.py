@@ -10,7 +10,8 @@ from pathlib import Path
 
 from hpcjobs.diagnosis import Failure
 from hpcjobs.errors import UsageError
-from hpcjobs.runfolder import RunFolder, fixed_part, write_json_atomic
+from hpcjobs.paths import RUN_DIR_HINT, run_folder_place
+from hpcjobs.runfolder import RunFolder, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord
 
@@ -30,14 +31,9 @@ def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
 def check_run_folder(run_dir: str) -> None:
     """Refuse a run folder that cannot be made, before anything is queued: the folder itself (or, for a pattern,
     its fixed part) must be a folder or creatable under a writable folder."""
-    probe = fixed_part(run_dir)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    hint = "pick another --run-dir (or runs_dir in the profile); nothing was submitted."
-    if not probe.is_dir():
-        raise UsageError(f"run folder {run_dir}: {probe} is a file, not a folder.", hint)
+    probe = run_folder_place(run_dir)
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"run folder {run_dir}: {probe} is not writable.", hint)
+        raise UsageError(f"run folder {run_dir}: {probe} is not writable.", RUN_DIR_HINT)
 
 
 def prepare_run_folder(spec: JobSpec, run_dir: str, task: int | None = None) -> bool:
