@@ -135,10 +135,10 @@ class RunFolder:
         return read_json(getattr(self, which))
 
     def read_restarts(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.restarts)
+        return read_jsonl(self.restarts, RESTART_FIELDS)
 
     def read_failures(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.failures)
+        return read_jsonl(self.failures, FAILURE_FIELDS)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -165,15 +165,34 @@ def read_json(path: Path) -> Any:
         return None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+_NUMBER = (int, float)
+RESTART_FIELDS: Mapping[str, tuple[type, ...]] = {
+    "restart": (int,), "time": _NUMBER, "world_size": (int,), "step": (int, type(None)), "stopped": (str,)}
+"""restarts.jsonl's fields that its readers compare or count, with the types the launcher writes them as."""
+FAILURE_FIELDS: Mapping[str, tuple[type, ...]] = {"restart": (int,), "rank": (int,), "time": _NUMBER}
+"""failures.jsonl's, likewise."""
+
+
+def _fits(record: Any, fields: Mapping[str, tuple[type, ...]]) -> bool:
+    return isinstance(record, dict) and all(
+        k not in record or (isinstance(record[k], types) and not isinstance(record[k], bool))
+        for k, types in fields.items())
+
+
+def read_jsonl(path: Path, fields: Mapping[str, tuple[type, ...]] | None = None) -> list[dict[str, Any]]:
+    """The file's JSON objects, one per line. A line that is not one (the torn last line of a killed writer, a line
+    written by hand) or whose `fields` have other types than the writer gives them is skipped: its readers compare
+    and count those fields, and a status must answer whatever the folder holds."""
     try:
-        text = path.read_text()
+        text = path.read_text(errors="replace")
     except OSError:
         return []
     out = []
     for line in text.splitlines():
         try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line of a killed writer
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if _fits(record, fields or {}):
+            out.append(record)
     return out

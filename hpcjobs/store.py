@@ -71,6 +71,16 @@ def _set_up(con: sqlite3.Connection, tries: int = 20) -> None:
             time.sleep(0.05 * (attempt + 1))
 
 
+def _object(text: Any) -> dict[str, Any]:
+    """A JSON column as add() wrote it (an object); {} where the file was damaged since: the record still names
+    its job and run folder, which is what status and logs need first."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 class JobStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or store_path()
@@ -108,10 +118,12 @@ class JobStore:
                         (time.time(), job_id))
 
     def _rows(self, sql: str, args: tuple[Any, ...]) -> Iterator[JobRecord]:
+        if not self.path.exists():  # nothing submitted from here yet: a question makes no store
+            return
         with self._connect() as con:
             for row in con.execute(sql, args).fetchall():
-                yield JobRecord(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]),
-                                json.loads(row[8]), row[9], row[10])
+                yield JobRecord(row[0], row[1], row[2], row[3], row[4], row[5], row[6], _object(row[7]),
+                                _object(row[8]), row[9], row[10])
 
     _COLS = "job_id, name, profile, scheduler, nodes, gpus_per_node, run_dir, logs, spec, submitted, cancelled"
 

@@ -153,8 +153,9 @@ def test_render_under_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("keep")
     out = hpcjobs_in(tmp_path, "render", "--profile", profile(tmp_path), "-o", str(tmp_path / "f" / "job.sbatch"),
                      *TASK)
-    assert_one_line(out, 1, "nothing was written")
-    assert (tmp_path / "f").read_text() == "keep" and not leftovers(tmp_path)
+    assert_one_line(out, 2, "f is a file, not a folder; nothing was written")  # a bad path given, found before
+    assert (tmp_path / "f").read_text() == "keep" and not leftovers(tmp_path)  # the snapshot is copied
+    assert not (tmp_path / "runs").exists()
 
 
 def test_logs_of_a_job_whose_run_folder_is_gone(tmp_path: Path, shim: Path) -> None:
@@ -164,3 +165,32 @@ def test_logs_of_a_job_whose_run_folder_is_gone(tmp_path: Path, shim: Path) -> N
     assert out.returncode == 0, out.stderr
     shutil.rmtree(tmp_path / "r")
     assert_one_line(hpcjobs_in(tmp_path, "logs", "77", env=env), 2, "has no logs")
+
+
+def test_a_damaged_store_row_and_hand_edited_run_records_still_answer(tmp_path: Path) -> None:
+    """A store row whose JSON columns were damaged, and restarts/failures lines that are not the launcher's records
+    (a number, a list, a restart count as text): list, status and compare answer from what is left (each was a
+    traceback: JSONDecodeError, TypeError), and a question to an empty HPCJOBS_HOME creates no store."""
+    import json
+    import sqlite3
+    import time
+
+    from hpcjobs.store import JobRecord, JobStore
+
+    run, home = tmp_path / "run", tmp_path / "home"
+    run.mkdir()
+    (run / "spec.json").write_text(json.dumps({"name": "lm"}))
+    start = {"restart": 1, "time": time.time(), "job_id": "local-1", "world_size": 2}
+    (run / "restarts.jsonl").write_text('5\n{"restart": "x"}\n[1, 2]\n' + json.dumps(start) + "\n")
+    (run / "failures.jsonl").write_text('{"rank": "3", "restart": 1, "job_id": "local-1"}\n"text"\n')
+    env = {"HPCJOBS_HOME": str(home)}
+    assert_one_line(hpcjobs_in(tmp_path, "status", "abc", env=env), 2, "abc")
+    assert not home.exists()
+    store = JobStore(home / "jobs.sqlite")
+    store.add(JobRecord("local-1", "lm", "local", "local", 1, 2, str(run), {"out": "x"}, {"name": "lm"}, time.time()))
+    with sqlite3.connect(store.path) as con:
+        con.execute("UPDATE jobs SET logs='{not json', spec='5'")
+    for command in (["list"], ["status", "local-1"], ["compare", str(run)]):
+        out = hpcjobs_in(tmp_path, *command, env=env)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (command, out.stderr)
+    assert "restarts:    1" in hpcjobs_in(tmp_path, "status", "local-1", env=env).stdout
