@@ -45,6 +45,8 @@ from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
+MAX_NODES = 100_000
+"""The most nodes any job may ask for, whatever the profile (larger than any cluster; Slurm's own node count)."""
 PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, preemption)",
                              ProfileError)
 MAX_ITEMS = 200
@@ -86,7 +88,7 @@ class ClusterProfile:
     mem_per_gpu: str | None = field(default=None, metadata={"parse": parse_mem_mb})
     """Memory per GPU (Slurm notation, e.g. `64G`): `--mem-per-gpu`, or `--mem` per node when gpu_request is
     `none`."""
-    max_nodes: int | None = field(default=None, metadata={"min": 1, "max": 100_000})
+    max_nodes: int | None = field(default=None, metadata={"min": 1, "max": MAX_NODES})
     """The most nodes one job may ask for (none: no limit known)."""
     default_time: str = field(default="1:00:00", metadata={"parse": parse_time})
     """Time limit when `--time` is not given (Slurm notation)."""

@@ -9,8 +9,13 @@ from hpcjobs.errors import UsageError, shown
 TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
 # Slurm keeps a time limit as a 32-bit count of minutes, so no field of a time it takes has more than 10 digits; an
 # unbounded field reached int(), which refuses over 4300 digits with a ValueError (a traceback, not a usage error).
-_TIME = re.compile(r"^(?:(\d{1,10})-)?(\d{1,10})(?::(\d{1,10}))?(?::(\d{1,10}))?$")
-_MEM = re.compile(r"^(\d+)([KMGT]?)$", re.IGNORECASE)
+# ASCII: \d also matches other scripts' digits (a full-width １), which int() reads and Slurm would not.
+_TIME = re.compile(r"^(?:(\d{1,10})-)?(\d{1,10})(?::(\d{1,10}))?(?::(\d{1,10}))?$", re.ASCII)
+MAX_MINUTES = 2**32 - 2
+"""The longest finite time limit Slurm keeps (its INFINITE is 2**32 - 1 minutes)."""
+_MEM = re.compile(r"^(\d+)([KMGT]?)$", re.IGNORECASE | re.ASCII)
+MAX_MEM_MB = 2**63 - 1
+"""Slurm keeps a memory size in megabytes in 64 bits, one of them a flag."""
 _MEM_KIB = {"K": 1, "": 1024, "M": 1024, "G": 1024**2, "T": 1024**3}
 """KiB per unit: whole numbers, so a long size cannot overflow a float on its way to megabytes."""
 
@@ -42,6 +47,9 @@ def parse_time(text: str | int, what: str = "time") -> int:
         seconds = a_ * 60
     if seconds <= 0:
         raise UsageError(f"{what} {text!r} is zero; it must be positive.", "e.g. --time 30 (minutes) or 1:00:00")
+    if seconds > MAX_MINUTES * 60:
+        raise UsageError(f"{what} {text!r} is longer than Slurm keeps; valid: at most {format_time(MAX_MINUTES * 60)}"
+                         f" ({MAX_MINUTES} minutes).", "e.g. --time 7-00:00:00; a job requeues itself to go on longer")
     return seconds
 
 
@@ -59,4 +67,8 @@ def parse_mem_mb(text: str | int, what: str = "memory") -> int:
     if not m or int(m.group(1)) <= 0:
         raise UsageError(f"{what} {shown(text)} is not a memory size; valid: a positive number with K, M, G or T.",
                          "e.g. mem_per_gpu: 64G")
-    return max(1, int(m.group(1)) * _MEM_KIB[m.group(2).upper()] // 1024)
+    mb = max(1, int(m.group(1)) * _MEM_KIB[m.group(2).upper()] // 1024)
+    if mb > MAX_MEM_MB:
+        raise UsageError(f"{what} {shown(text)} is larger than Slurm keeps; valid: at most {MAX_MEM_MB}M.",
+                         "e.g. mem_per_gpu: 64G")
+    return mb

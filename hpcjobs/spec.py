@@ -15,7 +15,7 @@ from pathlib import Path
 from hpcjobs.backends import backend_for
 from hpcjobs.errors import UsageError, shown
 from hpcjobs.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
-from hpcjobs.profiles import ClusterProfile
+from hpcjobs.profiles import MAX_NODES, ClusterProfile
 from hpcjobs.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
@@ -304,6 +304,24 @@ def default_name(entry: Entry) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", base)[:64] or "job"
 
 
+def most_nodes(profile: ClusterProfile) -> int:
+    """The most nodes a job of this profile may ask for: its max_nodes, one where its scheduler runs on this
+    machine only, and hpcjobs' own limit otherwise."""
+    if not backend_for(profile.scheduler).multi_node:
+        return 1
+    return min(profile.max_nodes or MAX_NODES, MAX_NODES)
+
+
+def _more_nodes_hint(profile: ClusterProfile, total: int) -> str:
+    """How to ask for `total` GPUs the way the profile allows, never a request it would refuse."""
+    per, most = profile.gpus_per_node, most_nodes(profile)
+    need = -(-total // per)
+    if need <= most:
+        return f"--gpus is per node; for {total} GPUs in all ask for more nodes, e.g. --nodes {need} --gpus {per}."
+    return (f"--gpus is per node, and profile {profile.name} allows at most {most} node(s) × {per} GPUs = "
+            f"{most * per} in all: e.g. --nodes {most} --gpus {per}.")
+
+
 def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = None,
                stamp: str | None = None, job_id_in_run_dir: bool = False) -> JobSpec:
     """Validate the request against the profile and freeze it. `stamp` makes the run folder unique."""
@@ -311,17 +329,15 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     where = f"profile {profile.name}"
     if req.nodes < 1:
         raise UsageError(f"--nodes {req.nodes}: valid: 1 or more.", "e.g. --nodes 2")
-    if profile.max_nodes and req.nodes > profile.max_nodes:
-        raise UsageError(f"--nodes {req.nodes}: {where} allows at most {profile.max_nodes}.",
-                         f"ask for --nodes {profile.max_nodes} or fewer.")
+    limit = min(profile.max_nodes or MAX_NODES, MAX_NODES)  # a single-node scheduler says its own (backend.check)
+    if req.nodes > limit:
+        raise UsageError(f"--nodes {req.nodes}: {where} allows at most {limit}.", f"ask for --nodes {limit} or fewer.")
     gpus = profile.gpus_per_node if req.gpus is None else req.gpus
     if gpus < 1:
         raise UsageError(f"--gpus {gpus}: valid: 1 to {profile.gpus_per_node} (GPUs per node).", "e.g. --gpus 8")
     if gpus > profile.gpus_per_node:
         raise UsageError(f"--gpus {gpus} per node: nodes of {where} have {profile.gpus_per_node}; valid: 1 to "
-                         f"{profile.gpus_per_node}.",
-                         f"--gpus is per node; for {gpus * req.nodes} GPUs in all ask for more nodes, e.g. --nodes "
-                         f"{-(-gpus * req.nodes // profile.gpus_per_node)} --gpus {profile.gpus_per_node}.")
+                         f"{profile.gpus_per_node}.", _more_nodes_hint(profile, gpus * req.nodes))
     time_s = parse_time(req.time if req.time is not None else profile.default_time, "--time")
     if profile.max_time and time_s > parse_time(profile.max_time):
         raise UsageError(f"--time {req.time}: {where} allows at most {profile.max_time}.",

@@ -34,11 +34,15 @@ BAD_PROFILES = [
     ({"exclusive": "yes"}, "exclusive is 'yes'; valid: true or false"),
     ({"env": {"BAD-NAME": "x"}}, "environment names"),
     ({"cpus_per_gpu": -1}, "cpus_per_gpu is -1"),
+    ({"mem_per_gpu": "9" * 30 + "T"}, "is larger than Slurm keeps"),
     ({"setup": ["module load a\nrm -rf /"]}, "single-line strings"),
 ]
 
 BAD_FLAGS = [
     (["--gpus", "9"], "--gpus 9 per node: nodes of profile"),
+    (["--nodes", "2", "--gpus", "9"], "allows at most 2 node(s) × 8 GPUs = 16 in all: e.g. --nodes 2 --gpus 8"),
+    (["--time", "9999999999-23:59:59"], "is longer than Slurm keeps"),
+    (["--time", "\uff11:00"], "'\uff11:00' is not a Slurm time"),  # a full-width digit: int() reads it, Slurm not
     (["--nodes", "3"], "allows at most 2"),
     (["--nodes", "0"], "--nodes 0: valid: 1 or more"),
     (["--time", "2-00:00:00"], "allows at most 1-00:00:00"),
