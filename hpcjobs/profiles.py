@@ -39,6 +39,7 @@ from typing import Any
 
 from hpcjobs import yamlfile
 from hpcjobs.backends import SCHEDULERS
+from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.contract import Preemption
 from hpcjobs.errors import ProfileError, UsageError, shown
 from hpcjobs.resources import data_dir
@@ -237,6 +238,8 @@ def _env_entry(k: Any, val: Any, prefixes: tuple[str, ...]) -> str:
         raise ValueError(f"environment names (letters, digits, _), not {shown(k)}")
     if prefixes and not k.startswith(prefixes):
         raise ValueError(f"names starting with {' or '.join(prefixes)}, not {k!r}")
+    if k in RENDEZVOUS:  # set for each rank when it starts: one value for the whole job would be every rank's
+        raise ValueError(f"names other than those hpcjobs sets for each rank ({', '.join(RENDEZVOUS)}), not {k!r}")
     if isinstance(val, bool) or not isinstance(val, (str, int, float)):
         raise ValueError(f"scalar values, not {shown(val)} for {k}")
     if len(str(val)) > MAX_STRING:
@@ -393,7 +396,8 @@ def available_profiles() -> list[tuple[str, str, Path]]:
     seen: dict[str, tuple[str, str, Path]] = {}
     for origin, folder in search_dirs():
         for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
-            seen.setdefault(path.stem, (path.stem, origin, path))
+            if path.is_file():  # a folder named x.yaml is no profile: find_profile would not take it either
+                seen.setdefault(path.stem, (path.stem, origin, path))
     return list(seen.values())
 
 

@@ -7,12 +7,13 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from hpcjobs.backends import backend_for
+from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.errors import UsageError, shown
 from hpcjobs.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
@@ -94,6 +95,8 @@ class JobSpec:
     """The most array tasks running at once (None: as many as the scheduler starts)."""
     snapshot: Snapshot | None = None
     """The code snapshot the ranks run from (`workdir` is inside it); None: the working tree."""
+    time_from: str = "--time"
+    """Where the time limit came from, for an error about it: --time, or the profile's default_time."""
 
     @property
     def array(self) -> bool:
@@ -246,6 +249,15 @@ def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _check_env_names(env: Mapping[str, str], where: str) -> None:
+    """A rank's identity and rendezvous are set for each rank when it starts: one given for the whole job would be
+    every rank's (all rank 0), or be overwritten without a word."""
+    taken = [name for name in env if name in RENDEZVOUS]
+    if taken:
+        raise UsageError(f"{where} sets {taken[0]}, which hpcjobs sets for each rank; valid: other names (not "
+                         f"{', '.join(RENDEZVOUS)}).", "drop it: every rank gets its own from the launcher.")
+
+
 def _check_one_line(flag: str, value: str | None, hint: str) -> None:
     """What goes on an #SBATCH line, as the profile's strings do: a newline would end the header there and run the
     rest of the value as a shell line."""
@@ -354,7 +366,9 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if not _NAME.fullmatch(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                          "or digit.", "e.g. --name gpt-small")
-    env = with_gloo_interface({**profile.env, **profile.nccl, **_env_pairs(req.env)})
+    given = _env_pairs(req.env)
+    _check_env_names(given, "--env")  # the profile's env: checked when it was loaded
+    env = with_gloo_interface({**profile.env, **profile.nccl, **given})
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
     array = len(points) > 1
     if req.run_dir:  # absolute, so status and logs find it from anywhere; a pattern (%j) is resolved later
@@ -375,6 +389,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
         _check_one_line(flag, value, f"e.g. {flag} {example}")
     spec = JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
+        time_from="--time" if req.time is not None else f"the default_time of profile {profile.name}",
         run_dir=run_dir, workdir=snapshot.where(str(workdir)) if snapshot else str(workdir),
         python=node_python(profile),
         python_fallback=sys.executable if node_python(profile) == AFTER_SETUP and not profile.python else None,

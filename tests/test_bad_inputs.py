@@ -35,6 +35,9 @@ BAD_PROFILES = [
     ({"env": {"BAD-NAME": "x"}}, "environment names"),
     ({"cpus_per_gpu": -1}, "cpus_per_gpu is -1"),
     ({"mem_per_gpu": "9" * 30 + "T"}, "is larger than Slurm keeps"),
+    ({"env": {"MASTER_PORT": "29500"}}, "those hpcjobs sets for each rank"),
+    ({"default_time": "30:00", "preemption": {"seconds_before": 3600}},
+     "the default_time of profile bad 00:30:00 is not longer than the preemption warning (3600 s)"),
     ({"setup": ["module load a\nrm -rf /"]}, "single-line strings"),
 ]
 
@@ -42,6 +45,7 @@ BAD_FLAGS = [
     (["--gpus", "9"], "--gpus 9 per node: nodes of profile"),
     (["--nodes", "2", "--gpus", "9"], "allows at most 2 node(s) × 8 GPUs = 16 in all: e.g. --nodes 2 --gpus 8"),
     (["--time", "9999999999-23:59:59"], "is longer than Slurm keeps"),
+    (["--env", "RANK=3"], "--env sets RANK, which hpcjobs sets for each rank"),
     (["--time", "\uff11:00"], "'\uff11:00' is not a Slurm time"),  # a full-width digit: int() reads it, Slurm not
     (["--nodes", "3"], "allows at most 2"),
     (["--nodes", "0"], "--nodes 0: valid: 1 or more"),

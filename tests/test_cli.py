@@ -71,9 +71,11 @@ def test_profiles_list_says_where_each_came_from(tmp_path, monkeypatch) -> None:
     envdir = tmp_path / "envdir"
     envdir.mkdir()
     (envdir / "local.yaml").write_text("scheduler: local\n")
+    (envdir / "folder.yaml").mkdir()  # no profile: neither listed nor found
     out = hpcjobs("profiles", cwd=tmp_path, env={"XDG_CONFIG_HOME": str(tmp_path / "cfg"),
                                                  "HPCJOBS_PROFILES_DIR": str(envdir)})
     rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[1:]}
+    assert "folder" not in rows
     assert rows["mine"][0] == "user"
     assert rows["local"][0] == "$HPCJOBS_PROFILES_DIR"  # first in the search order wins
     assert rows["testcluster"][0] == "shipped"

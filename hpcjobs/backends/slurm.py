@@ -131,8 +131,10 @@ class SlurmBackend(RunFolderLogs):
     def check(self, spec: JobSpec) -> None:
         warn = spec.profile.preemption.seconds_before
         if spec.time_seconds <= warn:
-            raise UsageError(f"--time {format_time(spec.time_seconds)} is not longer than the preemption warning "
-                             f"({warn} s) of profile {spec.profile.name}.", "ask for more time.")
+            raise UsageError(f"{spec.time_from} {format_time(spec.time_seconds)} is not longer than the preemption "
+                             f"warning ({warn} s) of profile {spec.profile.name}; valid: more than {warn} s.",
+                             "ask for more time with --time" if spec.time_from == "--time" else
+                             f"pass --time, or raise default_time in {spec.profile.source}.")
 
     def script(self, spec: JobSpec) -> Script:
         return Script(render_sbatch(spec), (slurm_log_dir(spec),))
