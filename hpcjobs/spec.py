@@ -215,18 +215,27 @@ def _require_module(name: str, what: str, hint: str, workdir: Path) -> None:
         raise UsageError(f"{what} module {name!r} cannot be found from {workdir} (nor on sys.path).", hint)
 
 
-def check_trainer_args(args: tuple[str, ...]) -> None:
+def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
     """The shared trainer's flags among a task's arguments, checked here as the node would check them, so a bad one
-    is refused before the job waits in the queue (trainers.config is torch-free). The task's own flags pass."""
-    from trainers.config import ConfigError, parse_trainer_args
+    is refused before the job waits in the queue (trainers.config is torch-free). The task's own flags pass. With
+    `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where the flags
+    decide it: a task's own default batch size is known on the node only)."""
+    from trainers.config import ConfigError, TrainConfig, parse_trainer_args
 
     try:
-        parse_trainer_args(list(args))
+        cfg, _ = parse_trainer_args(list(args))
     except ConfigError as e:
         text = str(e)
         message, _, hint = text.partition(" HINT: ")
         raise UsageError(f"trainer flag {message}", hint or "`python -m trainers.launch --run-dir DIR --kind task "
                          "-- trainers.tasks.lm --help` lists the trainer's flags.") from None
+    if ranks is not None and (cfg.global_batch_size or cfg.batch_size != TrainConfig().batch_size):
+        try:
+            cfg.micro_batch(ranks)
+        except ValueError as e:
+            raise UsageError(f"trainer flags with {ranks} rank(s): {e}; valid: a global batch that divides by the "
+                             "ranks, and a per-rank batch that divides by --grad-accum.",
+                             f"e.g. --global-batch-size {ranks * max(cfg.grad_accum, 1) * 4}") from None
 
 
 def with_gloo_interface(env: dict[str, str]) -> dict[str, str]:
@@ -361,7 +370,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
         entry = replace(entry, args=(*entry.args, *as_args(points[0])))
     if entry.kind == "task":
         for point in points if len(points) > 1 else [()]:  # each task's flags, as its node will read them
-            check_trainer_args((*entry.args, *as_args(point)))
+            check_trainer_args((*entry.args, *as_args(point)), req.nodes * gpus)
     name = req.name or default_name(entry)
     if not _NAME.fullmatch(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "

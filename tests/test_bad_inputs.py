@@ -76,6 +76,9 @@ BAD_TRAINER_FLAGS = [
     (["--eval-every", "-1"], "--eval-every"),
     (["--log-every", "0"], "--log-every"),
     (["--stop-check-every", "-1"], "--stop-check-every"),
+    # the world size is known here (1 node × the profile's 8 GPUs): a batch split unevenly fails on the node
+    (["--global-batch-size", "12"], "trainer flags with 8 rank(s): global_batch_size 12 does not divide by the"),
+    (["--global-batch-size", "16", "--grad-accum", "4"], "the per-rank batch 2 does not divide into grad_accum=4"),
     (["--seed", "1.5"], "--seed"),
     (["--weight-decay", "x"], "--weight-decay"),
     (["--num-workers", "many"], "--num-workers"),
