@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from hpcjobs.backends import backend_for
 from hpcjobs.backends.environment import RENDEZVOUS
+from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.errors import UsageError, shown
 from hpcjobs.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
@@ -22,26 +21,9 @@ from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
 from hpcjobs.sweep import Point, as_args, as_mapping, build_points
 
-ENTRY_KINDS = ("task", "script", "module")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
 _ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """What every rank runs."""
-
-    kind: str
-    """`task` (a module or module:callable for the shared trainer), `script` (a .py file) or `module` (-m)."""
-    target: str
-    """The task reference, the script path (absolute) or the module name."""
-    args: tuple[str, ...] = ()
-    """Arguments after the entry, passed through unchanged."""
-
-    def describe(self) -> str:
-        head = {"task": f"task {self.target}", "script": self.target, "module": f"-m {self.target}"}[self.kind]
-        return " ".join([head, *self.args])
 
 
 @dataclass(frozen=True)
@@ -146,73 +128,6 @@ def node_python(profile: ClusterProfile) -> str:
     if profile.python:
         return profile.python
     return AFTER_SETUP if profile.setup and backend_for(profile.scheduler).runs_setup else sys.executable
-
-
-def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path) -> Entry:
-    """Decide what kind of entry this is and check it exists (finding, not importing, a module)."""
-    hint = ("e.g. `hpcjobs submit --profile local trainers.tasks.lm --steps 50`, `... train.py --config x.yaml` "
-            "or `... -m mypkg.train`.")
-    if not entry or entry.startswith("-"):
-        raise UsageError(f"entry {entry!r} is not an entry point; valid: a task module, a .py script or -m MODULE.",
-                         hint)
-    if module:
-        _require_module(entry, "module", hint, workdir)
-        return Entry("module", entry, args)
-    if entry.endswith(".py") or os.sep in entry:
-        path = resolved(workdir / entry, "script", hint)
-        if not path.is_file():
-            raise UsageError(f"script {entry!r} does not exist (looked in {workdir}).", hint)
-        return Entry("script", str(path), args)
-    _require_module(entry.split(":", 1)[0], "task", hint, workdir)
-    return Entry("task", entry, args)
-
-
-def _find_spec(fullname: str, path: Sequence[str] | None) -> ModuleSpec | None:
-    """What the import system's finders say of one module, as `import` asks them, without loading anything."""
-    for finder in sys.meta_path:
-        find = getattr(finder, "find_spec", None)
-        spec = find(fullname, path) if find is not None else None
-        if spec is not None:
-            return spec
-    return None
-
-
-def _module_exists(name: str) -> bool:
-    """Whether `name` can be imported, asked of the finders one level at a time: importlib.util.find_spec imports a
-    dotted name's parents, which ran pkg/__init__.py (torch, often) here, or for `-m train.py` the whole script."""
-    if name in sys.modules:  # imported already: what import uses (os.path is found only there)
-        return True
-    parts = name.split(".")
-    search: Sequence[str] | None = None  # the top level: sys.path
-    for depth in range(1, len(parts) + 1):
-        fullname = ".".join(parts[:depth])
-        if fullname in sys.modules:
-            search = getattr(sys.modules[fullname], "__path__", None)
-        else:
-            spec = _find_spec(fullname, search)
-            if spec is None:
-                return False
-            search = spec.submodule_search_locations
-        if search is None and depth < len(parts):  # a module that is not a package has no submodules
-            return False
-    return True
-
-
-def _require_module(name: str, what: str, hint: str, workdir: Path) -> None:
-    """Find (not import) the module as the ranks will: they start with `python -m` in `workdir`, which puts it
-    first on their sys.path (the console script's sys.path does not have it)."""
-    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
-        raise UsageError(f"{what} {name!r} is not a Python module name; valid: dotted names like pkg.mod.", hint)
-    sys.path.insert(0, str(workdir))
-    importlib.invalidate_caches()
-    try:
-        found = _module_exists(name)
-    except (ImportError, ValueError):
-        found = False
-    finally:
-        sys.path.remove(str(workdir))
-    if not found:
-        raise UsageError(f"{what} module {name!r} cannot be found from {workdir} (nor on sys.path).", hint)
 
 
 def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:

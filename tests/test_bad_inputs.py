@@ -159,7 +159,11 @@ def test_top_level_list(tmp_path: Path, sbatch_log: Path) -> None:
     (["--profile", "testclustr", "trainers.tasks.lm"], "Did you mean 'testcluster'"),
     (["--profile", "/nowhere/x.yaml", "trainers.tasks.lm"], "does not exist"),
     (["--profile", "local", "--nodes", "2", "trainers.tasks.lm"], "with profile local (local): valid: 1"),
-], ids=["script", "task", "module", "profile-name", "profile-path", "local-nodes"])
+    (["--profile", "testcluster", "trainers.tasks.lm:nosuch"], "lm.py defines no nosuch at its top level"),
+    (["--profile", "testcluster", "trainers.tasks.lm:1bad"], "'1bad' is not a Python name"),
+    (["--profile", "testcluster", "trainers.task"], "task.py defines no make_task or task at its top level"),
+], ids=["script", "task", "module", "profile-name", "profile-path", "local-nodes", "callable", "not-a-name",
+        "no-make-task"])
 def test_bad_entry_or_profile_name(argv: list[str], fragment: str, sbatch_log: Path) -> None:
     out = hpcjobs("submit", *argv, cwd=REPO)
     assert_refused(out, fragment, sbatch_log)

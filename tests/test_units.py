@@ -291,3 +291,17 @@ def test_memory() -> None:
     assert parse_mem_mb("64G") == 65536 and parse_mem_mb("500M") == 500 and parse_mem_mb(2048) == 2048
     with pytest.raises(UsageError):
         parse_mem_mb("0G")
+
+
+@pytest.mark.parametrize("source,names", [
+    ("def make_task(args): ...\nclass T: ...\nx, (y, z) = 1, (2, 3)\nimport a.b as c, d.e\n",
+     {"make_task", "T", "x", "y", "z", "c", "d"}),
+    ("from m import *\n", None),  # anything: only running it tells
+    ("try:\n    from fast import task\nexcept ImportError:\n    task = None\n", None),
+    ("def __getattr__(name): ...\n", None),  # a module __getattr__ answers any name
+    ("def broken(:\n", None),
+])
+def test_a_task_modules_names_are_read_without_running_it(source: str, names: set[str] | None) -> None:
+    from hpcjobs.entry import _top_level_names
+
+    assert _top_level_names(source) == names
