@@ -125,6 +125,12 @@ def _shard(rank: int, store: str, out: str, meta_init: bool, which: str) -> None
     cfg = TrainConfig(strategy="fsdp", meta_init=meta_init)
     torch.manual_seed(3 + rank)  # each rank draws other weights: only rank 0's may survive
     factory = {"masked": Masked, "shared": Shared, "uneven": Uneven}[which]
+    import torch.distributed.tensor._collective_utils as collectives
+
+    def point_to_point(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("rank 0 scattered point-to-point: on NCCL, a connection to every rank")
+
+    collectives.scatter = point_to_point  # type: ignore[assignment]
     model = strategy.build_model(factory, cfg, ctx)
     got: dict[str, object] = {"built_on": getattr(model, "built_on", None)}
     try:

@@ -107,7 +107,7 @@ def test_merged_weights_are_a_plain_gpt_with_the_same_outputs() -> None:
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-def test_a_base_file_round_trips(tmp_path: Path, suffix: str) -> None:
+def test_a_base_file_round_trips(tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     base = base_gpt(seed=7)
     path = tmp_path / f"base{suffix}"
     state = {k: v.contiguous() for k, v in base.state_dict().items()}
@@ -122,6 +122,14 @@ def test_a_base_file_round_trips(tmp_path: Path, suffix: str) -> None:
     state["pos"] = state["pos"] + 1
     write(state, other)
     assert lora.make_task(["--base", str(other)]).config["base_sha256"] != task.config["base_sha256"]
+
+    def read_base(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rank built on the meta device read the base")
+
+    monkeypatch.setattr(lora, "read_base", read_base)  # --meta-init: rank 0 sends the other ranks the weights
+    with torch.device("meta"):
+        meta = task.model()
+    assert all(t.device.type == "meta" for t in (*meta.parameters(), *meta.buffers()))
 
 
 def test_a_wrong_base_is_refused_before_training(tmp_path: Path) -> None:

@@ -156,19 +156,19 @@ class Agreement:
         import torch.distributed as dist
 
         self._dist: Any = dist if dist.is_available() and dist.is_initialized() else None
-        self._group = group
+        self.group = group
         self._flag = torch.zeros(1, dtype=torch.int32)  # lives on the CPU: no device sync
         self._pending: Any = None
 
     def _single(self) -> bool:
-        return self._dist is None or self._dist.get_world_size(self._group) == 1
+        return self._dist is None or self._dist.get_world_size(self.group) == 1
 
     def any_rank(self, local: bool) -> bool:
         if self._single():
             return local
         self.close()
         self._flag.fill_(1 if local else 0)
-        self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self._group)
+        self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self.group)
         return bool(self._flag.item())
 
     def any_rank_pipelined(self, local: bool) -> bool:
@@ -176,7 +176,7 @@ class Agreement:
             return local
         answer = self.close()
         self._flag.fill_(1 if local else 0)
-        self._pending = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self._group,
+        self._pending = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self.group,
                                               async_op=True)
         return answer
 
@@ -278,7 +278,8 @@ class StopGuard:
         return self._agreement.any_rank(requested_locally())
 
     def requeue_and_exit(self, step: int | None = None) -> None:
-        outcome = finish_stop(step, self.launch_contract)
+        # The agreement's group (CPU, made at the first check): a script's NCCL default group may time out sooner.
+        outcome = finish_stop(step, self.launch_contract, group=self._agreement.group if self._agreement else None)
         raise SystemExit(1 if outcome == StopOutcome.CAP else 0)
 
 
@@ -296,11 +297,11 @@ def cpu_group(group: Any = None) -> Any:
     return None if has_cpu else dist.new_group(backend="gloo")
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def decide(reason: StopReason, job_id: str, restart: int, cap: int) -> StopOutcome:
@@ -313,12 +314,14 @@ def decide(reason: StopReason, job_id: str, restart: int, cap: int) -> StopOutco
 
 
 def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, str] | None = None,
-                runner: Callable[..., Any] = subprocess.run) -> StopOutcome:
+                runner: Callable[..., Any] = subprocess.run, group: Any = None) -> StopOutcome:
     """After the checkpoint is committed on all ranks: record why we stopped and requeue (rank 0) when the stop
     came from the profile's signal. Returns the outcome: REQUEUED, STOPPED (SIGTERM: Slurm decides), CAP (restart
     cap reached, or the requeue failed: the job must end failed) or LOCAL (no Slurm: just stop). The restart cap,
-    the run folder and the signal's name come from `contract`; `runner` runs scontrol (tests pass a stand-in)."""
-    _barrier()
+    the run folder and the signal's name come from `contract`; `runner` runs scontrol (tests pass a stand-in).
+    `group`: the barrier's, where the default group's timeout is short (the trainer's NCCL group drops to the
+    collective timeout after the first step, and rank 0 may spend longer closing its trackers first)."""
+    _barrier(group)
     env = os.environ if env is None else env
     rank = int(env.get("RANK", "0"))
     restart = int(env.get("HPCJOBS_RESTART", "0"))

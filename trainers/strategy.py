@@ -206,15 +206,15 @@ def _from_rank0(model: nn.Module, full: dict[tuple[int, str], torch.Tensor] | No
             done.add(id(param))
             whole = (full.pop((id(module), name)).to(device) if full is not None
                      else torch.empty(param.shape, dtype=param.dtype, device=device))
-            if isinstance(param, DTensor):
-                shard = distribute_tensor(whole, param.device_mesh, param.placements).to_local()
-                if full is None:
-                    param.to_local().copy_(shard)
+            # A broadcast (a ring or tree on NCCL), then each rank cuts its own shard: distribute_tensor's own
+            # scatter from rank 0 is point-to-point, which on NCCL opens a connection from rank 0 to every rank.
+            dist.broadcast(whole, src=0)
+            if full is None and isinstance(param, DTensor):
+                shard = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
                 del shard
-            else:
-                dist.broadcast(whole, src=0)
-                if full is None:
-                    param.copy_(whole)
+            elif full is None:
+                param.copy_(whole)
             del whole  # before the next one is allocated: at most one whole parameter at a time
         once: dict[int, torch.Tensor] = {}  # each tensor once, where it is first held: the signatures agree on which
         for _, _, _, b in buffers:

@@ -365,7 +365,8 @@ class Training:
         self.save()
         log(self.ctx, f"stop requested: checkpoint step-{self.pos.step} committed")
         self.meter.close()
-        return 1 if preemption.finish_stop(self.pos.step, self.contract) == StopOutcome.CAP else 0
+        outcome = preemption.finish_stop(self.pos.step, self.contract, group=self.ctx.control_group)
+        return 1 if outcome == StopOutcome.CAP else 0
 
     def finish(self) -> int:
         self.agreement.close()

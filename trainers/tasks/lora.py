@@ -168,6 +168,8 @@ def base_model(c: GPTConfig, base: Path | None, base_seed: int) -> GPT:
             return GPT(c)
     with torch.device("meta"):  # no random initialisation to overwrite, no second copy of the weights
         model = GPT(c)
+    if torch.get_default_device().type == "meta":  # built on the meta device (--meta-init): rank 0 sends the weights
+        return model
     model.load_state_dict({k: v.float().contiguous() for k, v in read_base(base).items()}, assign=True)
     return model
 
