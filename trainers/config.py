@@ -84,6 +84,11 @@ class TrainConfig:
     then holds one full copy of the model while the job starts instead of one per rank (8 × 28 GB for a 7B model in
     fp32 on an 8-GPU node). The weights are the same either way. --no-meta-init builds it on every rank, for a
     task whose model() must compute with real tensors (e.g. calls .item() on one)."""
+    reduce_each_micro_batch: bool = False
+    """fsdp with --grad-accum above 1: reduce-scatter the gradients after every micro-batch, so each rank only ever
+    holds its shard of them. Without it the gradients are reduced once per step, on the last micro-batch, and until
+    then each rank holds an unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B
+    model), which can be what does not fit; with it, --grad-accum reduce-scatters per step instead of one."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward instead of keeping them (both strategies): less memory,
     about a third more compute."""

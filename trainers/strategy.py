@@ -88,6 +88,7 @@ class Fsdp:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.model = model
+        self.reduce_each = cfg.reduce_each_micro_batch
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         # Parameters cast to bf16/fp16 for the forward and backward; gradients reduced and kept in fp32.
@@ -114,7 +115,7 @@ class Fsdp:
         self.net = model
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager[None]:
-        return _gradient_sync(self.model, last)
+        return _gradient_sync(self.model, last or self.reduce_each)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         # The parameters are DTensors: the norm is computed over every rank's shard, then the same scale applies.
@@ -250,6 +251,9 @@ def make(model: nn.Module, ctx: DistContext, cfg: TrainConfig, precision: str,
     if cfg.cpu_offload and cfg.strategy != "fsdp":
         raise ConfigError("--cpu-offload with --strategy ddp; valid: --cpu-offload with --strategy fsdp. HINT: FSDP2 "
                           "offloads the sharded parameters and optimizer state, DDP has nothing to offload")
+    if cfg.reduce_each_micro_batch and cfg.strategy != "fsdp":
+        raise ConfigError("--reduce-each-micro-batch with --strategy ddp; valid: with --strategy fsdp. HINT: DDP holds "
+                          "whole gradients on every rank anyway: reducing them more often only costs time")
     if cfg.cpu_offload and ctx.device.type != "cuda":
         raise ConfigError("--cpu-offload on a rank without a GPU; valid: --cpu-offload on GPU ranks. HINT: on the "
                           "CPU everything is already in host memory: drop --cpu-offload")
