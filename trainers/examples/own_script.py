@@ -22,7 +22,9 @@ p.add_argument("--steps", type=int, default=500)
 p.add_argument("--run-dir", default=launched.run_dir if launched else "runs/own-script")
 args = p.parse_args()
 
-dist.init_process_group("gloo")  # hpcjobs set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (use nccl on GPUs)
+# hpcjobs set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT. On GPUs: torch.cuda.set_device(int(os.environ[
+# "LOCAL_RANK"])) first, then "nccl", the model and its inputs .cuda(), and DDP(model, device_ids=[that index]).
+dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 ckpts = Path(args.run_dir) / "checkpoints"
 
