@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.errors import RuntimeFailure
+from hpcjobs.paths import existing_ancestor
 from hpcjobs.runfolder import split_task_id
 
 SCHEMA = """
@@ -88,6 +89,10 @@ class JobStore:
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
         """A connection with the schema in place; any fault of the file or its folder becomes one RuntimeFailure."""
+        place = existing_ancestor(self.path.parent)
+        if not place.is_dir():  # mkdir would say "File exists" of the file on the way
+            raise RuntimeFailure(f"the job store {self.path} cannot be made: {place} is a file, not a folder.",
+                                 "HPCJOBS_HOME (or XDG_DATA_HOME) picks another folder.")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with closing(sqlite3.connect(self.path, timeout=30, isolation_level=None)) as con:

@@ -175,6 +175,7 @@ def test_a_damaged_store_row_and_hand_edited_run_records_still_answer(tmp_path: 
     import sqlite3
     import time
 
+    from hpcjobs.errors import RuntimeFailure
     from hpcjobs.store import JobRecord, JobStore
 
     run, home = tmp_path / "run", tmp_path / "home"
@@ -186,6 +187,9 @@ def test_a_damaged_store_row_and_hand_edited_run_records_still_answer(tmp_path: 
     env = {"HPCJOBS_HOME": str(home)}
     assert_one_line(hpcjobs_in(tmp_path, "status", "abc", env=env), 2, "abc")
     assert not home.exists()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(RuntimeFailure, match="afile is a file, not a folder"):  # not mkdir's "File exists"
+        JobStore(tmp_path / "afile" / "jobs.sqlite").check()
     store = JobStore(home / "jobs.sqlite")
     store.add(JobRecord("local-1", "lm", "local", "local", 1, 2, str(run), {"out": "x"}, {"name": "lm"}, time.time()))
     with sqlite3.connect(store.path) as con:
