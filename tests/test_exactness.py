@@ -20,10 +20,10 @@ ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", st
         "--eval-every", "4", "--keep-best"]
 
 
-def train(run_dir: Path, ranks: int, fault: str | None = None, strategy: str = "ddp") -> int:
+def train(run_dir: Path, ranks: int, fault: str | None = None, strategy: str = "ddp", *more: str) -> int:
     env = {"HPCJOBS_FAULT_INJECT": fault} if fault else {"HPCJOBS_FAULT_INJECT": ""}
     out = hpcjobs("submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(run_dir), *ARGS,
-                  "--strategy", strategy, cwd=REPO, env=env, timeout=300)
+                  "--strategy", strategy, *more, cwd=REPO, env=env, timeout=300)
     return out.returncode
 
 
@@ -42,6 +42,13 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     ref = checkpoint.latest(run_dir / "checkpoints")
     assert ref is not None and ref.step == STEPS
     return model_weights(ref)
+
+
+def assert_same_run(expected: Path, run: Path) -> None:
+    """The same loss and val_loss floats at every step, and bit-identical final weights."""
+    assert losses(run) == losses(expected)
+    a, b = final_weights(expected), final_weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 class Straight:
@@ -68,7 +75,7 @@ CASES = [("ddp", 1, "step@7"), ("ddp", 1, "save-written@9"), *[("ddp", 2, f) for
     ("ddp", 4, "step@7"),  # gloo's ring sums in an order that depends on DDP's bucket grouping (settle_ddp_buckets)
     ("ddp", 4, "save-shards@9:2"),
     ("fsdp", 1, "step@7"), ("fsdp", 1, "save-shards@9"),
-    *[("fsdp", 2, f) for f in SAVE_FAULTS],
+    *[("fsdp", 2, f) for f in ("step@7", *SAVE_FAULTS)],
     ("fsdp", 4, "step@7"), ("fsdp", 4, "save-shards@9:3"),
 ]
 
@@ -86,10 +93,25 @@ def test_kill_and_resume_is_exact(strategy: str, ranks: int, fault: str, straigh
     assert train(run, ranks, strategy=strategy) == 0
     log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
     assert "resumed from" in log and f"{ranks} rank(s), {strategy}," in log
-    expected, got = losses(straight(ranks, strategy)), losses(run)
-    assert got == expected  # identical floats at every step
-    a, b = final_weights(straight(ranks, strategy)), final_weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(straight(ranks, strategy), run)
+
+
+def test_fp16_under_fsdp_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> None:
+    """fp16 under fsdp: FSDP2 casts the parameters to fp16, and a ShardedGradScaler's scale goes on from the
+    checkpoint. The high learning rate makes a gradient overflow before step 3 (the scale halves, the step is
+    skipped on every rank), so a resume that restarted the scaler from its initial scale would differ."""
+    fp16 = ("--precision", "fp16", "--lr", "0.3")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert train(straight, 2, None, "fsdp", *fp16) == 0
+    assert train(run, 2, "step@7", "fsdp", *fp16) != 0
+    assert train(run, 2, None, "fsdp", *fp16) == 0
+    log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert "resumed from" in log and "precision fp16" in log
+    last = checkpoint.latest(straight / "checkpoints")
+    assert last is not None
+    shared, _ = checkpoint.read_states(last, 0, shared_keys=("scaler",), own=False)
+    assert shared["scaler"]["scale"] < 2.0**16, shared["scaler"]  # GradScaler's initial scale: none overflowed
+    assert_same_run(straight, run)
 
 
 def test_different_world_size_is_refused(tmp_path: Path) -> None:
