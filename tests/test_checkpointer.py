@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from trainers import checkpoint
-from trainers.checkpointer import Checkpointer, Parts, model_weights, tensors_of
+from trainers.checkpointer import Checkpointer, Parts, flat, model_weights, tensors_of
 from trainers.config import ResumeError
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
@@ -67,6 +69,43 @@ def test_a_save_loads_back_exactly(background: bool, tmp_path: Path) -> None:
     state = template(fresh, fresh_opt)
     ckpt.load(ref, state)
     assert same(state["model"], want)
+
+
+def _replica(rank: int, world: int, store: str, root: str, background: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    ctx = DistContext(DistEnv(rank, rank, world, world, "localhost", 0, "test", 0, "single"), torch.device("cpu"),
+                      "gloo", dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+    model, opt = trained()  # the same on every rank, as DDP's replicas are
+    want = {k: v.clone() for k, v in flat(template(model, opt))}
+    ckpt = Checkpointer(Path(root), ctx, keep=2)
+    ckpt.save(1, parts(model, opt), {}, background)
+    ckpt.before_update()
+    ckpt.wait()
+    ctx.barrier()  # a background save is committed by rank 0 alone, once every rank has written
+    fresh, fresh_opt = trained(seed=1)
+    state = template(fresh, fresh_opt)
+    ckpt.load(checkpoint.latest(Path(root)), state)  # type: ignore[arg-type]
+    got = dict(flat(state))
+    torch.save({"staged": {k: b.nbytes for k, b in ckpt.buffers.items()}, "loaded": same(got, want),
+                "total": sum(t.nbytes for t in want.values())}, f"{root}-{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_tensor_every_rank_holds_is_copied_and_written_by_one_rank(background: bool, tmp_path: Path) -> None:
+    """DDP's replicas at 4 ranks: a background save's host copies on each rank hold only what that rank writes (each
+    tensor on exactly one rank, the bytes spread), and every rank loads the whole state back; a rank may write
+    nothing of the optimizer, or nothing at all, and the checkpoint still holds everything."""
+    world, root = 4, str(tmp_path / "ck")
+    mp.spawn(_replica, args=(world, str(tmp_path / "store"), root, background), nprocs=world)
+    got = [torch.load(f"{root}-{rank}") for rank in range(world)]
+    assert all(g["loaded"] for g in got)
+    if background:
+        staged = [g["staged"] for g in got]
+        keys = [k for s in staged for k in s]
+        assert len(keys) == len(set(keys)) == len(flat(template(*trained())))  # each tensor copied on one rank
+        assert sum(sum(s.values()) for s in staged) == got[0]["total"]
+        assert max(sum(s.values()) for s in staged) < got[0]["total"] / 2
 
 
 class Payload:

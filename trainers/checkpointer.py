@@ -2,7 +2,8 @@
 
 A step folder (RUN/checkpoints/step-N/) holds
   - the model's and the optimizer's tensors in torch's Distributed Checkpoint format (`.metadata`, `__R_0.distcp`):
-    every rank writes the shards it holds (under DDP each replicated tensor is written once, by one of the ranks);
+    every rank writes the shards it holds, and each tensor that every rank holds whole (all of them under DDP) is
+    written by one rank, chosen before anything is copied (written_here);
   - shared.pt (rank 0): the small states, i.e. the optimizer's param groups, scheduler, GradScaler and position;
   - rank-R.pt (every rank): its RNG states;
   - meta.json and FINISHED, written by rank 0 once every rank's files are on disk, then the rename
@@ -14,11 +15,11 @@ through torch.load(weights_only=True).
 Loading asks DCP for exactly the tensors this rank holds now, so a rank reads its own shards only, and a checkpoint
 written by N ranks loads at M ranks (DCP maps the saved chunks onto the new sharding).
 
-Asynchronous saves: the tensors are copied into host buffers (kept from one save to the next, pinned on GPUs), then a
-thread writes, fsyncs and commits while training goes on. Only the model's buffers are copied before save() returns
-(a forward may change them); parameters and optimizer state change only in the optimizer's step, so the thread copies
-them while the next step's forward and backward run, and the trainer calls `before_update()` before each optimizer
-step to wait for that copy. Its collectives (DCP's planning) run on a gloo group of their own
+Asynchronous saves: the tensors this rank writes are copied into host buffers (kept from one save to the next,
+pinned on GPUs), then a thread writes, fsyncs and commits while training goes on. Only the model's buffers are copied
+before save() returns (a forward may change them); parameters and optimizer state change only in the optimizer's
+step, so the thread copies them while the next step's forward and backward run, and the trainer calls
+`before_update()` before each optimizer step to wait for that copy. Its collectives (DCP's planning) run on a gloo group of their own
 (DistContext.checkpoint_group). At most one save is in flight: the next save, a stop or the end waits for it, and an
 error in the thread is raised there.
 """
@@ -26,6 +27,7 @@ error in the thread is raised there.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import shutil
 import sys
@@ -87,6 +89,7 @@ class Checkpointer:
             print(f"hpcjobs: rank {self.ctx.rank}: the background save before step {step} failed ({e}); saving step "
                   f"{step} in the foreground", file=sys.stderr, flush=True)
         tmp = checkpoint.begin(self.root, step, self.ctx.rank, self.ctx.barrier, self.keep)
+        parts = dataclasses.replace(parts, tensors=written_here(parts.tensors, self.ctx.rank, self.ctx.world_size))
         if not background:
             self.write(step, tmp, parts, meta)
             self.ctx.barrier()  # every rank returns knowing the checkpoint is committed
@@ -252,6 +255,28 @@ def flat(tensors: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     if isinstance(tensors, dict):
         return [pair for k, v in tensors.items() for pair in flat(v, f"{prefix}{k}.")]
     return [(prefix[:-1], tensors)] if isinstance(tensors, torch.Tensor) else []
+
+
+def written_here(tensors: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """`tensors` less the whole tensors that another rank writes. A tensor every rank holds whole (all of them under
+    DDP; buffers and step counts under FSDP) is written once, and DCP would pick the rank, but only inside the save:
+    every rank would copy all of them first (a background save's host buffers: 16 bytes a parameter per rank under
+    DDP, 8 ranks on a node). Largest first, each goes to the rank with the fewest bytes so far, lowest rank on a tie:
+    the same choice on every rank, since every rank has the same shapes. A load still reads every tensor it holds."""
+    whole = sorted(((key, t.nbytes) for key, t in flat(tensors) if not isinstance(t, DTensor)),
+                   key=lambda entry: (-entry[1], entry[0]))
+    load, elsewhere = [0] * world_size, set()
+    for key, size in whole:
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += size
+        if owner != rank:
+            elsewhere.add(key)
+    return _without(tensors, elsewhere) if elsewhere else tensors
+
+
+def _without(tensors: dict[str, Any], keys: set[str], prefix: str = "") -> dict[str, Any]:
+    return {k: _without(v, keys, f"{prefix}{k}.") if isinstance(v, dict) else v
+            for k, v in tensors.items() if f"{prefix}{k}" not in keys}
 
 
 def mismatch(key: str, t: torch.Tensor, saved: dict[str, Any]) -> str:
