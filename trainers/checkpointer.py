@@ -19,9 +19,9 @@ Asynchronous saves: the tensors this rank writes are copied into host buffers (k
 pinned on GPUs), then a thread writes, fsyncs and commits while training goes on. Only the model's buffers are copied
 before save() returns (a forward may change them); parameters and optimizer state change only in the optimizer's
 step, so the thread copies them while the next step's forward and backward run, and the trainer calls
-`before_update()` before each optimizer step to wait for that copy. Its collectives (DCP's planning) run on a gloo group of their own
-(DistContext.checkpoint_group). At most one save is in flight: the next save, a stop or the end waits for it, and an
-error in the thread is raised there.
+`before_update()` before each optimizer step to wait for that copy. Its collectives (DCP's planning) run on a gloo
+group of their own (DistContext.checkpoint_group). At most one save is in flight: the next save, a stop or the end
+waits for it, and an error in the thread is raised there.
 """
 
 from __future__ import annotations
