@@ -112,9 +112,9 @@ def test_only_the_current_devices_rng_state_is_saved_and_restored() -> None:
     from trainers.trainer import rng_state, set_rng_state
 
     torch.cuda.manual_seed(5)
-    state = rng_state()
+    state = rng_state(torch.device("cuda", 0))
     a = torch.rand(3, device="cuda")
-    set_rng_state(state)
+    set_rng_state(state, torch.device("cuda", 0))
     assert torch.equal(torch.rand(3, device="cuda"), a)
     assert isinstance(state["cuda"], torch.Tensor)  # one device's state, not a list per visible GPU
 

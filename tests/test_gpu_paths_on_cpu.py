@@ -129,3 +129,22 @@ def test_a_rank_without_cuda_where_slurm_allocated_gpus_is_an_error_naming_it() 
     assert pick_backend(env, {})[0] == "gloo"  # a laptop
     with pytest.raises(RendezvousError, match="HPCJOBS_BACKEND=nccl but CUDA is unavailable"):
         pick_backend(env, {"HPCJOBS_BACKEND": "nccl"})
+
+
+def test_a_rank_on_the_cpu_never_asks_cuda_for_its_rng_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HPCJOBS_BACKEND=gloo on a GPU node: every checkpoint asked torch.cuda for its RNG state because CUDA was
+    there, which opens a context on GPU 0 in every rank. Simulated: CUDA 'available', and any question to it fails."""
+    import torch
+
+    from trainers.state import rng_state, set_rng_state
+
+    def no_cuda(*args: object) -> None:
+        raise AssertionError("a rank on the CPU asked CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", no_cuda)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", no_cuda)
+    cpu = torch.device("cpu")
+    state = rng_state(cpu)
+    assert "cuda" not in state
+    set_rng_state({**state, "cuda": torch.zeros(8, dtype=torch.uint8)}, cpu)  # saved on a GPU, resumed on the CPU

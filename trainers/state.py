@@ -22,23 +22,25 @@ class Position:
     consumed, since a --reshard keeps the global batch (trainers.resume.check_layout)."""
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = cast("tuple[Any, ...]", np.random.get_state())  # the legacy tuple
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "gauss": float(gauss)}}
-    if torch.cuda.is_available():  # this rank's device only: a resume may see other GPUs (one per task)
-        state["cuda"] = torch.cuda.get_rng_state()
+    # The rank's own GPU only (a resume may see other GPUs, one per task), and none for a rank on the CPU: asking
+    # CUDA there (HPCJOBS_BACKEND=gloo on a GPU node) would open a context on GPU 0 in every rank.
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def reseed(seed: int, rank: int, step: int) -> None:

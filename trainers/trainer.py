@@ -65,7 +65,7 @@ def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, dev
     reduce step k+1 with the first grouping while the uninterrupted run used the regrouped one, and the weights
     would drift by a few ULPs. So every run, fresh or resumed, does one throwaway backward first (RNG states
     restored, gradients dropped): every real step then reduces with the settled grouping."""
-    saved = rng_state()
+    saved = rng_state(device)
     batch = to_device(next(iter(DataLoader(dataset, batch_size=micro))), device)
     net.eval()  # no running-statistics updates; the graph (and so the bucket order) is the same
     with autocast:
@@ -73,7 +73,7 @@ def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, dev
     loss.backward()
     optimizer.zero_grad(set_to_none=True)
     net.train()
-    set_rng_state(saved)
+    set_rng_state(saved, device)
 
 
 def evaluate(model: nn.Module, task: Task, dataset: Any, ctx: DistContext, micro: int, autocast: Any) -> float:
@@ -189,7 +189,7 @@ class Training:
         self.scaler.load_state_dict(found.shared["scaler"])
         self.pos = Position(**found.shared["position"])
         if found.mine:
-            set_rng_state(found.mine["rng"])
+            set_rng_state(found.mine["rng"], ctx.device)
         else:  # resharded: the saved streams belong to other ranks (README, "Resharding")
             reseed(cfg.seed, ctx.rank, self.pos.step)
         resharded = "" if found.mine else f", resharded from {found.meta.get('world_size')} ranks"
@@ -224,7 +224,7 @@ class Training:
         # State-dict keys drop the wrappers' parts of module names (activation checkpointing, compile).
         buffers = {".".join(p for p in name.split(".") if p not in WRAPPER_NAMES)
                    for name, _ in self.model.named_buffers()}
-        return Parts(tensors, shared, {"rng": rng_state()},
+        return Parts(tensors, shared, {"rng": rng_state(self.ctx.device)},
                      frozenset(buffers))
 
     def prepare(self) -> None:
