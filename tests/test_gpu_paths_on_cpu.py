@@ -148,3 +148,24 @@ def test_a_rank_on_the_cpu_never_asks_cuda_for_its_rng_state(monkeypatch: pytest
     state = rng_state(cpu)
     assert "cuda" not in state
     set_rng_state({**state, "cuda": torch.zeros(8, dtype=torch.uint8)}, cpu)  # saved on a GPU, resumed on the CPU
+
+
+def test_a_background_save_waits_for_its_gpu_copies_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host waited for the GPU after every tensor's copy (thousands of waits for a large model's optimizer
+    state); it waits once, after queueing them all. Simulated: a 'cuda' device whose stream counts the waits."""
+    import torch
+
+    from trainers.checkpointer import stage
+
+    waits: list[object] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            waits.append(self)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    state = {"model": {f"w{i}": torch.full((3,), float(i)) for i in range(5)}, "optimizer": {"s": torch.ones(2)}}
+    buffers: dict[str, torch.Tensor] = {}
+    out = stage(state, buffers, "", torch.device("cuda", 0))
+    assert len(waits) == 1 and len(buffers) == 6
+    assert torch.equal(out["model"]["w4"], torch.full((3,), 4.0))

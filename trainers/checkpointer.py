@@ -95,7 +95,8 @@ class Checkpointer:
             self.ctx.barrier()  # every rank returns knowing the checkpoint is committed
             return
         model = parts.tensors["model"]
-        now = {"model": stage({k: v for k, v in model.items() if k in parts.buffers}, self.buffers, "model")}
+        now = {"model": stage({k: v for k, v in model.items() if k in parts.buffers}, self.buffers, "model",
+                              self.ctx.device)}
         later = {"model": {k: v for k, v in model.items() if k not in parts.buffers},
                  "optimizer": parts.tensors["optimizer"]}
         small = Parts(now, copy.deepcopy(parts.shared), copy.deepcopy(parts.own))
@@ -113,7 +114,7 @@ class Checkpointer:
             torch.cuda.set_device(self.ctx.device)  # the current device is per thread: copies wait on this one's stream
         try:
             try:
-                staged = stage(later, self.buffers, "")
+                staged = stage(later, self.buffers, "", self.ctx.device)
             finally:
                 self.staged.set()
             parts.tensors = {"model": {**parts.tensors["model"], **staged["model"]}, "optimizer": staged["optimizer"]}
@@ -301,12 +302,21 @@ def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return {"model": model_state, "optimizer": optim_state}, list(groups)  # type: ignore[arg-type]
 
 
-def stage(state: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
+def stage(state: Any, buffers: dict[str, torch.Tensor], key: str, device: torch.device) -> Any:
     """A copy of `state` whose tensors live in host buffers that are reused by the next save (pinned when the
     tensors are on a GPU: the copy is then a DMA). DTensors stay DTensors (same mesh and placements) around their
-    local shard's copy, so DCP plans the same write."""
+    local shard's copy, so DCP plans the same write. On a GPU the copies are queued on the current stream, behind
+    what training queued there, and the host waits once for all of them (not once per tensor: thousands of waits
+    for a large model's optimizer state), so the copies are whole when this returns."""
+    out = _stage(state, buffers, key)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def _stage(state: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
     if isinstance(state, dict):
-        return {k: stage(v, buffers, f"{key}.{k}") for k, v in state.items()}
+        return {k: _stage(v, buffers, f"{key}.{k}") for k, v in state.items()}
     if isinstance(state, DTensor):
         # The constructor, not DTensor.from_local: that would copy the host buffer back onto the mesh's device.
         return DTensor(_stage_tensor(state.to_local(), buffers, key), state._spec, requires_grad=False)
@@ -321,8 +331,6 @@ def _stage_tensor(t: torch.Tensor, buffers: dict[str, torch.Tensor], key: str) -
         buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
         buffers[key] = buf
     buf.copy_(t.detach(), non_blocking=t.is_cuda)
-    if t.is_cuda:
-        torch.cuda.current_stream(t.device).synchronize()  # the thread must read whole copies
     return buf
 
 
