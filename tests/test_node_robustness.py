@@ -136,10 +136,14 @@ def damage(step_dir: Path, how: str) -> None:
             f.truncate(30)
     elif how == "rank-1-missing":
         (step_dir / "rank-1.pt").unlink()
+    elif how == "shards":  # the last rank's DCP file, cut in half: the load fails inside DCP, after it began
+        last = max(step_dir.glob("__*_0.distcp"))
+        with open(last, "r+b") as f:
+            f.truncate(last.stat().st_size // 2)
 
 
 @pytest.mark.parametrize("ranks,how", [(1, "shared"), (1, "meta"), (2, "shared"), (2, "meta"), (2, "rank-1"),
-                                       (2, "rank-1-missing")])
+                                       (2, "rank-1-missing"), (1, "shards"), (2, "shards")])
 def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_older_one_resumed(
         finished_runs: dict[int, Path], tmp_path: Path, ranks: int, how: str) -> None:
     run = tmp_path / "run"
@@ -152,7 +156,7 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_older_one_resumed(
     said = [line for line in terminal(out).splitlines() if "cannot be loaded" in line]
     assert len(said) == 1 and str(aside) in said[0], said  # one line, from rank 0, saying which and why
     assert {"shared": "shared.pt", "meta": "meta.json", "rank-1": "rank 1: rank-1.pt",
-            "rank-1-missing": "rank-1.pt is missing"}[how] in said[0]
+            "rank-1-missing": "rank-1.pt is missing", "shards": "sharded tensors"}[how] in said[0]
     assert "Traceback" not in terminal(out)
     log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
     assert f"resumed from {run / 'checkpoints' / 'step-6'} (step 6," in log
@@ -173,6 +177,28 @@ def test_with_every_checkpoint_corrupt_the_run_starts_fresh(finished_runs: dict[
     assert sorted(p.name for p in (run / "checkpoints" / "corrupt").iterdir()) == ["step-3", "step-6", "step-9"]
     assert "starting at step 0" in out[0].out
     assert [m["step"] for m in metrics(run)] == [3, 6, 9]  # the old records went with the checkpoints
+
+
+def test_a_load_that_failed_halfway_lets_go_of_the_old_model_before_building_anew(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a load that fails halfway the model is built anew. The old model and optimizer (FSDP's hooks hold them
+    in cycles) stayed alive while the new ones were built: for that moment a rank held two of each."""
+    import types
+    import weakref
+
+    from trainers.trainer import Training
+
+    training = Training.__new__(Training)
+    model = torch.nn.Linear(4, 4)
+    model.me = model  # type: ignore[assignment]  # a cycle, as FSDP's hooks make
+    training.model, training.optimizer = model, torch.optim.AdamW(model.parameters())
+    training.strategy, training.scaler = object(), torch.amp.GradScaler("cpu", enabled=False)  # type: ignore[assignment]
+    training.ctx = types.SimpleNamespace(device=torch.device("cpu"))  # type: ignore[assignment]
+    old, alive_while_building = weakref.ref(model), []
+    del model
+    monkeypatch.setattr(Training, "build", lambda self: alive_while_building.append(old() is not None))
+    training.rebuild()
+    assert alive_while_building == [False]
 
 
 # --- 2. metrics.jsonl never holds a step twice -------------------------------------------------------------------

@@ -192,10 +192,19 @@ def full_disk(e: BaseException) -> OSError | None:
     gathers each rank's into a CheckpointException), None when `e` is something else."""
     cause: BaseException | None = e
     while cause is not None and getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
-        wrapped = getattr(cause, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
-        inner = [f[0] if isinstance(f, tuple) else f for f in wrapped.values()] if isinstance(wrapped, dict) else []
-        cause = next((x for x in inner if isinstance(x, BaseException)), None) or cause.__cause__ or cause.__context__
+        inner = dcp_failures(cause)
+        cause = inner[0][1] if inner else cause.__cause__ or cause.__context__
     return cause if isinstance(cause, OSError) else None
+
+
+def dcp_failures(e: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, what it raised) for each rank that failed inside DCP, whose CheckpointException gathers them as
+    {rank: (exception, traceback)}; [] for any other exception."""
+    wrapped = getattr(e, "failures", None)
+    if not isinstance(wrapped, dict):
+        return []
+    inner = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(wrapped.items())]
+    return [(rank, x) for rank, x in inner if isinstance(x, BaseException)]
 
 
 def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -> CheckpointSpaceError | None:

@@ -347,7 +347,14 @@ def model_weights(ref: checkpoint.CheckpointRef) -> dict[str, torch.Tensor]:
 
 
 def unreadable(e: BaseException) -> checkpoint.CorruptCheckpoint:
-    return checkpoint.CorruptCheckpoint(f"sharded tensors: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    """One line: what each rank's read raised (DCP's own message holds every rank's traceback), else `e`."""
+    failures = checkpoint.dcp_failures(e)
+    what = "; ".join(f"rank {rank}: {_named(x)}" for rank, x in failures) or _named(e)
+    return checkpoint.CorruptCheckpoint(f"sharded tensors: {' '.join(what.split())[:300]}")
+
+
+def _named(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def offline_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ the position and RNG streams (trainers.state), the data order (trainers.data), t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any
 
@@ -166,6 +167,15 @@ class Training:
         self.pos = Position()
         self.dirty = False
 
+    def rebuild(self) -> None:
+        """After a load that failed halfway: fresh weights and optimizer, as if it never happened. The old ones are let
+        go first, cycles included (FSDP's hooks make some), so a rank never holds two models and two optimizers."""
+        del self.model, self.strategy, self.optimizer, self.scaler
+        gc.collect()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.build()
+
     def resume(self) -> checkpoint.CheckpointRef | None:
         """Always try to resume: the newest finished checkpoint that every rank can read wins; its LR schedule goes
         on (re-planned only by --extend). Every rank's small files are read before any state is applied."""
@@ -176,7 +186,7 @@ class Training:
 
         found = resume.newest_readable(self.folder, ctx, check, self.load)
         if found is None and self.dirty:
-            self.build()  # a load failed halfway: fresh weights and optimizer, as if it never happened
+            self.rebuild()
         self.anchor, note = resume.lr_anchor(found.meta, cfg, self.lr) if found else (None, "")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.anchor))
         if found is None:
