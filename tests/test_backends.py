@@ -50,6 +50,7 @@ SQUEUE = {
     "another-job": (0, "RUNNING|hpcjobs:run=/elsewhere/run\n", ""),  # the id again, on a rebuilt cluster
     "not-hpcjobs": (0, "RUNNING|\n", ""),
     "forgotten": (1, "", "slurm_load_jobs error: Invalid job id specified\n"),  # past MinJobAge, or never existed
+    "unreachable": (1, "", "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"),
 }
 SACCT = {  # without AccountingStoreFlags=job_comment, sacct keeps no comment
     "cancelled": (0, "CANCELLED by 0|\n", ""),
@@ -78,6 +79,10 @@ def record(tmp_path: Path, scheduler: str = "slurm", cancelled: float | None = N
                      run_dir=str(tmp_path / "run"), logs={}, spec={}, submitted=time.time(), cancelled=cancelled)
 
 
+UNREACHABLE = "squeue could not answer for job 42: slurm_load_jobs error: Unable to contact slurm controller " \
+              "(connect failure)"
+
+
 @pytest.mark.parametrize("squeue,sacct,final,cancelled,expected", [
     ("running", "no-accounting", None, None, (JobState.RUNNING, "squeue")),
     ("pending", "no-accounting", None, None, (JobState.PENDING, "squeue")),
@@ -89,6 +94,9 @@ def record(tmp_path: Path, scheduler: str = "slurm", cancelled: float | None = N
     ("forgotten", "unknown-id", None, 1.0, (JobState.CANCELLED, "store")),
     ("forgotten", "no-accounting", None, None, (JobState.UNKNOWN, "none")),
     ("completed", "no-accounting", FinalState.FAILED, None, (JobState.COMPLETED, "squeue; the run folder says FAILED")),
+    ("unreachable", "failed", None, None, (JobState.FAILED, "sacct")),  # the accounting daemon still answers
+    ("unreachable", "no-accounting", FinalState.FINISHED, None, (JobState.COMPLETED, f"run folder ({UNREACHABLE})")),
+    ("unreachable", "no-accounting", None, None, (JobState.UNKNOWN, UNREACHABLE)),
 ])
 def test_slurm_state_from_recorded_output(squeue: str, sacct: str, final: FinalState | None, cancelled: float | None,
                                           expected: tuple[JobState, str], tmp_path: Path) -> None:
@@ -157,6 +165,22 @@ def test_a_job_not_in_the_store_is_found_by_its_comment(tmp_path: Path) -> None:
     assert rec is not None and rec.run_dir == str(tmp_path / "it's a run; 42")
     assert (rec.name, rec.nodes, rec.gpus_per_node, rec.logs) == ("lm", 2, 2, {"slurm": "/logs/lm-42.out"})
     assert SlurmBackend(Recorded(squeue=SQUEUE["not-hpcjobs"])).lookup("42") is None
+
+
+def test_a_job_slurm_could_not_be_asked_about_is_not_called_unknown(tmp_path: Path) -> None:
+    """With the controller down, `status ID` of a job the store does not hold said the scheduler knows no such
+    job (exit 2, a bad input): it is Slurm that could not say. sacct, which asks the accounting daemon, may still."""
+    for sacct in ("no-accounting", "unknown-id"):
+        with pytest.raises(RuntimeFailure, match=f"^{re.escape(UNREACHABLE)}$") as e:
+            SlurmBackend(Recorded(squeue=SQUEUE["unreachable"], sacct=SACCT[sacct])).lookup("42")
+        assert e.value.exit_code == 1 and "scontrol ping" in e.value.one_line()
+    comment = job_comment(str(tmp_path / "run"))
+    found = SlurmBackend(Recorded(squeue=SQUEUE["unreachable"], sacct=(0, f"RUNNING|{comment}\n", ""))).lookup("42")
+    assert found is not None and found.run_dir == str(tmp_path / "run")
+    assert SlurmBackend(Recorded(squeue=SQUEUE["forgotten"], sacct=SACCT["no-accounting"])).lookup("42") is None
+    assert SlurmBackend(Recorded()).lookup("42") is None  # no Slurm here at all: nothing to ask, nothing known
+    down = Recorded(squeue=SQUEUE["unreachable"])
+    assert SlurmBackend(down).lookup("local-20261125-1") is None and down.calls == []  # not an id Slurm gives
 
 
 def test_slurm_cancel_refused_is_a_runtime_failure_and_records_nothing(tmp_path: Path) -> None:

@@ -131,6 +131,21 @@ def test_corrupt_job_store_submits_nothing_and_says_how_to_recover(tmp_path: Pat
     assert (home / "jobs.sqlite").read_bytes() == b"\x00garbage" * 100  # left for the user to look at
 
 
+def test_a_job_slurm_cannot_be_asked_about_is_not_called_unknown(tmp_path: Path, shim: Path) -> None:
+    """The controller down: `status ID` of a job the store does not hold said Slurm knows no such job (exit 2, as
+    for a typo); it says squeue could not answer (exit 1) and how to check. Recorded message: Slurm 22.05."""
+    said = {"squeue": "slurm_load_jobs error: Unable to contact slurm controller (connect failure)",
+            "sacct": "Slurm accounting storage is disabled"}  # a real sacct here may know a job 77 of the test cluster
+    for tool, line in said.items():
+        (tmp_path / "shim" / tool).write_text(f"#!/bin/sh\necho '{line}' >&2\nexit 1\n")
+        (tmp_path / "shim" / tool).chmod(0o755)
+    env = {"HPCJOBS_HOME": str(tmp_path / "home")}
+    for command in (["status", "77"], ["logs", "77"], ["cancel", "77"]):
+        out = hpcjobs_in(tmp_path, *command, env=env)
+        assert_one_line(out, 1, "squeue could not answer for job 77: slurm_load_jobs error: Unable to contact")
+        assert "scontrol ping" in out.stderr and "knows no hpcjobs job" not in out.stderr
+
+
 @pytest.mark.skipif(not CAN_MOUNT, reason="read-only bind mounts need root and unshare")
 def test_render_into_a_read_only_folder(tmp_path: Path) -> None:
     ro = tmp_path / "ro"

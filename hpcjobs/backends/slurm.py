@@ -58,9 +58,27 @@ class SlurmJob:
         return cls(JobState.parse(state), run_dir_of_comment(comment.strip()))
 
 
+FORGOTTEN = "Invalid job id specified"
+"""squeue's answer for an id Slurm does not know: never given, or forgotten after MinJobAge."""
+
+
+SLURM_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?", re.ASCII)
+"""A job's id as Slurm gives it: a number, or an array task's ARRAY_INDEX."""
+
+
+class SlurmUnreachable(RuntimeFailure):
+    """squeue ran and could not answer (the controller down or unreachable): not the same as "no such job"."""
+
+
 def squeue_job(job_id: str, run: Runner) -> SlurmJob | None:
-    """squeue's word for the job, finished ones included (`-t all`), while Slurm still remembers it."""
+    """squeue's word for the job, finished ones included (`-t all`), while Slurm still remembers it; None when it
+    knows no such job, or there is no squeue here. Raises SlurmUnreachable when squeue could not answer."""
     out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%k"])
+    if out.returncode not in (0, 127) and FORGOTTEN not in out.stderr:
+        said = [line.strip() for line in out.stderr.splitlines() if line.strip()] or [f"exit code {out.returncode}"]
+        raise SlurmUnreachable(f"squeue could not answer for job {job_id}: {said[-1]}", "check that Slurm's "
+                               "controller is up (`scontrol ping`); the run folder still answers for a job hpcjobs "
+                               "recorded here")
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
     return SlurmJob.parse(lines[0]) if lines else None
 
@@ -189,8 +207,12 @@ class SlurmBackend(RunFolderLogs):
         """squeue's, then sacct's state, when the job they know by this id is the record's: job ids start again at
         1 on a rebuilt cluster, so a job whose comment names another run folder (or, in squeue, none) is another
         job: UNKNOWN, saying so, and the run folder answers."""
+        unreachable: SlurmUnreachable | None = None
         for source, ask in (("squeue", squeue_job), ("sacct", sacct_job)):
-            job = ask(rec.job_id, self.run)
+            try:
+                job = ask(rec.job_id, self.run)
+            except SlurmUnreachable as e:  # sacct may still answer: it asks the accounting daemon
+                unreachable, job = e, None
             if job is None:
                 continue
             if job.run_dir is None and source == "sacct":
@@ -199,12 +221,21 @@ class SlurmBackend(RunFolderLogs):
                 return JobState.UNKNOWN, (f"{source}'s job {rec.job_id} is another job (run folder "
                                           f"{job.run_dir or 'none named'}), not this record's")
             return job.state, source
-        return None
+        return (JobState.UNKNOWN, unreachable.message) if unreachable else None
 
     def lookup(self, job_id: str) -> JobRecord | None:
         """A job hpcjobs did not record here (submitted with plain sbatch from a rendered script, or from another
-        login node, or the job store was lost): found by the run folder its comment names, read from its spec."""
-        job = squeue_job(job_id, self.run) or sacct_job(job_id, self.run)
+        login node, or the job store was lost): found by the run folder its comment names, read from its spec.
+        Raises SlurmUnreachable when neither squeue nor sacct could say (not knowing is not "no such job")."""
+        if not SLURM_JOB_ID.fullmatch(job_id):
+            return None  # a local job's id, or a typo: nothing Slurm could know
+        try:
+            job = squeue_job(job_id, self.run)
+        except SlurmUnreachable:
+            job = sacct_job(job_id, self.run)
+            if job is None:
+                raise
+        job = job or sacct_job(job_id, self.run)
         if job is None or job.run_dir is None:
             return None
         try:
