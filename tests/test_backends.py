@@ -94,7 +94,7 @@ UNREACHABLE = "squeue could not answer for job 42: slurm_load_jobs error: Unable
     ("forgotten", "unknown-id", None, 1.0, (JobState.CANCELLED, "store")),
     ("forgotten", "no-accounting", None, None, (JobState.UNKNOWN, "none")),
     ("completed", "no-accounting", FinalState.FAILED, None, (JobState.COMPLETED, "squeue; the run folder says FAILED")),
-    ("unreachable", "failed", None, None, (JobState.FAILED, "sacct")),  # the accounting daemon still answers
+    ("unreachable", "failed", None, None, (JobState.FAILED, f"sacct ({UNREACHABLE})")),  # slurmdbd still answers
     ("unreachable", "no-accounting", FinalState.FINISHED, None, (JobState.COMPLETED, f"run folder ({UNREACHABLE})")),
     ("unreachable", "no-accounting", None, None, (JobState.UNKNOWN, UNREACHABLE)),
 ])

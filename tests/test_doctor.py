@@ -150,6 +150,23 @@ def test_the_report() -> None:
     assert exit_code([*checks, replace(checks[0], result=Result.FAIL)]) == 1
 
 
+def test_a_controller_that_cannot_answer_fails_the_report_without_judging_the_rest() -> None:
+    """With the controller down every scontrol answer was empty, and the rows judged on nothing passed (requeue,
+    signal, requeue delay: Slurm's defaults). Recorded: Slurm 22.05 with slurmctld stopped."""
+    down = "slurm_load_ctl_conf error: Unable to contact slurm controller (connect failure)"
+    asked: list[tuple[str, ...]] = []
+
+    def run(argv: object) -> CompletedProcess[str]:
+        asked.append(tuple(argv))  # type: ignore[call-overload]
+        return CompletedProcess([], 1, "", "sbatch: error: Batch job submission failed: Unable to contact slurm "
+                                "controller (connect failure)\n" if asked[-1][0] == "sbatch" else down + "\n")
+
+    checks = d.doctor(spec(), "#!/bin/bash\n", run)
+    assert [(c.name, c.result) for c in checks] == [("request", Result.FAIL), ("cluster", Result.FAIL)]
+    assert down in checks[1].found and "scontrol ping" in checks[1].fix
+    assert exit_code(checks) == 1 and not any(a[:3] == ("scontrol", "show", "partition") for a in asked)
+
+
 @pytest.mark.parametrize("args,said", [
     (["--gpus", "99"], "--gpus 99"), (["--time", "soon"], "--time 'soon'"), (["--nodes", "0"], "--nodes 0")])
 def test_bad_requests_are_refused_before_any_check(args: list[str], said: str) -> None:

@@ -215,12 +215,13 @@ class SlurmBackend(RunFolderLogs):
                 unreachable, job = e, None
             if job is None:
                 continue
+            said = f"{source} ({unreachable.message})" if unreachable else source
             if job.run_dir is None and source == "sacct":
-                return job.state, source  # a site that keeps no comments: nothing to compare
+                return job.state, said  # a site that keeps no comments: nothing to compare
             if job.run_dir is None or resolve_run_dir(job.run_dir, array_ids(rec.job_id)) != rec.run_dir:
                 return JobState.UNKNOWN, (f"{source}'s job {rec.job_id} is another job (run folder "
                                           f"{job.run_dir or 'none named'}), not this record's")
-            return job.state, source
+            return job.state, said
         return (JobState.UNKNOWN, unreachable.message) if unreachable else None
 
     def lookup(self, job_id: str) -> JobRecord | None:

@@ -209,9 +209,15 @@ def doctor(spec: JobSpec, script: str, run: Runner) -> list[Check]:
         checks = [check_test_only(run(["sbatch", "--test-only", f.name]))]
     finally:
         os.unlink(f.name)
+    shown = run(["scontrol", "show", "config"])
+    if shown.returncode != 0:  # every row below would be judged on nothing: Slurm's defaults would pass
+        said = [line.strip() for line in (shown.stderr + shown.stdout).splitlines() if line.strip()]
+        return [*checks, Check("cluster", Result.FAIL, f"scontrol show config could not answer: "
+                               f"{said[-1] if said else f'exit {shown.returncode}'}; nothing else was checked",
+                               "check that Slurm's controller is up (`scontrol ping`) and this machine's slurm.conf")]
+    conf = config(shown.stdout)
     parts = records(run(["scontrol", "show", "partition", "-o"]).stdout, "PartitionName")
     nodes = records(run(["scontrol", "show", "node", "-o"]).stdout, "NodeName")
-    conf = config(run(["scontrol", "show", "config"]).stdout)
     _, part = pick_partition(spec, parts)
     accounting = not conf.get("AccountingStorageType", "accounting_storage/none").endswith("/none")
     assoc = run(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={_user()}",
