@@ -158,8 +158,8 @@ def test_a_controller_that_cannot_answer_fails_the_report_without_judging_the_re
 
     def run(argv: object) -> CompletedProcess[str]:
         asked.append(tuple(argv))  # type: ignore[call-overload]
-        return CompletedProcess([], 1, "", "sbatch: error: Batch job submission failed: Unable to contact slurm "
-                                "controller (connect failure)\n" if asked[-1][0] == "sbatch" else down + "\n")
+        return CompletedProcess([], 1, "", "allocation failure: Unable to contact slurm controller (connect "
+                                "failure)\n" if asked[-1][0] == "sbatch" else down + "\n")
 
     checks = d.doctor(spec(), "#!/bin/bash\n", run)
     assert [(c.name, c.result) for c in checks] == [("request", Result.FAIL), ("cluster", Result.FAIL)]

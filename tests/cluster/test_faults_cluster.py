@@ -1,7 +1,7 @@
 """The fault campaign on the real cluster (issue 13): a rank that crashes, one killed by a signal, one that hangs, a
 job store lost between submit and status, a job run from a rendered script with plain sbatch, a disk that fills
-during a checkpoint. Each ends with nothing lost and `hpcjobs status` saying what happened: which rank failed
-first, on which host, and the last lines of its log. 2 nodes × 2 ranks, the example LM."""
+during a checkpoint, Slurm's controller down. Each ends with nothing lost and `hpcjobs status` saying what happened:
+which rank failed first, on which host, and the last lines of its log. 2 nodes × 2 ranks, the example LM."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, hpcjobs, on_every_node, slurm, wait_for_state
+from conftest import REPO, TESTCLUSTER, hpcjobs, on_every_node, slurm, wait_for_state
 from hpcjobs.runfolder import RunFolder
 from trainers import checkpoint
 from trainers.checkpointer import model_weights
@@ -250,3 +250,34 @@ def test_every_way_a_job_ends_leaves_its_final_state_in_the_run_folder(folder: P
         time.sleep(0.3)
     assert RunFolder(run).read_restarts()[-1]["stopped"] == "terminated"  # status: CANCELLED once Slurm forgets
     assert not (run / "final.json").exists()
+
+
+def test_with_the_controller_down_status_and_doctor_say_slurm_could_not_answer(folder: Path) -> None:
+    """slurmctld stopped while a job runs, then started again (`testcluster.sh restart`: jobs' state is kept):
+    `status` of an id the store does not hold says squeue could not answer (exit 1), not that Slurm knows no such
+    job (exit 2, as for a typo); the running job's status says why Slurm's word is missing; doctor fails one
+    'cluster' row and judges nothing on empty answers. The job itself goes on (its ranks need no controller)."""
+    job, run = submit(folder, "controller-down")
+    wait_for_state(job, {"RUNNING"}, timeout=120)
+    pidfile = Path(os.environ.get("HPCJOBS_CLUSTER_DIR", "/tmp/hpcjobs-cluster")) / "run" / "slurmctld.pid"
+    os.kill(int(pidfile.read_text()), signal.SIGTERM)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0:
+            time.sleep(0.2)
+        out = hpcjobs("status", "999999", env={"HPCJOBS_HOME": str(folder)})
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+        assert "squeue could not answer for job 999999: slurm_load_jobs error: Unable to contact slurm controller" \
+               in out.stderr and "scontrol ping" in out.stderr, out.stderr
+        out = status(folder, job)
+        assert out.returncode == 0 and "squeue could not answer" in out.stdout, out.stdout
+        out = hpcjobs("doctor", "--profile", str(folder / "profile.yaml"), "--nodes", "2", "--json", cwd=REPO)
+        rows = {c["name"]: (c["result"], c["found"]) for c in json.loads(out.stdout)["checks"]}
+        assert out.returncode == 1 and list(rows) == ["request", "cluster"], rows
+        assert rows["cluster"][0] == "fail" and "Unable to contact slurm controller" in rows["cluster"][1], rows
+        print(f"FAULT REPORT controller-down: {rows['cluster'][1]}")
+    finally:
+        subprocess.run([str(TESTCLUSTER), "restart"], check=True, capture_output=True)
+    assert wait_for_state(job, {"RUNNING"}, timeout=60) == "RUNNING"  # it ran on without the controller
+    slurm("scancel", job)
+    assert wait_for_state(job, DONE, timeout=120) == "CANCELLED"
