@@ -28,6 +28,15 @@ def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(list(argv), 124, "", f"{argv[0]}: timed out")
 
 
+def last_words(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a command that failed said last: its last non-empty line on stderr, else on stdout, else its exit code."""
+    for text in (proc.stderr, proc.stdout):
+        said = [line.strip() for line in (text or "").splitlines() if line.strip()]
+        if said:
+            return said[-1]
+    return f"exit code {proc.returncode}"
+
+
 def check_run_folder(run_dir: str) -> None:
     """Refuse a run folder that cannot be made, before anything is queued: the folder itself (or, for a pattern,
     its fixed part) must be a folder or creatable under a writable folder."""

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
-from hpcjobs.backends.common import RunFolderLogs, Runner, check_run_folder, prepare_run_folder, run_command
+from hpcjobs.backends.common import (
+    RunFolderLogs,
+    Runner,
+    check_run_folder,
+    last_words,
+    prepare_run_folder,
+    run_command,
+)
 from hpcjobs.backends.environment import cleaned_os_environ
 from hpcjobs.backends.slurm_render import (
     render_sbatch,
@@ -66,6 +73,9 @@ SLURM_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?", re.ASCII)
 """A job's id as Slurm gives it: a number, or an array task's ARRAY_INDEX."""
 
 
+CONTROLLER_HINT = "check that Slurm's controller is up (`scontrol ping`)"
+
+
 class SlurmUnreachable(RuntimeFailure):
     """squeue ran and could not answer (the controller down or unreachable): not the same as "no such job"."""
 
@@ -75,10 +85,8 @@ def squeue_job(job_id: str, run: Runner) -> SlurmJob | None:
     knows no such job, or there is no squeue here. Raises SlurmUnreachable when squeue could not answer."""
     out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%k"])
     if out.returncode not in (0, 127) and FORGOTTEN not in out.stderr:
-        said = [line.strip() for line in out.stderr.splitlines() if line.strip()] or [f"exit code {out.returncode}"]
-        raise SlurmUnreachable(f"squeue could not answer for job {job_id}: {said[-1]}", "check that Slurm's "
-                               "controller is up (`scontrol ping`); the run folder still answers for a job hpcjobs "
-                               "recorded here")
+        raise SlurmUnreachable(f"squeue could not answer for job {job_id}: {last_words(out)}", f"{CONTROLLER_HINT}; "
+                               "the run folder still answers for a job hpcjobs recorded here")
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
     return SlurmJob.parse(lines[0]) if lines else None
 

@@ -14,7 +14,8 @@ from subprocess import CompletedProcess
 
 import hostlist
 
-from hpcjobs.backends.common import Runner
+from hpcjobs.backends.common import Runner, last_words
+from hpcjobs.backends.slurm import CONTROLLER_HINT
 from hpcjobs.doctor import Check, Result
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.spec import JobSpec
@@ -211,10 +212,8 @@ def doctor(spec: JobSpec, script: str, run: Runner) -> list[Check]:
         os.unlink(f.name)
     shown = run(["scontrol", "show", "config"])
     if shown.returncode != 0:  # every row below would be judged on nothing: Slurm's defaults would pass
-        said = [line.strip() for line in (shown.stderr + shown.stdout).splitlines() if line.strip()]
-        return [*checks, Check("cluster", Result.FAIL, f"scontrol show config could not answer: "
-                               f"{said[-1] if said else f'exit {shown.returncode}'}; nothing else was checked",
-                               "check that Slurm's controller is up (`scontrol ping`) and this machine's slurm.conf")]
+        return [*checks, Check("cluster", Result.FAIL, f"scontrol show config could not answer: {last_words(shown)}; "
+                               "nothing else was checked", f"{CONTROLLER_HINT}, and this machine's slurm.conf")]
     conf = config(shown.stdout)
     parts = records(run(["scontrol", "show", "partition", "-o"]).stdout, "PartitionName")
     nodes = records(run(["scontrol", "show", "node", "-o"]).stdout, "NodeName")
