@@ -256,7 +256,8 @@ def test_with_the_controller_down_status_and_doctor_say_slurm_could_not_answer(f
     """slurmctld stopped while a job runs, then started again (`testcluster.sh restart`: jobs' state is kept):
     `status` of an id the store does not hold says squeue could not answer (exit 1), not that Slurm knows no such
     job (exit 2, as for a typo); the running job's status says why Slurm's word is missing; doctor fails one
-    'cluster' row and judges nothing on empty answers. The job itself goes on (its ranks need no controller)."""
+    'cluster' row and judges nothing on empty answers. Whether the job outlives the controller's restart is
+    Slurm's business, not asserted: it ran on in most runs here, and once (a CI run) it ended FAILED."""
     job, run = submit(folder, "controller-down")
     wait_for_state(job, {"RUNNING"}, timeout=120)
     pidfile = Path(os.environ.get("HPCJOBS_CLUSTER_DIR", "/tmp/hpcjobs-cluster")) / "run" / "slurmctld.pid"
@@ -275,9 +276,9 @@ def test_with_the_controller_down_status_and_doctor_say_slurm_could_not_answer(f
         rows = {c["name"]: (c["result"], c["found"]) for c in json.loads(out.stdout)["checks"]}
         assert out.returncode == 1 and list(rows) == ["request", "cluster"], rows
         assert rows["cluster"][0] == "fail" and "Unable to contact slurm controller" in rows["cluster"][1], rows
-        print(f"FAULT REPORT controller-down: {rows['cluster'][1]}")
     finally:
         subprocess.run([str(TESTCLUSTER), "restart"], check=True, capture_output=True)
-    assert wait_for_state(job, {"RUNNING"}, timeout=60) == "RUNNING"  # it ran on without the controller
+    after = wait_for_state(job, {"RUNNING"} | DONE, timeout=120)
+    print(f"FAULT REPORT controller-down: {rows['cluster'][1]}; the job after the restart: {after}")
     slurm("scancel", job)
-    assert wait_for_state(job, DONE, timeout=120) == "CANCELLED"
+    assert wait_for_state(job, DONE, timeout=120) in DONE
