@@ -8,6 +8,13 @@ launched, had torch imported, joined the group and finished its first step (RUN/
 Slurm gives when the job ran (StartTime, whole seconds). Stages are cumulative seconds since submit (cold) or since
 the stop was committed and the requeue asked for (requeue), each the slowest rank's.
 
+Each rank also writes the CPU time it had used at each mark, so the split says which stage's own work grows with N:
+16 "nodes" of the test cluster share this host's cores, so a stage whose CPU per rank stays flat still takes N times
+longer in wall time. `floor` is what a bare process that imports torch and takes one AdamW step costs on this host
+(torch.optim imports torch._dynamo when the optimizer is built), read inside it as a rank's marks are, divided by the
+cores: no trainer that uses torch.optim can start N ranks on these cores with a slope under it. `import torch` alone
+is also given.
+
 Targets (issue 13): cold submit → first step grows at most linearly, slope ≤ 0.5 s per node; requeue → first resumed
 step ≤ 1.2 × submit → first step; requeue → running ≤ 10 s.
 
@@ -20,8 +27,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
+import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +44,13 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "startup.json"
 HPCJOBS = [str(Path(shutil.which("hpcjobs") or REPO / ".venv" / "bin" / "hpcjobs"))]
 ENTRY = ["trainers.tasks.lm", "--size", "tiny", "--steps", "1000000", "--log-every", "1000", "--ckpt-every", "100000"]
-RANK_STAGES = ("launched", "imported", "joined", "first_step")
+RANK_STAGES = ("launched", "imported", "joined", "ready", "first_step")
+CPU_STAGES = RANK_STAGES[1:]  # marks with the CPU used by then (trainers.startup); "launched" is the process's start
+# A bare torch process, timed as a rank is (trainers.startup.mark: the process's own CPU clock, read in it, so its
+# exit, which collects every object torch made, is not counted): after `import torch`, and after one AdamW step.
+TORCH_FLOOR = ("import json, time; import torch; t = time.process_time(); m = torch.nn.Linear(4, 4); "
+               "o = torch.optim.AdamW(m.parameters()); m(torch.ones(4)).sum().backward(); o.step(); "
+               "print(json.dumps([t, time.process_time()]))")
 
 
 def sh(*args: str) -> str:
@@ -44,8 +60,12 @@ def sh(*args: str) -> str:
     return out.stdout
 
 
+def test_profile() -> dict[str, Any]:
+    return dict(yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text()))
+
+
 def make_profile(folder: Path, nodes: int) -> Path:
-    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    data = test_profile()
     data.update(runs_dir=str(folder / "runs"), max_nodes=nodes)
     path = folder / "profile.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -77,12 +97,33 @@ def slurm_start(job: str) -> float:
     return datetime.datetime.fromisoformat(fields["StartTime"]).timestamp()
 
 
-def stages(t0: float, running: float, ranks: list[dict[str, Any]]) -> dict[str, float]:
-    row = {"running": running - t0}
+def stages(t0: float, running: float, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"running": running - t0}
     for stage in RANK_STAGES:
         row[stage] = max(r[stage] for r in ranks) - t0
-    row["cpu_s_per_rank"] = sum(r["cpu_s"] for r in ranks) / len(ranks)
-    return {k: round(v, 2) for k, v in row.items()}
+    row["cpu_s_per_rank"] = statistics.mean(r["cpu_s"] for r in ranks)
+    used = {stage: statistics.mean(r["cpu_at"][stage] for r in ranks) for stage in CPU_STAGES}
+    row["cpu_s_per_rank_by_stage"] = {stage: used[stage] - used[before] if before else used[stage]
+                                      for before, stage in zip((None, *CPU_STAGES), CPU_STAGES, strict=False)}
+    return round_all(row)
+
+
+def round_all(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: round_all(v) if isinstance(v, dict) else round(v, 2) for k, v in row.items()}
+
+
+def floor() -> dict[str, float]:
+    """The CPU one bare torch process needs here, in the ranks' environment (the test profile's: one thread), median
+    of five: to import torch, and to take its first optimizer step (torch.optim imports torch._dynamo then); each
+    over the cores is the least slope any torch trainer's start can have when all ranks share them."""
+    env = {**os.environ, **{k: str(v) for k, v in test_profile()["env"].items()}}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", TORCH_FLOOR], check=True, timeout=120, env=env,
+                                      capture_output=True, text=True).stdout) for _ in range(5)]
+    imported, stepped = (statistics.median(r[i] for r in runs) for i in (0, 1))
+    cores = len(os.sched_getaffinity(0))
+    return {"cpu_s": round(stepped, 2), "import_torch_cpu_s": round(imported, 2), "cores": cores,
+            "least_slope_s_per_node": round(stepped / cores, 2),
+            "least_slope_import_torch_only_s_per_node": round(imported / cores, 2)}
 
 
 def stop_time(run: Path) -> float:
@@ -145,7 +186,7 @@ def main() -> None:
                      for phase in ("cold", "requeue") for stage in ("running", *RANK_STAGES)}
               for path in args.paths.split(",")} if len(counts) > 1 else {}
     result = {"host": "2-core VM, every node a network namespace on it", "nodes": counts, "rows": rows,
-              "slope_s_per_node": slopes, "when": time.strftime("%Y-%m-%d %H:%M")}
+              "slope_s_per_node": slopes, "floor": floor(), "when": time.strftime("%Y-%m-%d %H:%M")}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(slopes, indent=1))
     shutil.rmtree(folder, ignore_errors=True)

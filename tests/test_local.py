@@ -25,6 +25,14 @@ def test_main_job_trains_checkpoints_and_reports_where(tmp_path: Path) -> None:
     assert f"checkpoints in {run / 'checkpoints'}" in out.stdout + out.stderr
     rows = json.loads(hpcjobs("list", "--json").stdout)
     assert rows[0]["state"] == "COMPLETED" and rows[0]["state_source"] == "run folder"
+    # Each rank's start-up line (bench/startup.py's input): the marks in order, each with the CPU used by then.
+    lines = sorted((json.loads(x) for x in (run / "startup.jsonl").read_text().splitlines()), key=lambda r: r["rank"])
+    marks = ("imported", "joined", "ready", "first_step")
+    assert [r["rank"] for r in lines] == [0, 1]
+    for r in lines:
+        assert [r[m] for m in ("launched", *marks)] == sorted(r[m] for m in ("launched", *marks)), r
+        assert 0 < r["cpu_at"]["imported"] <= r["cpu_at"]["first_step"] <= r["cpu_s"], r
+        assert [r["cpu_at"][m] for m in marks] == sorted(r["cpu_at"][m] for m in marks), r
 
 
 def test_evaluation_keeps_the_best_checkpoint(tmp_path: Path) -> None:

@@ -13,11 +13,15 @@ from hpcjobs.runfolder import RunFolder, append_jsonl
 from trainers.distenv import DistEnv
 
 _marks: dict[str, float] = {}
+_cpu: dict[str, float] = {}
 
 
 def mark(name: str) -> None:
-    """Note that `name` happened now; the first time counts (a stage is reached once per process)."""
-    _marks.setdefault(name, time.time())
+    """Note that `name` happened now, and the CPU time this process had used by then; the first time counts (a
+    stage is reached once per process)."""
+    if name not in _marks:
+        _marks[name] = time.time()
+        _cpu[name] = round(time.process_time(), 3)
 
 
 def process_started() -> float | None:
@@ -44,9 +48,10 @@ def launched_at() -> float:
 
 
 def record(run: RunFolder, env: DistEnv) -> None:
-    """Append this rank's line; `cpu_s` is the CPU time the process used to get here (on hosts where ranks share
-    cores, start-up wall time grows with the ranks per core; this does not)."""
+    """Append this rank's line; `cpu_s` is the CPU time the process used to get here, `cpu_at` the CPU time it had
+    used at each mark (on hosts where ranks share cores, start-up wall time grows with the ranks per core; these
+    show which stage's own work grows)."""
     used = resource.getrusage(resource.RUSAGE_SELF)
     append_jsonl(run.startup, {"restart": env.restart, "rank": env.rank, "job_id": env.job_id,
                                "host": os.uname().nodename, "launched": process_started(),
-                               "cpu_s": round(used.ru_utime + used.ru_stime, 3), **_marks})
+                               "cpu_s": round(used.ru_utime + used.ru_stime, 3), "cpu_at": dict(_cpu), **_marks})

@@ -133,6 +133,7 @@ class Training:
         self.resumed_from = self.resume()
         self.prepare()
         self.take_over_run_folder()
+        startup.mark("ready")  # built, resumed (or not), data ready: the rest of start-up is the first step itself
 
     def describe(self) -> str:
         cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size

@@ -21,9 +21,16 @@ def test_the_startup_benchmark_measures_every_stage_cold_and_after_a_requeue(tmp
     run = subprocess.run([sys.executable, str(REPO / "bench" / "startup.py"), "--nodes", "2", "--paths", "submit",
                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert run.returncode == 0, run.stderr
-    (row,) = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
     for phase in ("cold", "requeue"):
-        stages = [row[phase][s] for s in ("launched", "imported", "joined", "first_step")]
+        stages = [row[phase][s] for s in ("launched", "imported", "joined", "ready", "first_step")]
         assert stages == sorted(stages) and stages[-1] > 0, row
         assert row[phase]["cpu_s_per_rank"] > 0
+        # The CPU split by stage: importing torch costs something on every start, and the parts add up to no more
+        # than the whole (the rest is the process's exit bookkeeping before the line is written).
+        split = row[phase]["cpu_s_per_rank_by_stage"]
+        assert split["imported"] > 0 and min(split.values()) >= 0, split
+        assert sum(split.values()) <= row[phase]["cpu_s_per_rank"] + 0.05, row
+    assert result["floor"]["cpu_s"] > 0 and result["floor"]["least_slope_s_per_node"] > 0, result["floor"]
     assert row["requeue"]["running"] >= 0 and row["resumed_start_over_cold_start"] > 0
