@@ -574,7 +574,8 @@ def add_doctor(sub: Any, common: argparse.ArgumentParser) -> None:
                 parents=[_job_flags(entry_optional=True)])
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.add_argument("--probe", action="store_true", help="also run a one-node, two-minute job that runs the setup and "
-                   "checks the node side: torch and the entry import, GPUs, interfaces, the runs folder")
+                   "checks the node side: torch and the entry import, the entry's flags as a rank reads them, "
+                   "GPUs, interfaces, the runs folder")
     p.add_argument("--probe-wait", type=_int, default=300, metavar="SECONDS",
                    help="how long --probe waits for its job to start and end (default 300; then it is cancelled)")
     p.set_defaults(run=run_doctor, own_flags=_option_strings(p))

@@ -208,8 +208,11 @@ REPORT = {"host": "node1", "python": "/venv/bin/python3", "torch": "2.13.0", "cu
 def test_probe_rows() -> None:
     from hpcjobs.backends.slurm_probe import probe_checks
 
-    rows = {c.name: c for c in probe_checks(spec(), "7", "COMPLETED", REPORT, "")}
-    assert [r.result for r in rows.values()] == [Result.PASS, Result.PASS, Result.PASS, Result.SKIP, Result.PASS]
+    rows = {c.name: c for c in probe_checks(spec(), "7", "COMPLETED", {**REPORT, "arguments": None}, "")}
+    assert {name: r.result for name, r in rows.items()} == {
+        "probe": Result.PASS, "runs folder": Result.PASS, "entry": Result.PASS, "arguments": Result.PASS,
+        "GPUs": Result.SKIP, "interfaces": Result.PASS}
+    assert rows["arguments"].found == "trainers.tasks.lm starts with its defaults on node1"
     assert rows["GPUs"].found == "not needed: HPCJOBS_BACKEND=gloo (torch sees 0 on node1)"
     gpu = replace(spec(), env={**spec().env, "HPCJOBS_BACKEND": "nccl", "GLOO_SOCKET_IFNAME": "ib0"})
     rows = {c.name: c for c in probe_checks(gpu, "7", "COMPLETED", REPORT, "")}
@@ -222,3 +225,40 @@ def test_probe_rows() -> None:
     unwritable = probe_checks(spec(), "9", "FAILED", None, None)  # not even its output file came back
     assert unwritable[0].result == Result.FAIL and "the runs folder is not writable on the nodes" in \
         unwritable[0].found
+
+
+def test_the_probe_row_for_the_entrys_flags() -> None:
+    """A task's flags as a rank on the node read them (trainers.run.check_task's line in the report); an own
+    script's are its own business, and a task that is not there cannot be asked."""
+    from hpcjobs.backends.slurm_probe import probe_checks
+
+    def row(s: JobSpec, report: dict[str, object]) -> tuple[Result, str, str]:
+        (c,) = [c for c in probe_checks(s, "7", "COMPLETED", {**REPORT, **report}, "") if c.name == "arguments"]
+        return c.result, c.found, c.fix
+
+    sized = replace(spec(), entry=replace(spec().entry, args=("--size", "huge")))
+    refused = "trainers.tasks.lm: --size: invalid choice: 'huge'; valid: --size 1b|7b|large|medium|small|tiny."
+    result, found, fix = row(sized, {"arguments": refused})
+    assert result == Result.FAIL and found == f"a rank on node1 would refuse --size huge: {refused}"
+    assert "--profile testcluster trainers.tasks.lm --help" in fix and "install what the task imports" in fix
+    assert row(sized, {"arguments": None})[:2] == (Result.PASS, "trainers.tasks.lm starts with --size huge on node1")
+    absent = row(sized, {"entry": False})
+    assert absent[:2] == (Result.SKIP, "not checked: trainers.tasks.lm is not importable on node1")
+    script = replace(spec(), entry=replace(spec().entry, kind="script", target="/p/train.py", args=("--x", "1")))
+    assert row(script, {})[0] == Result.SKIP
+
+
+def test_the_probe_hands_the_entrys_flags_to_the_nodes_python_as_given(tmp_path: Path) -> None:
+    """Quotes, `;`, `$`, spaces and a newline in a flag reach the report's Python as one argument each, unchanged."""
+    from hpcjobs.backends.slurm_probe import probe_script
+
+    args = ("--text", "a b;c'd\"e\n$HOME `x`", "--steps", "3")
+    s = replace(spec(), entry=replace(spec().entry, args=args))
+    text = probe_script(s, tmp_path / "r.json")
+    report_part = text[text.index('"$HPCJOBS_PYTHON" - '):]
+    echo = tmp_path / "python"
+    echo.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    echo.chmod(0o755)
+    out = subprocess.run(["bash", "-c", report_part], env={"HPCJOBS_PYTHON": str(echo), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == ["-", "task", "trainers.tasks.lm", str(tmp_path / "r.json"), *args]

@@ -460,6 +460,66 @@ def test_help_for_a_task_that_cannot_be_imported_is_one_line(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == []
 
 
+# --- 6b. what a rank would refuse, said before anything runs (`hpcjobs doctor --probe` asks it on a node) -------
+
+BROKEN_TASKS = {
+    "imports_missing": "import no_such_package_for_hpcjobs_tests\n",
+    "no_data": "def make_task(args):\n    raise FileNotFoundError(f'no such file: {args[1]}')\n",
+    "builds_lazily": ("import torch\nfrom trainers.task import Task\n"
+                      "def never(*a):\n    raise RuntimeError('built')\n"
+                      "def make_task(args):\n"
+                      "    return Task(name='lazy', model=never, train_data=never, loss=never)\n"),
+    "no_entry_point": "x = 1\n",
+}
+
+
+@pytest.mark.parametrize("task,args,says", [
+    ("trainers.tasks.lm", ["--size", "small", "--steps", "10"], None),
+    ("trainers.tasks.lm", ["--lr", "abc"], "--lr 'abc' is not a number; valid: --lr X with X > 0"),
+    ("trainers.tasks.lm", ["--size", "huge"], "trainers.tasks.lm: --size: invalid choice: 'huge'"),
+    ("trainers.tasks.lm", ["--size", "tiny", "--no-such-flag"], "--no-such-flag"),
+    ("imports_missing", [], "task imports_missing cannot be imported (ModuleNotFoundError: No module named "
+                            "'no_such_package_for_hpcjobs_tests')"),
+    ("no_data", ["--text", "corpus.txt"], "no_data failed to load (FileNotFoundError: no such file: corpus.txt)"),
+    ("builds_lazily", ["--steps", "5"], None),  # its model and data are never built: make_task is all it runs
+    ("no_entry_point", [], "task module 'no_entry_point' defines neither make_task(args) nor task"),
+])
+def test_check_task_says_what_a_rank_would_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str,
+                                                  args: list[str], says: str | None) -> None:
+    from trainers.run import check_task
+
+    for name, source in BROKEN_TASKS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refused = check_task(task, args)
+    assert refused is None if says is None else (refused is not None and says in refused and "\n" not in refused), \
+        refused
+
+
+def test_check_task_knows_a_size_that_needs_gpus() -> None:
+    import torch
+
+    from trainers.run import check_task
+
+    refused = check_task("trainers.tasks.lm", ["--size", "7b"])
+    assert (refused is None) == torch.cuda.is_available(), refused  # the node's own CUDA decides, not the login's
+
+
+def test_trainers_check_is_one_line_and_an_exit_code_and_touches_nothing(tmp_path: Path) -> None:
+    def check(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "trainers", "check", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env=clean_env(PYTHONPATH=str(REPO)), timeout=120)
+
+    ok = check("trainers.tasks.lm", "--size", "small", "--steps", "10")
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "trainers.tasks.lm accepts --size small --steps 10\n", "")
+    bad = check("trainers.tasks.lm", "--size", "huge")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("hpcjobs: "), bad.stderr
+    assert "'huge'" in bad.stderr and "valid: --size 1b|7b|large|medium|small|tiny" in bad.stderr
+    usage = check()
+    assert usage.returncode == 2 and "usage: python -m trainers check TASK" in usage.stderr
+    assert list(tmp_path.iterdir()) == []  # no run folder, no log
+
+
 # --- 7. what a person at the terminal sees -----------------------------------------------------------------------
 
 def test_the_end_of_training_is_one_summary_line(tmp_path: Path) -> None:

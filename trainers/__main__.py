@@ -2,6 +2,8 @@
 e.g. under torchrun:  torchrun --nproc_per_node 8 -m trainers trainers.tasks.lm --size small --steps 1000
 
 `python -m trainers help TASK` (or TASK --help) lists the trainer's flags and the task's own, and touches nothing.
+`python -m trainers check TASK [FLAGS...]` says whether a rank would start with those flags (exit 0) or the line it
+would refuse them with (exit 2), and touches nothing.
 
 Without --run-dir the run folder is runs/<task's last name>; the preemption settings are hpcjobs.contract's defaults
 (no profile, no known time limit).
@@ -39,11 +41,29 @@ def show_help(task: str) -> int:
     return task_help(task)
 
 
+def check(task: str, args: list[str]) -> int:
+    """Whether a rank would start `task` with `args` (exit 0), or the one line it would refuse them with (exit 2)."""
+    from trainers.run import check_task  # imports torch
+
+    refused = check_task(task, args)
+    if refused is not None:
+        print(f"hpcjobs: {refused}", file=sys.stderr)
+        return 2
+    print(f"{task} accepts {' '.join(args) if args else 'its defaults'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         print(__doc__, file=sys.stderr)
         return 2
+    if argv[0] == "check":
+        if len(argv) < 2 or argv[1].startswith("-"):
+            print("usage: python -m trainers check TASK [FLAGS...]   (e.g. python -m trainers check "
+                  "trainers.tasks.lm --size small --steps 100)", file=sys.stderr)
+            return 2
+        return check(argv[1], argv[2:])
     if argv[0] == "help":
         if len(argv) != 2 or argv[1].startswith("-"):
             print("usage: python -m trainers help TASK   (e.g. python -m trainers help trainers.tasks.lm)",

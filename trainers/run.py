@@ -1,5 +1,5 @@
 """Run a task with the shared trainer on this rank: parse the trainer's flags, load the task, join the group. Also
-`task_help`, which shows the flags and touches nothing."""
+`task_help`, which shows the flags, and `check_task`, which says what a rank would refuse; both touch nothing."""
 
 from __future__ import annotations
 
@@ -55,6 +55,22 @@ def load_task_checked(task_ref: str, task_args: list[str]) -> Task:
         raise
     sys.stderr.write(said.getvalue())
     return task
+
+
+def check_task(task_ref: str, args: list[str]) -> str | None:
+    """What a rank would refuse before it builds anything, as one line, or None if it would start: the trainer's
+    flags, the task's module (its own imports included: a package missing on the nodes), and the task's flags as its
+    make_task reads them (e.g. a --size the nodes cannot hold). Builds no model or data, joins no group, writes
+    nothing: `hpcjobs doctor --probe` runs it on a node, where the job's Python and GPUs are."""
+    try:
+        _, task_args = parse_trainer_args(args)
+        task = load_task_checked(task_ref, task_args)
+        parse_trainer_args(args, task.defaults)
+    except ImportError as e:
+        return f"task {task_ref} cannot be imported ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 -- whatever make_task raises, a rank would fail at its start with it
+        return str(e) if isinstance(e, ValueError) else f"{task_ref} failed to load ({type(e).__name__}: {e})"
+    return None
 
 
 def task_help(task_ref: str) -> int:

@@ -26,10 +26,11 @@ PROBE_TIME = "00:02:00"
 PROBE_NAME = "hpcjobs-probe"
 INTERFACE_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
-# What the nodes' Python reports, as JSON into the runs folder (argv[1]); the entry is checked as the ranks import it.
+# What the nodes' Python reports, as JSON into the runs folder (argv[3]); the entry is checked as the ranks import it,
+# and a task's flags (argv[4:]) as a rank reads them (trainers.run.check_task: None, or the line it would refuse).
 REPORT = r'''
 import importlib.util, json, os, socket, sys
-kind, target, out = sys.argv[1], sys.argv[2], sys.argv[3]
+kind, target, out, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 torch = importlib.import_module("torch")  # on the node only
 if kind == "script":
     entry = os.path.isfile(target)
@@ -39,6 +40,13 @@ else:
 report = {"host": socket.gethostname(), "python": sys.executable, "torch": torch.__version__,
           "cuda": torch.cuda.is_available(), "gpus": torch.cuda.device_count(), "entry": entry,
           "interfaces": sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []}
+if kind == "task" and entry:
+    try:
+        from trainers.run import check_task
+    except ImportError as e:
+        report["arguments"] = f"hpcjobs's trainers cannot be imported ({type(e).__name__}: {e})"
+    else:
+        report["arguments"] = check_task(target, args)
 with open(out, "w") as f:
     json.dump(report, f)
 '''
@@ -55,10 +63,10 @@ def probe_script(spec: JobSpec, report: Path) -> str:
                              "partition": spec.partition, "account": spec.account, "qos": spec.qos,
                              "chdir": spec.workdir, "output": str(probe_folder(spec) / f"probe-{JOB_ID}.out"),
                              **gpu_flags(spec)}
+    report_args = [spec.entry.kind, spec.entry.target, str(report), *spec.entry.args]
     lines = ["#!/bin/bash", *(f"#SBATCH {sbatch_directive(k, v)}" for k, v in sorted(flags.items()) if v is not None),
              "set -eo pipefail", *spec.profile.setup, *environment_lines(spec), *python_lines(spec),
-             f'"$HPCJOBS_PYTHON" - {shlex.quote(spec.entry.kind)} {shlex.quote(spec.entry.target)} '
-             f"{shlex.quote(str(report))} <<'HPCJOBS_PROBE'", REPORT.strip(), "HPCJOBS_PROBE"]
+             f'"$HPCJOBS_PYTHON" - {shlex.join(report_args)} <<\'HPCJOBS_PROBE\'', REPORT.strip(), "HPCJOBS_PROBE"]
     return "\n".join(lines) + "\n"
 
 
@@ -104,6 +112,7 @@ def probe_checks(spec: JobSpec, job: str, state: str, report: dict[str, Any] | N
     else:
         rows.append(Check("entry", Result.FAIL, f"{spec.entry.target} does not exist on {host}",
                           "put the script on a filesystem the nodes share"))
+    rows.append(arguments_check(spec, report, host))
     wants = spec.gpus_per_node if spec.profile.gpu_request != "none" else 0
     if spec.env.get("HPCJOBS_BACKEND") == "gloo" or not wants:
         rows.append(Check("GPUs", Result.SKIP, f"not needed: {'HPCJOBS_BACKEND=gloo' if wants else 'no GPUs asked'}"
@@ -123,6 +132,22 @@ def probe_checks(spec: JobSpec, job: str, state: str, report: dict[str, Any] | N
                           "; ".join(problems) + f" on {host} (it has {', '.join(report['interfaces'])})" if problems
                           else f"{', '.join(named)} on {host}", "name an interface the nodes have in the profile"))
     return rows
+
+
+def arguments_check(spec: JobSpec, report: dict[str, Any], host: str) -> Check:
+    """The entry's flags as a rank on `host` reads them: a task's (the trainer's and its own, its module imported
+    there), or none for an own script, which reads its flags itself once it runs."""
+    if spec.entry.kind != "task":
+        return Check("arguments", Result.SKIP, "an own script reads its flags itself: not checked before it runs")
+    if not report["entry"]:
+        return Check("arguments", Result.SKIP, f"not checked: {spec.entry.target} is not importable on {host}")
+    given = " ".join(spec.entry.args) or "its defaults"
+    refused = report.get("arguments")
+    if refused is None:
+        return Check("arguments", Result.PASS, f"{spec.entry.target} starts with {given} on {host}")
+    return Check("arguments", Result.FAIL, f"a rank on {host} would refuse {given}: {refused}",
+                 f"fix the flag (`hpcjobs submit --profile {spec.profile.name} {spec.entry.target} --help` lists "
+                 "them), or install what the task imports in the nodes' Python (the profile's python and setup)")
 
 
 def run_probe(spec: JobSpec, wait_s: float) -> list[Check]:

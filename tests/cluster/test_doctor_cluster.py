@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cluster
 
 
 def doctor(*args: str) -> tuple[int, dict[str, str], dict[str, str]]:
-    out = hpcjobs("doctor", *args, "--json", cwd=REPO)
+    out = hpcjobs("doctor", "--json", *args, cwd=REPO)  # before an entry, whose flags follow it
     said = json.loads(out.stdout)
     return out.returncode, {c["name"]: c["result"] for c in said["checks"]}, {c["name"]: c["found"]
                                                                                for c in said["checks"]}
@@ -66,8 +66,8 @@ def test_more_gpus_than_a_node_has_fails(cluster_profile: Path, shared_tmp: Path
     assert "0 of 2 nodes in low have 16 GPUs" in found["nodes"]
 
 
-def probe(profile: Path) -> tuple[int, dict[str, str], dict[str, str]]:
-    return doctor("--profile", str(profile), "--nodes", "2", "--gpus", "2", "--probe", "--probe-wait", "120")
+def probe(profile: Path, *entry: str) -> tuple[int, dict[str, str], dict[str, str]]:
+    return doctor("--profile", str(profile), "--nodes", "2", "--gpus", "2", "--probe", "--probe-wait", "120", *entry)
 
 
 def variant(cluster_profile: Path, shared_tmp: Path, **changes: object) -> Path:
@@ -85,10 +85,26 @@ def variant(cluster_profile: Path, shared_tmp: Path, **changes: object) -> Path:
 def test_the_probe_finds_the_node_side_ready(cluster_profile: Path, shared_tmp: Path) -> None:
     code, result, found = probe(cluster_profile)
     assert code == 0, found
-    assert {k: result[k] for k in ("probe", "runs folder", "entry", "GPUs", "interfaces")} == {
-        "probe": "pass", "runs folder": "pass", "entry": "pass", "GPUs": "skip", "interfaces": "pass"}, found
+    assert {k: result[k] for k in ("probe", "runs folder", "entry", "arguments", "GPUs", "interfaces")} == {
+        "probe": "pass", "runs folder": "pass", "entry": "pass", "arguments": "pass", "GPUs": "skip",
+        "interfaces": "pass"}, found
+    assert found["arguments"].startswith("trainers.tasks.lm starts with its defaults on node"), found
     assert "torch " in found["probe"] and "GLOO_SOCKET_IFNAME=eth0 on node" in found["interfaces"]
     assert list((shared_tmp / "runs" / "probe").iterdir()) == []  # its script, report and output are cleaned up
+
+
+def test_the_probe_names_a_task_flag_the_nodes_would_refuse(cluster_profile: Path, shared_tmp: Path) -> None:
+    """The flags are the task's own (the submit side, which never imports the task, lets them pass): a rank on the
+    node reads them, and the job would have failed there only after its wait in the queue."""
+    code, result, found = probe(cluster_profile, "trainers.tasks.lm", "--size", "huge", "--steps", "10")
+    assert code == 1 and result["arguments"] == "fail" and result["probe"] == "pass", found
+    assert "would refuse --size huge --steps 10: trainers.tasks.lm: --size: invalid choice: 'huge'; valid: --size " \
+           "1b|7b|large|medium|small|tiny" in found["arguments"], found
+    assert "\n" not in found["arguments"]
+    code, result, found = probe(cluster_profile, "trainers.tasks.lm", "--size", "small", "--steps", "10")
+    assert code == 0 and result["arguments"] == "pass", found
+    assert "starts with --size small --steps 10 on node" in found["arguments"]
+    assert list((shared_tmp / "runs" / "probe").iterdir()) == []
 
 
 def test_the_probe_names_a_setup_that_fails(cluster_profile: Path, shared_tmp: Path) -> None:
