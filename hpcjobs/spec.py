@@ -19,7 +19,7 @@ from hpcjobs.profiles import MAX_NODES, ClusterProfile
 from hpcjobs.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
-from hpcjobs.sweep import Point, as_args, as_mapping, build_points
+from hpcjobs.sweep import Point, as_args, as_mapping, build_points, tasks_args
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
@@ -284,8 +284,8 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if len(points) == 1:  # a sweep of one point is an ordinary job with the point's flags
         entry = replace(entry, args=(*entry.args, *as_args(points[0])))
     if entry.kind == "task":
-        for point in points if len(points) > 1 else [()]:  # each task's flags, as its node will read them
-            check_trainer_args((*entry.args, *as_args(point)), req.nodes * gpus)
+        for args in tasks_args(entry.args, points):
+            check_trainer_args(args, req.nodes * gpus)
     name = req.name or default_name(entry)
     if not _NAME.fullmatch(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "

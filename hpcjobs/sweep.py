@@ -149,6 +149,12 @@ def as_args(point: Point) -> list[str]:
     return [word for key, value in point for word in (f"--{key}", value)]
 
 
+def tasks_args(args: tuple[str, ...], points: tuple[Point, ...]) -> list[tuple[str, ...]]:
+    """Each task's flags for the entry, as its node reads them: the entry's, then its point's; one task unless there
+    are two points or more (a single point's flags are in `args` already)."""
+    return [(*args, *as_args(point)) for point in points] if len(points) > 1 else [args]
+
+
 def describe(point: Point) -> str:
     return " ".join(f"{k}={v}" for k, v in point)
 

@@ -4,7 +4,9 @@ for a planted reason; tests/cluster/test_doctor_cluster.py runs them against the
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from subprocess import CompletedProcess
@@ -13,7 +15,7 @@ import pytest
 
 from conftest import REPO, hpcjobs
 from hpcjobs.backends import slurm_doctor as d
-from hpcjobs.doctor import Result, exit_code, table
+from hpcjobs.doctor import Check, Result, exit_code, table
 from hpcjobs.profiles import load_profile
 from hpcjobs.spec import JobSpec, Request, build_spec
 
@@ -202,13 +204,13 @@ def test_interfaces_in_nccls_forms(value: str, ok: bool) -> None:
 
 
 REPORT = {"host": "node1", "python": "/venv/bin/python3", "torch": "2.13.0", "cuda": False, "gpus": 0, "entry": True,
-          "interfaces": ["eth0", "lo"]}
+          "interfaces": ["eth0", "lo"], "arguments": {"refused": [None]}}
 
 
 def test_probe_rows() -> None:
     from hpcjobs.backends.slurm_probe import probe_checks
 
-    rows = {c.name: c for c in probe_checks(spec(), "7", "COMPLETED", {**REPORT, "arguments": None}, "")}
+    rows = {c.name: c for c in probe_checks(spec(), "7", "COMPLETED", REPORT, "")}
     assert {name: r.result for name, r in rows.items()} == {
         "probe": Result.PASS, "runs folder": Result.PASS, "entry": Result.PASS, "arguments": Result.PASS,
         "GPUs": Result.SKIP, "interfaces": Result.PASS}
@@ -228,37 +230,130 @@ def test_probe_rows() -> None:
 
 
 def test_the_probe_row_for_the_entrys_flags() -> None:
-    """A task's flags as a rank on the node read them (trainers.run.check_task's line in the report); an own
-    script's are its own business, and a task that is not there cannot be asked."""
-    from hpcjobs.backends.slurm_probe import probe_checks
-
-    def row(s: JobSpec, report: dict[str, object]) -> tuple[Result, str, str]:
-        (c,) = [c for c in probe_checks(s, "7", "COMPLETED", {**REPORT, **report}, "") if c.name == "arguments"]
-        return c.result, c.found, c.fix
-
+    """A task's flags as a rank on the node read them (trainers.run.check_task's line in the report, one per task);
+    an own script's are its own business, and a task that is not there cannot be asked."""
     sized = replace(spec(), entry=replace(spec().entry, args=("--size", "huge")))
     refused = "trainers.tasks.lm: --size: invalid choice: 'huge'; valid: --size 1b|7b|large|medium|small|tiny."
-    result, found, fix = row(sized, {"arguments": refused})
+    result, found, fix = arguments_row(sized, {"arguments": {"refused": [refused]}})
     assert result == Result.FAIL and found == f"a rank on node1 would refuse --size huge: {refused}"
     assert "--profile testcluster trainers.tasks.lm --help" in fix and "install what the task imports" in fix
-    assert row(sized, {"arguments": None})[:2] == (Result.PASS, "trainers.tasks.lm starts with --size huge on node1")
-    absent = row(sized, {"entry": False})
-    assert absent[:2] == (Result.SKIP, "not checked: trainers.tasks.lm is not importable on node1")
+    assert arguments_row(sized, {"arguments": {"refused": [None]}})[:2] == (
+        Result.PASS, "trainers.tasks.lm starts with --size huge on node1")
+    assert arguments_row(sized, {"entry": False})[:2] == (
+        Result.SKIP, "not checked: trainers.tasks.lm is not importable on node1")
+    older = arguments_row(sized, {"arguments": {"skipped": "the nodes' hpcjobs is older than this one: ..."}})
+    assert older[0] == Result.SKIP and "older" in older[1]
+    broken = arguments_row(sized, {"arguments": {"failed": "hpcjobs's trainers cannot be imported (...)"}})
+    assert broken[0] == Result.FAIL and "cannot be imported" in broken[1]
+    unfinished = arguments_row(sized, {"arguments": None})
+    assert unfinished[0] == Result.FAIL and "never finished" in unfinished[1], unfinished
     script = replace(spec(), entry=replace(spec().entry, kind="script", target="/p/train.py", args=("--x", "1")))
-    assert row(script, {})[0] == Result.SKIP
+    assert arguments_row(script, {})[0] == Result.SKIP
+
+
+def arguments_row(s: JobSpec, report: dict[str, object]) -> tuple[Result, str, str]:
+    from hpcjobs.backends.slurm_probe import probe_checks
+
+    full = {k: v for k, v in {**REPORT, **report}.items() if v is not None}
+    (c,) = [c for c in probe_checks(s, "7", "COMPLETED", full, "") if c.name == "arguments"]
+    return c.result, c.found, c.fix
+
+
+def sweep_spec() -> JobSpec:
+    p = load_profile(str(REPO / "cluster_profiles" / "testcluster.yaml"))
+    return build_spec(p, Request(entry="trainers.tasks.lm", args=("--steps", "5"), nodes=1, gpus=1, time="5:00",
+                                 sweep=("size=small,huge,lagre",)), workdir=REPO)
+
+
+def test_the_probe_checks_every_point_of_a_sweep() -> None:
+    """Each array task runs the entry's flags and then its point's: the probe asks about each, and names the first
+    the nodes would refuse; points it had no time for are said to be unchecked."""
+    s = sweep_spec()
+    found = arguments_row(s, {"arguments": {"refused": [None, "no huge", "no lagre"]}})
+    assert found[:2] == (Result.FAIL, "a rank on node1 would refuse --steps 5 --size huge: no huge (and 1 more of the "
+                                      "3 points)")
+    assert arguments_row(s, {"arguments": {"refused": [None] * 3}})[:2] == (
+        Result.PASS, "trainers.tasks.lm starts with each of its 3 points' flags on node1")
+    assert arguments_row(s, {"arguments": {"refused": [None]}})[:2] == (
+        Result.PASS, "trainers.tasks.lm starts with the first 1 of its 3 points' flags (the rest unchecked: the probe "
+                     "gives this 60 s) on node1")
+
+
+def report_step(s: JobSpec, out: Path, python: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The probe script's last command (the report) as the node runs it, from a file through bash, with `python` as
+    the nodes' Python."""
+    from hpcjobs.backends.slurm_probe import probe_script
+
+    text = probe_script(s, out)
+    step = out.with_name("step.sh")
+    step.write_text(text[text.index('"$HPCJOBS_PYTHON" - '):])
+    env = {"HPCJOBS_PYTHON": python, "PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", str(step)], env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def stand_in_python(tmp_path: Path, prints: str) -> str:
+    """A 'nodes' Python' that runs the report's first line (TASKS) and prints `prints` (a Python expression) as
+    JSON instead of running the report."""
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; ns = {}; exec(sys.stdin.readline(), ns); "
+                    f"print(json.dumps({prints}))' \"$@\"\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def run_report(tmp_path: Path, s: JobSpec, cwd: Path) -> tuple[int, dict[str, object]]:
+    out = tmp_path / "report.json"
+    done = report_step(s, out, sys.executable, cwd)
+    return done.returncode, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_the_probes_report_step_checks_each_points_flags_with_this_python(tmp_path: Path) -> None:
+    code, report = run_report(tmp_path, sweep_spec(), REPO)
+    assert code == 0 and report["entry"] is True and report["torch"], report
+    small, huge, lagre = report["arguments"]["refused"]  # type: ignore[index]
+    assert small is None and "invalid choice: 'huge'" in huge and "invalid choice: 'lagre'" in lagre, report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "step.sh"]  # written whole, no .part
+
+
+def test_a_task_that_kills_the_probe_on_import_keeps_the_other_rows(tmp_path: Path) -> None:
+    """A task module that takes its process down (a native crash, os._exit) on import: the report written before
+    the task was touched still comes back, and the arguments row says the check never finished."""
+    (tmp_path / "crashes.py").write_text("import os\nos._exit(7)\n")
+    s = replace(spec(), entry=replace(spec().entry, target="crashes", args=("--steps", "3")), workdir=str(tmp_path))
+    code, report = run_report(tmp_path, s, tmp_path)
+    assert code == 7 and report["entry"] is True and "arguments" not in report, report
+    rows = {c.name: c for c in probe_checks_of(s, report)}
+    assert rows["probe"].result == Result.PASS and rows["interfaces"].result == Result.PASS
+    assert rows["arguments"].result == Result.FAIL and "never finished" in rows["arguments"].found
+
+
+def probe_checks_of(s: JobSpec, report: dict[str, object]) -> list[Check]:
+    from hpcjobs.backends.slurm_probe import probe_checks
+
+    return probe_checks(s, "7", "FAILED", report, "")
+
+
+def test_a_sweep_larger_than_one_argument_may_hold_reaches_the_node(tmp_path: Path) -> None:
+    """Linux holds at most 128 KiB in one argument: 3000 points' flags (~190 KB) are in the script, not its argv."""
+    p = load_profile(str(REPO / "cluster_profiles" / "testcluster.yaml"))
+    lrs = ",".join(f"{1e-4 + i * 1e-9:.9f}" for i in range(3000))
+    s = build_spec(p, Request(entry="trainers.tasks.lm", args=("--steps", "1000", "--batch-size", "32"), nodes=1,
+                              gpus=1, time="5:00", sweep=(f"lr={lrs}",)), workdir=REPO)
+    python = stand_in_python(tmp_path, '[sys.argv[1:], len(ns["TASKS"]), ns["TASKS"][-1]]')
+    out = report_step(s, tmp_path / "r.json", python, tmp_path)
+    assert out.returncode == 0, out.stderr
+    argv, count, last = json.loads(out.stdout)
+    assert argv == ["-", "task", "trainers.tasks.lm", str(tmp_path / "r.json")] and count == 3000
+    assert last == ["--steps", "1000", "--batch-size", "32", "--lr", lrs.rsplit(",", 1)[1]]
 
 
 def test_the_probe_hands_the_entrys_flags_to_the_nodes_python_as_given(tmp_path: Path) -> None:
-    """Quotes, `;`, `$`, spaces and a newline in a flag reach the report's Python as one argument each, unchanged."""
+    """Quotes, `;`, `$`, backquotes, spaces, a newline and non-ASCII in a flag reach the report's Python unchanged."""
     from hpcjobs.backends.slurm_probe import probe_script
 
-    args = ("--text", "a b;c'd\"e\n$HOME `x`", "--steps", "3")
+    args = ("--text", "a b;c'd\"e\n$HOME `x` é", "--steps", "3")
     s = replace(spec(), entry=replace(spec().entry, args=args))
     text = probe_script(s, tmp_path / "r.json")
-    report_part = text[text.index('"$HPCJOBS_PYTHON" - '):]
-    echo = tmp_path / "python"
-    echo.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
-    echo.chmod(0o755)
-    out = subprocess.run(["bash", "-c", report_part], env={"HPCJOBS_PYTHON": str(echo), "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == ["-", "task", "trainers.tasks.lm", str(tmp_path / "r.json"), *args]
+    text.encode("ascii")  # the script is written in whatever encoding the login node's locale has
+    out = report_step(s, tmp_path / "r.json", stand_in_python(tmp_path, 'ns["TASKS"]'), tmp_path)
+    assert json.loads(out.stdout) == [list(args)], out.stderr

@@ -483,6 +483,7 @@ BROKEN_TASKS = {
     ("no_data", ["--text", "corpus.txt"], "no_data failed to load (FileNotFoundError: no such file: corpus.txt)"),
     ("builds_lazily", ["--steps", "5"], None),  # its model and data are never built: make_task is all it runs
     ("no_entry_point", [], "task module 'no_entry_point' defines neither make_task(args) nor task"),
+    ("trainers.tasks.lm", ["--steps", "3", "--help"], None),  # a rank shows the flags and refuses nothing
 ])
 def test_check_task_says_what_a_rank_would_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str,
                                                   args: list[str], says: str | None) -> None:
@@ -515,6 +516,8 @@ def test_trainers_check_is_one_line_and_an_exit_code_and_touches_nothing(tmp_pat
     bad = check("trainers.tasks.lm", "--size", "huge")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("hpcjobs: "), bad.stderr
     assert "'huge'" in bad.stderr and "valid: --size 1b|7b|large|medium|small|tiny" in bad.stderr
+    moved = check("trainers.tasks.lm", "--run-dir", str(tmp_path / "run"), "--steps", "3")  # the launcher's flag
+    assert (moved.returncode, moved.stdout) == (0, "trainers.tasks.lm accepts --steps 3\n"), moved.stderr
     usage = check()
     assert usage.returncode == 2 and "usage: python -m trainers check TASK" in usage.stderr
     assert list(tmp_path.iterdir()) == []  # no run folder, no log

@@ -42,7 +42,11 @@ def show_help(task: str) -> int:
 
 
 def check(task: str, args: list[str]) -> int:
-    """Whether a rank would start `task` with `args` (exit 0), or the one line it would refuse them with (exit 2)."""
+    """Whether a rank would start `task` with `args` (exit 0), or the one line it would refuse them with (exit 2);
+    read as `python -m trainers TASK ARGS` reads them (a --run-dir is the launcher's, --help shows the flags)."""
+    _, args = split_run_dir(task, args)
+    if any(word in HELP for word in (args[:args.index("--")] if "--" in args else args)):
+        return show_help(task)
     from trainers.run import check_task  # imports torch
 
     refused = check_task(task, args)

@@ -60,16 +60,20 @@ def load_task_checked(task_ref: str, task_args: list[str]) -> Task:
 def check_task(task_ref: str, args: list[str]) -> str | None:
     """What a rank would refuse before it builds anything, as one line, or None if it would start: the trainer's
     flags, the task's module (its own imports included: a package missing on the nodes), and the task's flags as its
-    make_task reads them (e.g. a --size the nodes cannot hold). Builds no model or data, joins no group, writes
-    nothing: `hpcjobs doctor --probe` runs it on a node, where the job's Python and GPUs are."""
+    make_task reads them (e.g. a --size misspelt, or one that needs CUDA where there is none). Builds no model or
+    data, joins no group, writes nothing: `hpcjobs doctor --probe` runs it on a node, where the job's Python and
+    GPUs are."""
     try:
         _, task_args = parse_trainer_args(args)
+        if any(a in HELP for a in task_args):
+            return None  # a rank shows the flags
         task = load_task_checked(task_ref, task_args)
         parse_trainer_args(args, task.defaults)
     except ImportError as e:
-        return f"task {task_ref} cannot be imported ({type(e).__name__}: {e})"
+        return f"task {task_ref} cannot be imported ({type(e).__name__}: {' '.join(str(e).split())})"
     except Exception as e:  # noqa: BLE001 -- whatever make_task raises, a rank would fail at its start with it
-        return str(e) if isinstance(e, ValueError) else f"{task_ref} failed to load ({type(e).__name__}: {e})"
+        said = " ".join(str(e).split())  # one line, whatever the task wrote
+        return said if isinstance(e, ValueError) else f"{task_ref} failed to load ({type(e).__name__}: {said})"
     return None
 
 

@@ -21,34 +21,59 @@ from hpcjobs.backends.slurm_render import environment_lines, gpu_flags, python_l
 from hpcjobs.doctor import Check, Result
 from hpcjobs.runfolder import JOB_ID
 from hpcjobs.spec import JobSpec
+from hpcjobs.sweep import tasks_args
 
 PROBE_TIME = "00:02:00"
 PROBE_NAME = "hpcjobs-probe"
 INTERFACE_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
-# What the nodes' Python reports, as JSON into the runs folder (argv[3]); the entry is checked as the ranks import it,
-# and a task's flags (argv[4:]) as a rank reads them (trainers.run.check_task: None, or the line it would refuse).
+ARGUMENTS_BUDGET_S = 60
+"""How long the probe spends on the entry's flags (a sweep's points one by one) before it reports what it checked."""
+
+# What the nodes' Python reports, as JSON into the runs folder (argv[3]), written before the task is imported (a crash
+# or hang there keeps the rest) and again after: the entry as the ranks import it, then for a task, each of the job's
+# tasks' flags (TASKS, set above this text: a sweep's points can be more than one argument may hold) as a rank reads
+# them, until ARGUMENTS_BUDGET_S is spent: trainers.run.check_task's None, or the line it would refuse them with.
 REPORT = r'''
-import importlib.util, json, os, socket, sys
-kind, target, out, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+import importlib.util, json, os, socket, sys, time
+kind, target, out = sys.argv[1], sys.argv[2], sys.argv[3]
 torch = importlib.import_module("torch")  # on the node only
+
+def write(report):
+    with open(out + ".part", "w") as f:
+        json.dump(report, f)
+    os.replace(out + ".part", out)
+
+def arguments():
+    try:
+        import trainers.run
+    except ImportError as e:
+        return {"failed": f"hpcjobs's trainers cannot be imported ({type(e).__name__}: {e})"}
+    check = getattr(trainers.run, "check_task", None)
+    if check is None:
+        return {"skipped": "the nodes' hpcjobs is older than this one: its trainers cannot check flags"}
+    refused, end = [], time.monotonic() + BUDGET
+    for args in TASKS:
+        if time.monotonic() > end:
+            break
+        refused.append(check(target, args))
+    return {"refused": refused}
+
 if kind == "script":
     entry = os.path.isfile(target)
 else:
     sys.path.insert(0, os.getcwd())
-    entry = importlib.util.find_spec(target.split(":")[0]) is not None
+    try:
+        entry = importlib.util.find_spec(target.split(":")[0]) is not None
+    except (ImportError, ValueError):  # a package on its way is missing
+        entry = False
 report = {"host": socket.gethostname(), "python": sys.executable, "torch": torch.__version__,
           "cuda": torch.cuda.is_available(), "gpus": torch.cuda.device_count(), "entry": entry,
           "interfaces": sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []}
+write(report)
 if kind == "task" and entry:
-    try:
-        from trainers.run import check_task
-    except ImportError as e:
-        report["arguments"] = f"hpcjobs's trainers cannot be imported ({type(e).__name__}: {e})"
-    else:
-        report["arguments"] = check_task(target, args)
-with open(out, "w") as f:
-    json.dump(report, f)
+    report["arguments"] = arguments()
+    write(report)
 '''
 
 
@@ -63,10 +88,12 @@ def probe_script(spec: JobSpec, report: Path) -> str:
                              "partition": spec.partition, "account": spec.account, "qos": spec.qos,
                              "chdir": spec.workdir, "output": str(probe_folder(spec) / f"probe-{JOB_ID}.out"),
                              **gpu_flags(spec)}
-    report_args = [spec.entry.kind, spec.entry.target, str(report), *spec.entry.args]
+    tasks = json.dumps([list(args) for args in tasks_args(spec.entry.args, spec.points)])
     lines = ["#!/bin/bash", *(f"#SBATCH {sbatch_directive(k, v)}" for k, v in sorted(flags.items()) if v is not None),
              "set -eo pipefail", *spec.profile.setup, *environment_lines(spec), *python_lines(spec),
-             f'"$HPCJOBS_PYTHON" - {shlex.join(report_args)} <<\'HPCJOBS_PROBE\'', REPORT.strip(), "HPCJOBS_PROBE"]
+             f'"$HPCJOBS_PYTHON" - {shlex.join([spec.entry.kind, spec.entry.target, str(report)])} '
+             "<<'HPCJOBS_PROBE'", f"import json; TASKS, BUDGET = json.loads({ascii(tasks)}), {ARGUMENTS_BUDGET_S}",
+             REPORT.strip(), "HPCJOBS_PROBE"]
     return "\n".join(lines) + "\n"
 
 
@@ -135,19 +162,36 @@ def probe_checks(spec: JobSpec, job: str, state: str, report: dict[str, Any] | N
 
 
 def arguments_check(spec: JobSpec, report: dict[str, Any], host: str) -> Check:
-    """The entry's flags as a rank on `host` reads them: a task's (the trainer's and its own, its module imported
-    there), or none for an own script, which reads its flags itself once it runs."""
+    """The entry's flags as a rank on `host` reads them, for each of the job's tasks (a sweep's points) the probe
+    had time for: a task's (the trainer's and its own, its module imported there), or none for an own script, which
+    reads its flags itself once it runs."""
+    name, target = "arguments", spec.entry.target
     if spec.entry.kind != "task":
-        return Check("arguments", Result.SKIP, "an own script reads its flags itself: not checked before it runs")
+        return Check(name, Result.SKIP, "an own script reads its flags itself: not checked before it runs")
     if not report["entry"]:
-        return Check("arguments", Result.SKIP, f"not checked: {spec.entry.target} is not importable on {host}")
-    given = " ".join(spec.entry.args) or "its defaults"
-    refused = report.get("arguments")
-    if refused is None:
-        return Check("arguments", Result.PASS, f"{spec.entry.target} starts with {given} on {host}")
-    return Check("arguments", Result.FAIL, f"a rank on {host} would refuse {given}: {refused}",
-                 f"fix the flag (`hpcjobs submit --profile {spec.profile.name} {spec.entry.target} --help` lists "
-                 "them), or install what the task imports in the nodes' Python (the profile's python and setup)")
+        return Check(name, Result.SKIP, f"not checked: {target} is not importable on {host}")
+    said = report.get("arguments")
+    if said is None:
+        return Check(name, Result.FAIL, f"importing {target} or reading its flags on {host} never finished (a crash "
+                     "or a hang; the probe's output may say which)", "run `python -m trainers check "
+                     f"{target} FLAGS...` on a node to see it")
+    if "refused" not in said:
+        return Check(name, Result.SKIP if "skipped" in said else Result.FAIL, said.get("skipped") or said["failed"],
+                     "install the same hpcjobs in the nodes' Python as here")
+    tasks = tasks_args(spec.entry.args, spec.points)
+    refused = [(args, why) for args, why in zip(tasks, said["refused"], strict=False) if why is not None]
+    if refused:
+        (args, why), more = refused[0], len(refused) - 1
+        return Check(name, Result.FAIL, f"a rank on {host} would refuse {' '.join(args) or 'its defaults'}: {why}"
+                     + (f" (and {more} more of the {len(tasks)} points)" if more else ""),
+                     f"fix the flag (`hpcjobs submit --profile {spec.profile.name} {target} --help` lists them), or "
+                     "install what the task imports in the nodes' Python (the profile's python and setup)")
+    checked = len(said["refused"])
+    given = (" ".join(tasks[0]) or "its defaults") if not spec.array else \
+        f"each of its {len(tasks)} points' flags" if checked == len(tasks) else \
+        f"the first {checked} of its {len(tasks)} points' flags (the rest unchecked: the probe gives this " \
+        f"{ARGUMENTS_BUDGET_S} s)"
+    return Check(name, Result.PASS, f"{target} starts with {given} on {host}")
 
 
 def run_probe(spec: JobSpec, wait_s: float) -> list[Check]:
@@ -175,13 +219,14 @@ def run_probe(spec: JobSpec, wait_s: float) -> list[Check]:
         Path(f.name).unlink()
         if not ended:  # timed out or interrupted: sbatch's job id may never have reached us, its unique name does
             subprocess.run(["scancel", "--name", f"{PROBE_NAME}-{report.stem}"], capture_output=True)
-            report.unlink(missing_ok=True)
+            for leftover in (report, report.with_name(report.name + ".part")):
+                leftover.unlink(missing_ok=True)
     output = folder / f"probe-{job}.out"
     said = output.read_text(errors="replace") if output.exists() else None
     try:
         data = json.loads(report.read_text()) if report.exists() else None
     finally:
-        report.unlink(missing_ok=True)
-        output.unlink(missing_ok=True)
+        for leftover in (report, output, report.with_name(report.name + ".part")):
+            leftover.unlink(missing_ok=True)
     rows = probe_checks(spec, job, state, data, said)
     return [replace(rows[0], found=f"{rows[0].found} ({time.monotonic() - t0:.0f} s)"), *rows[1:]]

@@ -101,9 +101,9 @@ def test_the_probe_names_a_task_flag_the_nodes_would_refuse(cluster_profile: Pat
     assert "would refuse --size huge --steps 10: trainers.tasks.lm: --size: invalid choice: 'huge'; valid: --size " \
            "1b|7b|large|medium|small|tiny" in found["arguments"], found
     assert "\n" not in found["arguments"]
-    code, result, found = probe(cluster_profile, "trainers.tasks.lm", "--size", "small", "--steps", "10")
-    assert code == 0 and result["arguments"] == "pass", found
-    assert "starts with --size small --steps 10 on node" in found["arguments"]
+    code, result, found = probe(cluster_profile, "--sweep", "size=small,tiny", "trainers.tasks.lm", "--steps", "10")
+    assert code == 0 and result["arguments"] == "pass", found  # each array task's flags: the entry's, then its point's
+    assert "trainers.tasks.lm starts with each of its 2 points' flags on node" in found["arguments"], found
     assert list((shared_tmp / "runs" / "probe").iterdir()) == []
 
 
