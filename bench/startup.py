@@ -11,9 +11,10 @@ the stop was committed and the requeue asked for (requeue), each the slowest ran
 Each rank also writes the CPU time it had used at each mark, so the split says which stage's own work grows with N:
 16 "nodes" of the test cluster share this host's cores, so a stage whose CPU per rank stays flat still takes N times
 longer in wall time. `floor` is what a bare process that imports torch and takes one AdamW step costs on this host
-(torch.optim imports torch._dynamo when the optimizer is built), read inside it as a rank's marks are, divided by the
-cores: no trainer that uses torch.optim can start N ranks on these cores with a slope under it. `import torch` alone
-is also given.
+(torch.optim imports torch._dynamo when the optimizer is built), read inside it as a rank's marks are: alone, its CPU
+over the cores; and N of them started at once, for each N of the sweep, with the slope of the time until the last
+has taken its step: no trainer that uses torch.optim can start N ranks on these cores with a slope under that one.
+`import torch` alone is also given.
 
 Targets (issue 13): cold submit → first step grows at most linearly, slope ≤ 0.5 s per node; requeue → first resumed
 step ≤ 1.2 × submit → first step; requeue → running ≤ 10 s.
@@ -47,10 +48,11 @@ ENTRY = ["trainers.tasks.lm", "--size", "tiny", "--steps", "1000000", "--log-eve
 RANK_STAGES = ("launched", "imported", "joined", "ready", "first_step")
 CPU_STAGES = RANK_STAGES[1:]  # marks with the CPU used by then (trainers.startup); "launched" is the process's start
 # A bare torch process, timed as a rank is (trainers.startup.mark: the process's own CPU clock, read in it, so its
-# exit, which collects every object torch made, is not counted): after `import torch`, and after one AdamW step.
-TORCH_FLOOR = ("import json, time; import torch; t = time.process_time(); m = torch.nn.Linear(4, 4); "
+# exit, which collects every object torch made, is not counted): after `import torch`, and after one AdamW step; and
+# the wall-clock moments of both, for processes started together.
+TORCH_FLOOR = ("import json, time; import torch; t, w = time.process_time(), time.time(); m = torch.nn.Linear(4, 4); "
                "o = torch.optim.AdamW(m.parameters()); m(torch.ones(4)).sum().backward(); o.step(); "
-               "print(json.dumps([t, time.process_time()]))")
+               "print(json.dumps({'cpu': [t, time.process_time()], 'wall': [w, time.time()]}))")
 
 
 def sh(*args: str) -> str:
@@ -112,18 +114,46 @@ def round_all(row: dict[str, Any]) -> dict[str, Any]:
     return {k: round_all(v) if isinstance(v, dict) else round(v, 2) for k, v in row.items()}
 
 
-def floor() -> dict[str, float]:
-    """The CPU one bare torch process needs here, in the ranks' environment (the test profile's: one thread), median
-    of five: to import torch, and to take its first optimizer step (torch.optim imports torch._dynamo then); each
-    over the cores is the least slope any torch trainer's start can have when all ranks share them."""
+def bare_torch(n: int, env: dict[str, str]) -> list[dict[str, list[float]]]:
+    """`n` bare torch processes started at once: each one's CPU seconds and its wall-clock seconds since the start,
+    when it had imported torch and when it had taken its step."""
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, "-c", TORCH_FLOOR], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    said = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("a bare torch process failed")
+    return [{"cpu": r["cpu"], "wall": [w - t0 for w in r["wall"]]} for r in said]
+
+
+def started_together(n: int, env: dict[str, str]) -> dict[str, float]:
+    """Seconds until the last of `n` bare torch processes started at once had imported torch, and had taken its
+    step; median of three."""
+    runs = [bare_torch(n, env) for _ in range(3)]
+    return {stage: round(statistics.median(max(r["wall"][i] for r in run) for run in runs), 2)
+            for i, stage in enumerate(("imported", "first_step"))}
+
+
+def floor(counts: list[int]) -> dict[str, Any]:
+    """What bare torch costs here, in the ranks' environment (the test profile's: one thread). Alone (median of
+    five): the CPU to import torch and to take a first optimizer step (torch.optim imports torch._dynamo), each over
+    the cores the least slope of a start whose ranks share them. Together (median of three): N such processes started
+    at once, as N one-rank nodes start here, and the seconds until the last has imported torch and until the last
+    has taken its step; their least-squares slope over N is the floor with the cost of sharing the cores included."""
     env = {**os.environ, **{k: str(v) for k, v in test_profile()["env"].items()}}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", TORCH_FLOOR], check=True, timeout=120, env=env,
-                                      capture_output=True, text=True).stdout) for _ in range(5)]
-    imported, stepped = (statistics.median(r[i] for r in runs) for i in (0, 1))
+    alone = [bare_torch(1, env)[0] for _ in range(5)]
+    imported, stepped = (statistics.median(r["cpu"][i] for r in alone) for i in (0, 1))
     cores = len(os.sched_getaffinity(0))
-    return {"cpu_s": round(stepped, 2), "import_torch_cpu_s": round(imported, 2), "cores": cores,
-            "least_slope_s_per_node": round(stepped / cores, 2),
-            "least_slope_import_torch_only_s_per_node": round(imported / cores, 2)}
+    together = {n: started_together(n, env) for n in counts}
+    result: dict[str, Any] = {
+        "cpu_s": round(stepped, 2), "import_torch_cpu_s": round(imported, 2), "cores": cores,
+        "least_slope_s_per_node": round(stepped / cores, 2),
+        "least_slope_import_torch_only_s_per_node": round(imported / cores, 2),
+        "started_together_s": {str(n): t for n, t in together.items()}}
+    if len(counts) > 1:
+        result["started_together_slope_s_per_node"] = {
+            stage: least_squares(counts, [together[n][stage] for n in counts]) for stage in ("imported", "first_step")}
+    return result
 
 
 def stop_time(run: Path) -> float:
@@ -165,8 +195,10 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
 
 def slope(rows: list[dict[str, Any]], phase: str, stage: str) -> float:
     """Least-squares seconds per node of one stage over the node counts measured."""
-    xs = [r["nodes"] for r in rows]
-    ys = [r[phase][stage] for r in rows]
+    return least_squares([r["nodes"] for r in rows], [r[phase][stage] for r in rows])
+
+
+def least_squares(xs: list[int], ys: list[float]) -> float:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs), 3)
 
@@ -186,7 +218,7 @@ def main() -> None:
                      for phase in ("cold", "requeue") for stage in ("running", *RANK_STAGES)}
               for path in args.paths.split(",")} if len(counts) > 1 else {}
     result = {"host": "2-core VM, every node a network namespace on it", "nodes": counts, "rows": rows,
-              "slope_s_per_node": slopes, "floor": floor(), "when": time.strftime("%Y-%m-%d %H:%M")}
+              "slope_s_per_node": slopes, "floor": floor(counts), "when": time.strftime("%Y-%m-%d %H:%M")}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(slopes, indent=1))
     shutil.rmtree(folder, ignore_errors=True)
