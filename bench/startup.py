@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import shutil
@@ -104,9 +105,9 @@ def stages(t0: float, running: float, ranks: list[dict[str, Any]]) -> dict[str, 
     for stage in RANK_STAGES:
         row[stage] = max(r[stage] for r in ranks) - t0
     row["cpu_s_per_rank"] = statistics.mean(r["cpu_s"] for r in ranks)
-    used = {stage: statistics.mean(r["cpu_at"][stage] for r in ranks) for stage in CPU_STAGES}
-    row["cpu_s_per_rank_by_stage"] = {stage: used[stage] - used[before] if before else used[stage]
-                                      for before, stage in zip((None, *CPU_STAGES), CPU_STAGES, strict=False)}
+    used = [statistics.mean(r["cpu_at"][stage] for r in ranks) for stage in CPU_STAGES]
+    row["cpu_s_per_rank_by_stage"] = {stage: b - a for stage, (a, b) in
+                                      zip(CPU_STAGES, itertools.pairwise((0.0, *used)), strict=True)}
     return round_all(row)
 
 

@@ -41,11 +41,16 @@ def show_help(task: str) -> int:
     return task_help(task)
 
 
+def asks_help(words: list[str]) -> bool:
+    """-h or --help among the words before a `--` (after it, they are values)."""
+    return any(word in HELP for word in (words[:words.index("--")] if "--" in words else words))
+
+
 def check(task: str, args: list[str]) -> int:
     """Whether a rank would start `task` with `args` (exit 0), or the one line it would refuse them with (exit 2);
     read as `python -m trainers TASK ARGS` reads them (a --run-dir is the launcher's, --help shows the flags)."""
     _, args = split_run_dir(task, args)
-    if any(word in HELP for word in (args[:args.index("--")] if "--" in args else args)):
+    if asks_help(args):
         return show_help(task)
     from trainers.run import check_task  # imports torch
 
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return show_help(argv[1])
     run_dir, rest = split_run_dir(argv[0], argv[1:])
-    if any(word in HELP for word in (rest[:rest.index("--")] if "--" in rest else rest)):
+    if asks_help(rest):
         return show_help(argv[0])
     return launch(["--run-dir", run_dir, "--kind", "task", "--", argv[0], *rest])
 

@@ -11,6 +11,7 @@ from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder
 from trainers.config import ConfigError, parse_trainer_args, trainer_help
 from trainers.dist import distributed
+from trainers.launch import one_line
 from trainers.task import Task, TaskArgError, load_task
 from trainers.trainer import train
 
@@ -69,10 +70,10 @@ def check_task(task_ref: str, args: list[str]) -> str | None:
             return None  # a rank shows the flags
         task = load_task_checked(task_ref, task_args)
         parse_trainer_args(args, task.defaults)
-    except ImportError as e:
-        return f"task {task_ref} cannot be imported ({type(e).__name__}: {' '.join(str(e).split())})"
     except Exception as e:  # noqa: BLE001 -- whatever make_task raises, a rank would fail at its start with it
-        said = " ".join(str(e).split())  # one line, whatever the task wrote
+        said = one_line(e)  # as a rank's refusal reads
+        if isinstance(e, ImportError):
+            return f"task {task_ref} cannot be imported ({type(e).__name__}: {said})"
         return said if isinstance(e, ValueError) else f"{task_ref} failed to load ({type(e).__name__}: {said})"
     return None
 

@@ -6,7 +6,6 @@ bench/startup.py reads it to split submit → first step into its stages."""
 from __future__ import annotations
 
 import os
-import resource
 import time
 
 from hpcjobs.runfolder import RunFolder, append_jsonl
@@ -51,7 +50,6 @@ def record(run: RunFolder, env: DistEnv) -> None:
     """Append this rank's line; `cpu_s` is the CPU time the process used to get here, `cpu_at` the CPU time it had
     used at each mark (on hosts where ranks share cores, start-up wall time grows with the ranks per core; these
     show which stage's own work grows)."""
-    used = resource.getrusage(resource.RUSAGE_SELF)
     append_jsonl(run.startup, {"restart": env.restart, "rank": env.rank, "job_id": env.job_id,
                                "host": os.uname().nodename, "launched": process_started(),
-                               "cpu_s": round(used.ru_utime + used.ru_stime, 3), "cpu_at": dict(_cpu), **_marks})
+                               "cpu_s": round(time.process_time(), 3), "cpu_at": dict(_cpu), **_marks})

@@ -187,10 +187,13 @@ def arguments_check(spec: JobSpec, report: dict[str, Any], host: str) -> Check:
                      f"fix the flag (`hpcjobs submit --profile {spec.profile.name} {target} --help` lists them), or "
                      "install what the task imports in the nodes' Python (the profile's python and setup)")
     checked = len(said["refused"])
-    given = (" ".join(tasks[0]) or "its defaults") if not spec.array else \
-        f"each of its {len(tasks)} points' flags" if checked == len(tasks) else \
-        f"the first {checked} of its {len(tasks)} points' flags (the rest unchecked: the probe gives this " \
-        f"{ARGUMENTS_BUDGET_S} s)"
+    if not spec.array:
+        given = " ".join(tasks[0]) or "its defaults"
+    elif checked == len(tasks):
+        given = f"each of its {len(tasks)} points' flags"
+    else:
+        given = (f"the first {checked} of its {len(tasks)} points' flags (the rest unchecked: the probe gives this "
+                 f"{ARGUMENTS_BUDGET_S} s)")
     return Check(name, Result.PASS, f"{target} starts with {given} on {host}")
 
 
