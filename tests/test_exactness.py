@@ -103,7 +103,10 @@ def test_fp16_under_fsdp_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> 
     what holds on both: the scaler's growth tracker counts the steps since its last overflow, and in the
     uninterrupted run it reaches back past step 6, where the killed run resumes; a resume that restarted the scaler
     would end with a smaller count (and, where an overflow came first, a larger scale)."""
-    fp16 = ("--precision", "fp16", "--lr", "0.3")
+    # Saves in the foreground: step 6's save is committed before step 7 starts, so the kill at step 7 leaves step 6
+    # as the newest checkpoint. A background save of step 6 could still be in flight then (CI saw a resume from
+    # step 4), and the tracker's bound below is counted from step 6.
+    fp16 = ("--precision", "fp16", "--lr", "0.3", "--no-async-save")
     straight, run = tmp_path / "straight", tmp_path / "run"
     assert train(straight, 2, None, "fsdp", *fp16) == 0
     assert train(run, 2, "step@7", "fsdp", *fp16) != 0  # its newest finished checkpoint: step 6 (--ckpt-every 3)
