@@ -19,6 +19,7 @@ import yaml
 
 from hpcjobs import __version__
 from hpcjobs.errors import HpcjobsError, UsageError
+from hpcjobs.helpflags import HELP_FLAGS, asks_help
 
 EXAMPLES = {
     "submit": """examples:
@@ -130,7 +131,7 @@ def _job_flags(entry_optional: bool = False) -> argparse.ArgumentParser:
 
 def _option_strings(p: argparse.ArgumentParser) -> frozenset[str]:
     """A subcommand's own flags, less -h/--help (after the entry, a request for the entry's help)."""
-    return frozenset(o for a in p._actions for o in a.option_strings) - {"-h", "--help"}
+    return frozenset(o for a in p._actions for o in a.option_strings) - set(HELP_FLAGS)
 
 
 def entry_args_as_typed(argv: Sequence[str], entry: str, args: Sequence[str]) -> tuple[list[str], bool]:
@@ -202,15 +203,6 @@ def add_submit(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the spec and the script; submit nothing")
     p.add_argument("--json", action="store_true", help="print a machine-readable record")
     p.set_defaults(run=run_submit, own_flags=_option_strings(p))
-
-
-HELP_FLAGS = ("-h", "--help")
-
-
-def asks_help(args: Sequence[str]) -> bool:
-    """Whether the entry's arguments ask for its help (before a `--`, after which they are the entry's own)."""
-    args = list(args)
-    return any(a in HELP_FLAGS for a in (args[:args.index("--")] if "--" in args else args))
 
 
 def entry_help(spec: Any) -> int | None:

@@ -252,10 +252,8 @@ def test_the_probe_row_for_the_entrys_flags() -> None:
 
 
 def arguments_row(s: JobSpec, report: dict[str, object]) -> tuple[Result, str, str]:
-    from hpcjobs.backends.slurm_probe import probe_checks
-
     full = {k: v for k, v in {**REPORT, **report}.items() if v is not None}
-    (c,) = [c for c in probe_checks(s, "7", "COMPLETED", full, "") if c.name == "arguments"]
+    (c,) = [c for c in probe_checks_of(s, full, "COMPLETED") if c.name == "arguments"]
     return c.result, c.found, c.fix
 
 
@@ -322,15 +320,16 @@ def test_a_task_that_kills_the_probe_on_import_keeps_the_other_rows(tmp_path: Pa
     s = replace(spec(), entry=replace(spec().entry, target="crashes", args=("--steps", "3")), workdir=str(tmp_path))
     code, report = run_report(tmp_path, s, tmp_path)
     assert code == 7 and report["entry"] is True and "arguments" not in report, report
-    rows = {c.name: c for c in probe_checks_of(s, report)}
+    rows = {c.name: c for c in probe_checks_of(s, report, "FAILED")}
     assert rows["probe"].result == Result.PASS and rows["interfaces"].result == Result.PASS
     assert rows["arguments"].result == Result.FAIL and "never finished" in rows["arguments"].found
 
 
-def probe_checks_of(s: JobSpec, report: dict[str, object]) -> list[Check]:
+def probe_checks_of(s: JobSpec, report: dict[str, object], state: str) -> list[Check]:
+    """The rows doctor --probe shows for probe job 7, ended in `state`, that wrote `report` and printed nothing."""
     from hpcjobs.backends.slurm_probe import probe_checks
 
-    return probe_checks(s, "7", "FAILED", report, "")
+    return probe_checks(s, "7", state, report, "")
 
 
 def test_a_sweep_larger_than_one_argument_may_hold_reaches_the_node(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import sys
 
+from hpcjobs.helpflags import asks_help
 from trainers.launch import main as launch
 
 RUN_DIR = "--run-dir"
-HELP = ("-h", "--help")
 
 
 def split_run_dir(task: str, rest: list[str]) -> tuple[str, list[str]]:
@@ -39,11 +39,6 @@ def show_help(task: str) -> int:
     from trainers.run import task_help  # imports torch
 
     return task_help(task)
-
-
-def asks_help(words: list[str]) -> bool:
-    """-h or --help among the words before a `--` (after it, they are values)."""
-    return any(word in HELP for word in (words[:words.index("--")] if "--" in words else words))
 
 
 def check(task: str, args: list[str]) -> int:

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from hpcjobs.helpflags import HELP_FLAGS
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
 LR_SCALING = ("none", "linear", "sqrt")
@@ -433,7 +435,7 @@ class TaskArgParser(argparse.ArgumentParser):
 
     def explain(self, message: str) -> str:
         """argparse's message with what is valid and what to do."""
-        flags = sorted(o for a in self._actions for o in a.option_strings if o not in ("-h", "--help"))
+        flags = sorted(o for a in self._actions for o in a.option_strings if o not in HELP_FLAGS)
         hint = f"`python -m trainers help {self.prog}` lists them"
         if message.startswith("argument "):
             names, _, why = message[len("argument "):].partition(": ")

@@ -8,6 +8,7 @@ import io
 import sys
 
 from hpcjobs.contract import LaunchContract
+from hpcjobs.helpflags import HELP_FLAGS
 from hpcjobs.runfolder import RunFolder
 from trainers.config import ConfigError, parse_trainer_args, trainer_help
 from trainers.dist import distributed
@@ -15,15 +16,13 @@ from trainers.launch import one_line
 from trainers.task import Task, TaskArgError, load_task
 from trainers.trainer import train
 
-HELP = ("-h", "--help")
-
 
 def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchContract | None = None) -> int:
     """Train `task_ref` with `args` (trainer flags and the task's own, in any order); returns the exit code. Raises
     ConfigError for a trainer flag or a resume that cannot be used (the launcher refuses the start: one line, exit 2,
     nothing recorded) and TaskArgError for a task flag."""
     _, task_args = parse_trainer_args(args)
-    if any(a in HELP for a in task_args):
+    if any(a in HELP_FLAGS for a in task_args):
         return task_help(task_ref)
     task = load_task_checked(task_ref, task_args)
     cfg, _ = parse_trainer_args(args, task.defaults)  # the task's suggestions under the flags given
@@ -66,7 +65,7 @@ def check_task(task_ref: str, args: list[str]) -> str | None:
     GPUs are."""
     try:
         _, task_args = parse_trainer_args(args)
-        if any(a in HELP for a in task_args):
+        if any(a in HELP_FLAGS for a in task_args):
             return None  # a rank shows the flags
         task = load_task_checked(task_ref, task_args)
         parse_trainer_args(args, task.defaults)

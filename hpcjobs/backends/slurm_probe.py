@@ -202,6 +202,7 @@ def run_probe(spec: JobSpec, wait_s: float) -> list[Check]:
     folder = probe_folder(spec)
     folder.mkdir(parents=True, exist_ok=True)
     report = folder / f"report-{uuid.uuid4().hex}.json"
+    partial = report.with_name(report.name + ".part")  # REPORT writes there first, then renames it to `report`
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
         f.write(probe_script(spec, report))
     t0, ended = time.monotonic(), False
@@ -222,14 +223,14 @@ def run_probe(spec: JobSpec, wait_s: float) -> list[Check]:
         Path(f.name).unlink()
         if not ended:  # timed out or interrupted: sbatch's job id may never have reached us, its unique name does
             subprocess.run(["scancel", "--name", f"{PROBE_NAME}-{report.stem}"], capture_output=True)
-            for leftover in (report, report.with_name(report.name + ".part")):
+            for leftover in (report, partial):
                 leftover.unlink(missing_ok=True)
     output = folder / f"probe-{job}.out"
     said = output.read_text(errors="replace") if output.exists() else None
     try:
         data = json.loads(report.read_text()) if report.exists() else None
     finally:
-        for leftover in (report, output, report.with_name(report.name + ".part")):
+        for leftover in (report, output, partial):
             leftover.unlink(missing_ok=True)
     rows = probe_checks(spec, job, state, data, said)
     return [replace(rows[0], found=f"{rows[0].found} ({time.monotonic() - t0:.0f} s)"), *rows[1:]]
