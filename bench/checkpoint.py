@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hpcjobs.ports import free_port
+from hpcjobs.protocol.ports import free_port
 from trainers.checkpoint import CheckpointRef, save_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
@@ -81,9 +81,9 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
+    from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers import strategy
     from trainers.checkpointer import Checkpointer, Parts, tensors_of
-    from trainers.config import TrainConfig
     from trainers.dist import distributed
 
     width = 2048

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.ports import free_port
+from hpcjobs.protocol.ports import free_port
 
 RESULTS = Path(__file__).parent / "results" / "memory.json"
 TARGET = 1.15
@@ -43,8 +43,8 @@ def worker(size: str, strategy_name: str, meta_init: bool) -> None:
     import torch
     import torch.distributed as dist
 
+    from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers import strategy
-    from trainers.config import TrainConfig
     from trainers.dist import distributed, release_groups
     from trainers.tasks.lm import make_task
     from trainers.trainer import default_optimizer

@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from hpcjobs.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "startup.json"

@@ -39,7 +39,7 @@ def bare_ddp(task: Any, steps: int, log_every: int, out: Path | None, batch_size
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from trainers.config import TrainConfig
+    from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers.trainer import default_optimizer, lr_lambda, seed_all
 
     cfg = TrainConfig(steps=steps, lr=LR, seed=SEED)
@@ -95,8 +95,8 @@ def worker(mode: str, steps: int, log_every: int, out: Path, strategy: str) -> N
     """One rank of part (a): the trainer or the bare loop on the example LM."""
     import torch
 
-    from hpcjobs.runfolder import RunFolder
-    from trainers.config import TrainConfig
+    from hpcjobs.protocol.runfolder import RunFolder
+    from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers.dist import distributed
     from trainers.tasks.lm import make_task
     from trainers.trainer import train
@@ -176,8 +176,8 @@ def tiny_task() -> Any:
 def part_b(rounds: int, steps: int, log_every: int) -> dict[str, Any]:
     import torch
 
-    from hpcjobs.runfolder import RunFolder
-    from trainers.config import TrainConfig
+    from hpcjobs.protocol.runfolder import RunFolder
+    from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers.dist import distributed
     from trainers.trainer import train
 

@@ -18,8 +18,8 @@ from typing import Any, NoReturn
 import yaml
 
 from hpcjobs import __version__
-from hpcjobs.errors import HpcjobsError, UsageError
-from hpcjobs.helpflags import HELP_FLAGS, asks_help
+from hpcjobs.protocol.errors import HpcjobsError, UsageError
+from hpcjobs.protocol.helpflags import HELP_FLAGS, asks_help
 
 EXAMPLES = {
     "submit": """examples:
@@ -90,7 +90,7 @@ def _limit(text: str) -> int:
 
 
 def _job_state(text: str) -> Any:
-    from hpcjobs.states import JobState
+    from hpcjobs.protocol.states import JobState
 
     state = JobState.parse(text)
     if state is JobState.UNKNOWN and text.strip().upper() != "UNKNOWN":
@@ -179,7 +179,7 @@ def _spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False, snapshot: boo
 def refuse_array_patterns(spec: Any, command: str) -> None:
     """hpcjobs starts single jobs: a run folder's %A or %a (a job array's ids, for a rendered script run with
     `sbatch --array`) has nothing to become, and resolving it failed only once the job was queued."""
-    from hpcjobs.runfolder import RunDirPatternError, resolve_run_dir
+    from hpcjobs.protocol.runfolder import RunDirPatternError, resolve_run_dir
 
     if spec.array:
         return
@@ -267,7 +267,7 @@ def brief(recorded: dict[str, Any]) -> dict[str, Any]:
 
 def points_text(spec: Any) -> str:
     """A sweep's points, one line each, as the array tasks will get them."""
-    from hpcjobs.sweep import as_args
+    from hpcjobs.protocol.points import as_args
 
     if not spec.array:
         return ""
@@ -278,7 +278,7 @@ def points_text(spec: Any) -> str:
 
 def ended_line(sub: Any) -> str:
     """How a foreground (local) job ended, in one line: its run folder's final word when it failed."""
-    from hpcjobs.runfolder import RunFolder
+    from hpcjobs.protocol.runfolder import RunFolder
 
     final = RunFolder(sub.run_dir).read("final") or {}
     why = f": {final['reason']}" if sub.returncode and isinstance(final, dict) and final.get("reason") else ""
@@ -301,7 +301,7 @@ def run_render(ns: argparse.Namespace) -> int:
     if helped is not None:
         return helped
     script = backend_for(spec.profile.scheduler).script(spec)
-    from hpcjobs.paths import refuse_output
+    from hpcjobs.protocol.paths import refuse_output
     from hpcjobs.submit import take_snapshot, write_script
 
     if ns.output:
@@ -372,7 +372,7 @@ def add_status(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run_status(ns: argparse.Namespace) -> int:
     from hpcjobs.jobs import records_for, status_of
-    from hpcjobs.runfolder import split_task_id
+    from hpcjobs.protocol.runfolder import split_task_id
     from hpcjobs.store import JobStore
 
     store = JobStore()

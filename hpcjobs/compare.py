@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.jobs import FOLDER_STATES, last_step, restart_count, status_of
-from hpcjobs.paths import refuse_output
-from hpcjobs.runfolder import RunFolder, read_jsonl
-from hpcjobs.states import JobState
+from hpcjobs.protocol.errors import RuntimeFailure, UsageError
+from hpcjobs.protocol.paths import refuse_output
+from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.states import JobState
 from hpcjobs.store import JobRecord, JobStore
 
 if TYPE_CHECKING:

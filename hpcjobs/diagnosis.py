@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import RunFolder
 
 TIMEOUT = re.compile(r"time(d)? ?out|timeout", re.I)
 TAIL_LINES = 5

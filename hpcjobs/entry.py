@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
-from hpcjobs.errors import UsageError
-from hpcjobs.paths import resolved
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.paths import resolved
 
 MAX_SOURCE_BYTES = 2 * 2**20
 """A task module larger than this is not read for its names (the node finds out)."""

@@ -16,9 +16,9 @@ from typing import Any
 
 from hpcjobs.backends import SCHEDULERS, Backend, backend_for
 from hpcjobs.diagnosis import diagnose
-from hpcjobs.errors import RuntimeFailure, UsageError
-from hpcjobs.runfolder import RunFolder
-from hpcjobs.states import FinalState, JobState, StopReason
+from hpcjobs.protocol.errors import RuntimeFailure, UsageError
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.states import FinalState, JobState, StopReason
 from hpcjobs.store import JobRecord, JobStore
 
 

@@ -40,8 +40,8 @@ from typing import Any
 from hpcjobs import yamlfile
 from hpcjobs.backends import SCHEDULERS
 from hpcjobs.backends.environment import RENDEZVOUS
-from hpcjobs.contract import Preemption
-from hpcjobs.errors import ProfileError, UsageError, shown
+from hpcjobs.protocol.contract import Preemption
+from hpcjobs.protocol.errors import ProfileError, UsageError, shown
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 

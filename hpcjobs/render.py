@@ -3,10 +3,9 @@ submitit, the local backend). The scheduler-specific renderers live with their b
 
 from __future__ import annotations
 
-from hpcjobs.contract import LaunchContract
+from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
 from hpcjobs.spec import JobSpec
-
-LAUNCHER_MODULE = "trainers.launch"
 
 
 def signal_guard(spec: JobSpec) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from hpcjobs.errors import UsageError, shown
+from hpcjobs.protocol.errors import UsageError, shown
 
 TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
 # Slurm keeps a time limit as a 32-bit count of minutes, so no field of a time it takes has more than 10 digits; an

@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcjobs.errors import RuntimeFailure, UsageError
+from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.store import store_path
 
 SNAPSHOTS = ".snapshots"

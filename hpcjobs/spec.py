@@ -13,13 +13,14 @@ from pathlib import Path
 from hpcjobs.backends import backend_for
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.entry import Entry, resolve_entry
-from hpcjobs.errors import UsageError, shown
-from hpcjobs.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
-from hpcjobs.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
+from hpcjobs.protocol.errors import UsageError, shown
+from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
+from hpcjobs.protocol.points import Point, as_args
+from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
-from hpcjobs.sweep import Point, as_args, as_mapping, build_points, tasks_args
+from hpcjobs.sweep import as_mapping, build_points, tasks_args
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
@@ -132,10 +133,11 @@ def node_python(profile: ClusterProfile) -> str:
 
 def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
     """The shared trainer's flags among a task's arguments, checked here as the node would check them, so a bad one
-    is refused before the job waits in the queue (trainers.config is torch-free). The task's own flags pass. With
-    `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where the flags
-    decide it: a task's own default batch size is known on the node only)."""
-    from trainers.config import ConfigError, TrainConfig, parse_trainer_args
+    is refused before the job waits in the queue (hpcjobs.protocol.trainflags, torch-free). The task's own flags
+    pass. With `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where
+    the flags decide it: a task's own default batch size is known on the node only)."""
+    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
 
     try:
         cfg, _ = parse_trainer_args(list(args))

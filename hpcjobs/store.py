@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.errors import RuntimeFailure
-from hpcjobs.paths import existing_ancestor
-from hpcjobs.runfolder import split_task_id
+from hpcjobs.protocol.errors import RuntimeFailure
+from hpcjobs.protocol.paths import existing_ancestor
+from hpcjobs.protocol.runfolder import split_task_id
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
 from hpcjobs.backends.common import check_run_folder
-from hpcjobs.errors import RuntimeFailure
-from hpcjobs.paths import refuse_output
+from hpcjobs.protocol.errors import RuntimeFailure
+from hpcjobs.protocol.paths import refuse_output
 from hpcjobs.snapshot import materialize
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord, JobStore

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.errors import UsageError, shown
-from hpcjobs.runfolder import RUN_DIR_FIELDS, TASK_INDEX
-
-Point = tuple[tuple[str, str], ...]
-"""One point: (flag name, value) pairs in the order they are passed."""
+from hpcjobs.protocol.errors import UsageError, shown
+from hpcjobs.protocol.points import Point, as_args
 
 SWEEP_FILE_KEYS = ("grid", "points")
 MAX_POINTS = 10_000
@@ -144,11 +141,6 @@ def build_points(flags: Sequence[str], sweep_file: str | None, entry_args: Seque
     return points
 
 
-def as_args(point: Point) -> list[str]:
-    """A point as the flags it adds to the entry's command line."""
-    return [word for key, value in point for word in (f"--{key}", value)]
-
-
 def tasks_args(args: tuple[str, ...], points: tuple[Point, ...]) -> list[tuple[str, ...]]:
     """Each task's flags for the entry, as its node reads them: the entry's, then its point's; one task unless there
     are two points or more (a single point's flags are in `args` already)."""
@@ -161,21 +153,3 @@ def describe(point: Point) -> str:
 
 def as_mapping(point: Point) -> dict[str, str]:
     return dict(point)
-
-
-def array_spec(count: int, max_parallel: int | None) -> str:
-    """sbatch's --array value for `count` tasks, at most `max_parallel` running at once."""
-    return f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
-
-
-def point_of(points: Sequence[Point], environ: Mapping[str, str]) -> Point | None:
-    """On the node: this array task's point (None outside a sweep), by the task index the scheduler gave it.
-    Raises ValueError when a sweep's index is missing or out of range (a script run without --array, or edited)."""
-    if not points:
-        return None
-    index = next((environ[v] for v in RUN_DIR_FIELDS[TASK_INDEX] if environ.get(v)), "")
-    if not index.isdigit() or int(index) >= len(points):
-        raise ValueError(f"this job is a sweep of {len(points)} points, but its array task index is "
-                         f"{index or 'not set'}; valid: 0 to {len(points) - 1} (submit it as an array: "
-                         f"sbatch --array={array_spec(len(points), None)})")
-    return points[int(index)]

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from hpcjobs.errors import UsageError, shown
+from hpcjobs.protocol.errors import UsageError, shown
 
 MAX_FILE_BYTES = 256 * 1024
 """The largest file read: real profiles and sweep files are a few hundred bytes, and a 50 MB one took PyYAML 23 s."""

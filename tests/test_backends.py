@@ -31,13 +31,13 @@ from hpcjobs.backends.slurm_render import (
     run_dir_of_comment,
     submitit_parameters,
 )
-from hpcjobs.contract import LaunchContract, Preemption
-from hpcjobs.errors import RuntimeFailure, UsageError
 from hpcjobs.jobs import cancel, status_of
 from hpcjobs.profiles import load_profile
-from hpcjobs.runfolder import RunDirPatternError, RunFolder, resolve_run_dir
+from hpcjobs.protocol.contract import LaunchContract, Preemption
+from hpcjobs.protocol.errors import RuntimeFailure, UsageError
+from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder, resolve_run_dir
+from hpcjobs.protocol.states import FinalState, JobState
 from hpcjobs.spec import Request, build_spec
-from hpcjobs.states import FinalState, JobState
 from hpcjobs.store import JobRecord, JobStore
 
 # Recorded on the test cluster (Slurm 22.05, tests/cluster/testcluster.sh): (exit code, stdout, stderr).
@@ -383,7 +383,7 @@ SOURCES = sorted([*(REPO / "hpcjobs").rglob("*.py"), *(REPO / "trainers").rglob(
 
 
 def test_no_scheduler_branch_outside_the_backends() -> None:
-    offenders = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES if "backends" not in p.parts
+    offenders = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES if not {"backends", "jobenv"} & set(p.parts)
                  for i, line in enumerate(p.read_text().splitlines(), 1)
                  if re.search(r"scheduler\s*[!=]=|[!=]=\s*[\w.]*scheduler\b", line)]
     assert offenders == []
@@ -394,7 +394,7 @@ def test_no_scheduler_branch_outside_the_backends() -> None:
 
 def test_slurm_commands_are_called_only_behind_the_seam() -> None:
     calls = re.compile(r"[\"'](squeue|sacct|scancel|scontrol|sbatch)[\"']\s*,")
-    offenders = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES if "backends" not in p.parts
+    offenders = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES if not {"backends", "jobenv"} & set(p.parts)
                  for i, line in enumerate(p.read_text().splitlines(), 1) if calls.search(line)]
     assert offenders == []
 
@@ -426,7 +426,7 @@ def restated_defaults(tree: ast.AST, defaults: Preemption) -> list[str]:
 
 
 def test_the_preemption_defaults_are_written_once() -> None:
-    home = REPO / "hpcjobs" / "contract.py"
+    home = REPO / "hpcjobs" / "protocol" / "contract.py"
     assert restated_defaults(ast.parse(home.read_text()), Preemption())  # the check finds them at home
     for path in SOURCES:
         if path != home:
@@ -439,7 +439,7 @@ def test_contract_round_trips_and_refuses_garbage() -> None:
     started = c.started({"SLURM_JOB_ID": "9"}, 100.0)
     assert started.run_dir == "/r/x-9" and started.start_time == 100.0
     assert started.signal_due({"SLURM_JOB_ID": "9"}) == 100 + 3600 - 120
-    from hpcjobs.contract import ContractError
+    from hpcjobs.protocol.contract import ContractError
     for bad in ("", "{", '{"run_dir": ""}', '{"run_dir": "/r", "surprise": 1}', '{"preemption": {"x": 1}}'):
         with pytest.raises(ContractError):
             LaunchContract.from_json(bad)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
 from trainers.checkpointer import Checkpointer, Parts, flat, model_weights, tensors_of
-from trainers.config import ResumeError
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 

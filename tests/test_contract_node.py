@@ -1,5 +1,5 @@
 """The node side of the launch contract: the launcher reads it once, the preemption protocol and StopGuard take it
-explicitly, Slurm is asked through hpcjobs.backends.slurm_control (fed recorded `scontrol show job -o` lines here),
+explicitly, Slurm is asked through trainers.jobenv.slurm (fed recorded `scontrol show job -o` lines here),
 and the trainer's flags are parsed exactly and checked with one-line errors (also used at submit time)."""
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from typing import Any
 
 import pytest
 
-from hpcjobs.backends import slurm_control
-from hpcjobs.contract import ENV_VAR, LaunchContract, Preemption
-from hpcjobs.states import FinalState, StopOutcome, StopReason
+from hpcjobs.protocol.contract import ENV_VAR, LaunchContract, Preemption
+from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import BOUNDS, ConfigError, parse_trainer_args
 from trainers import preemption
-from trainers.config import BOUNDS, ConfigError, TaskArgError, TrainConfig, parse_trainer_args
+from trainers.jobenv import slurm as slurm_control
+from trainers.taskargs import TaskArgError
 
 REPO = Path(__file__).resolve().parent.parent
 REMOVED_VARIABLES = ("HPCJOBS_RUN_DIR", "HPCJOBS_SIGNAL", "HPCJOBS_SIGNAL_SECONDS", "HPCJOBS_MAX_RESTARTS",
@@ -64,7 +66,7 @@ def clean_preemption() -> Iterator[None]:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# --- hpcjobs.backends.slurm_control ------------------------------------------------------------------------------
+# --- trainers.jobenv.slurm ------------------------------------------------------------------------------
 
 def test_show_job_lines_parse_into_fields() -> None:
     fields = slurm_control.job_fields("3", answer(SHOW_JOB["grace"]))
@@ -120,7 +122,7 @@ def test_requeue_tolerates_a_job_slurm_already_requeues() -> None:
 
 
 def test_slurm_control_is_torch_free_and_preemption_uses_it() -> None:
-    code = ("import sys, hpcjobs.backends.slurm_control, trainers.config, trainers.launch; "
+    code = ("import sys, trainers.jobenv.slurm, hpcjobs.protocol.trainflags, trainers.launch; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
@@ -131,7 +133,7 @@ def test_slurm_control_is_torch_free_and_preemption_uses_it() -> None:
 # --- the preemption protocol takes the contract ------------------------------------------------------------------
 
 def test_no_preemption_default_or_untyped_variable_is_written_in_trainers() -> None:
-    """The defaults live in hpcjobs.contract only; the launcher exports the contract, not loose variables."""
+    """The defaults live in hpcjobs.protocol.contract only; the launcher exports the contract, not loose variables."""
     banned = {*REMOVED_VARIABLES, DEFAULTS.signal, f"SIG{DEFAULTS.signal}"}
     found = []
     for path in sorted((REPO / "trainers").rglob("*.py")):
@@ -240,7 +242,7 @@ def test_a_lost_signal_is_named_from_the_contract(tmp_path: Path, clean_preempti
 # --- trainers.launch reads the contract once ---------------------------------------------------------------------
 
 PROBE = """import json, os, signal, sys
-from hpcjobs.contract import LaunchContract
+from hpcjobs.protocol.contract import LaunchContract
 c = LaunchContract.current()
 print(json.dumps({"contract": c.to_json(), "loose": sorted(v for v in os.environ if v in sys.argv[1:]),
                   "usr1": signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None)}))
@@ -328,7 +330,7 @@ def test_the_launcher_enforces_the_contracts_restart_cap(tmp_path: Path) -> None
     assert final["state"] == "failed" and "past the cap of 2 restarts" in final["reason"]
 
 
-# --- trainers.config.parse_trainer_args --------------------------------------------------------------------------
+# --- hpcjobs.protocol.trainflags.parse_trainer_args ----------------------------------------------------------
 
 @pytest.mark.parametrize("args,given,valid", [
     (["--steps", "0"], "--steps 0 is too small", "--steps N with N ≥ 1"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hpcjobs.backends.slurm import srun_failures, task_ids
 from hpcjobs.diagnosis import diagnose
-from hpcjobs.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 
 
 def run_with(tmp_path: Path, failures: list[tuple[float, int, str]], world: int = 4) -> RunFolder:

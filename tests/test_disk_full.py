@@ -67,7 +67,7 @@ root = Path(sys.argv[1]) / "checkpoints"
 env = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "0", 0, "single")
 if GROUP:  # DCP then pickles each rank's error to gather it, as on a real multi-rank run
     import torch.distributed as dist
-    from hpcjobs.ports import free_port
+    from hpcjobs.protocol.ports import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 model = torch.nn.Linear(300, 1000)  # 1.2 MB of weights, 3.6 MB with AdamW's moments: one fits in 6 MiB, two do not
 opt = torch.optim.AdamW(model.parameters())

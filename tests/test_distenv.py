@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from hpcjobs.ports import port_for_job, shell_port_expr
+from hpcjobs.protocol.ports import port_for_job, shell_port_expr
 from trainers.distenv import DistEnvError, expand_nodelist, from_environ
 
 

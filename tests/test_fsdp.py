@@ -14,9 +14,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from conftest import REPO, hpcjobs
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import ConfigError
 from trainers import checkpoint, strategy
 from trainers.checkpointer import model_weights
-from trainers.config import ConfigError, TrainConfig
 from trainers.dist import DistContext, release_groups
 from trainers.distenv import DistEnv
 

@@ -47,8 +47,8 @@ from hpcjobs.backends import slurm as slurm_backend
 from hpcjobs.backends import slurm_probe
 from hpcjobs.backends.local import LocalBackend, rank_envs
 from hpcjobs.cli import main
-from hpcjobs.contract import SIGNALS
 from hpcjobs.profiles import GPU_REQUEST_FORMS, ClusterProfile
+from hpcjobs.protocol.contract import SIGNALS
 from hpcjobs.render import launcher_argv
 from hpcjobs.store import JobStore
 from hpcjobs.yamlfile import MAX_FILE_BYTES

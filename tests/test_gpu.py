@@ -100,7 +100,7 @@ def test_data_loader_workers_pin_memory_and_stay_up(tmp_path: Path) -> None:
 
 
 def test_default_optimizer_is_fused_on_cuda() -> None:
-    from trainers.config import TrainConfig
+    from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers.trainer import default_optimizer
 
     model = torch.nn.Linear(4, 4).cuda()
@@ -122,7 +122,7 @@ def test_only_the_current_devices_rng_state_is_saved_and_restored() -> None:
 def _guard_under_nccl(store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from hpcjobs.contract import LaunchContract
+    from hpcjobs.protocol.contract import LaunchContract
     from trainers import preemption
 
     torch.cuda.set_device(0)

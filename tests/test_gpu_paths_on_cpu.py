@@ -16,7 +16,7 @@ from trainers.distenv import DistEnv
 def _guard_on_a_group_without_cpu_backend(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from hpcjobs.contract import LaunchContract
+    from hpcjobs.protocol.contract import LaunchContract
     from trainers import preemption
 
     # "cuda:gloo" registers a backend for CUDA tensors only, as NCCL does: the default group has no CPU backend.

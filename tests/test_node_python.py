@@ -16,8 +16,9 @@ import pytest
 from conftest import REPO
 from hpcjobs.backends.slurm_render import python_lines, render_sbatch
 from hpcjobs.profiles import load_profile
+from hpcjobs.protocol.versions import TORCH_FLOOR
 from hpcjobs.spec import AFTER_SETUP, JobSpec, Request, build_spec
-from trainers.versions import TORCH_FLOOR, TorchTooOld, require_torch
+from trainers.versions import TorchTooOld, require_torch
 
 
 def spec_for(profile_name: str, **changes: object) -> JobSpec:

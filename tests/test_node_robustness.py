@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcjobs.ports import free_port
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.ports import free_port
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.trainconfig import TrainConfig
 from trainers import checkpoint
 from trainers.checkpointer import model_weights
-from trainers.config import TrainConfig
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 from trainers.task import Task
@@ -319,10 +319,10 @@ def test_a_rank_that_fails_prints_one_line_and_keeps_its_traceback_in_its_log(tm
 
 def test_the_first_failure_of_a_start_is_recorded_and_a_finished_run_is_never_overwritten(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcjobs.contract import LaunchContract
-    from hpcjobs.states import FinalState
+    from hpcjobs.protocol.contract import LaunchContract
+    from hpcjobs.protocol.states import FinalState
     from trainers import runlock
-    from trainers.launch import record_failure
+    from trainers.failures import record_failure
 
     run, env = RunFolder(tmp_path), DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "0", 0, "single")
     run.write_final(FinalState.FAILED, "an earlier plain run (job 0 too)", job_id="0")

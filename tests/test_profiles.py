@@ -18,8 +18,6 @@ import hpcjobs.profiles as profiles
 import test_bad_inputs
 from conftest import REPO, hpcjobs
 from hpcjobs.backends import SCHEDULERS
-from hpcjobs.contract import Preemption
-from hpcjobs.errors import ProfileError
 from hpcjobs.profiles import (
     MAX_ITEMS,
     MAX_STRING,
@@ -28,6 +26,8 @@ from hpcjobs.profiles import (
     parse_profile,
     reference_table,
 )
+from hpcjobs.protocol.contract import Preemption
+from hpcjobs.protocol.errors import ProfileError
 from hpcjobs.yamlfile import MAX_FILE_BYTES
 from test_bad_inputs import GOOD, assert_refused
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import REPO, hpcjobs
-from hpcjobs.ports import free_port
+from hpcjobs.protocol.ports import free_port
 
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--steps", "6", "--ckpt-every", "3", "--log-every", "1",
         "--global-batch-size", "8", "--seed", "3"]
@@ -25,10 +25,10 @@ import json
 import sys
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from hpcjobs.contract import LaunchContract
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.runfolder import RunFolder
 from trainers.checkpointer import offline_tensors
-from trainers.config import parse_trainer_args
+from hpcjobs.protocol.trainflags import parse_trainer_args
 from trainers.dist import distributed, release_groups
 from trainers.task import load_task
 from trainers.trainer import Training

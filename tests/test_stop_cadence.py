@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from hpcjobs.ports import free_port
+from hpcjobs.protocol.ports import free_port
 from trainers import preemption
 from trainers.preemption import Cadence
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, hpcjobs
-from hpcjobs.errors import UsageError
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.points import point_of
 from hpcjobs.snapshot import MANIFEST, MAX_BYTES, materialize, plan
 from hpcjobs.store import JobRecord, JobStore
-from hpcjobs.sweep import build_points, point_of, read_sweep_file
+from hpcjobs.sweep import build_points, read_sweep_file
 from test_bad_inputs import assert_refused, sbatch_log  # noqa: F401 - the fixture is used by name
 
 TASK = ["trainers.tasks.classifier", "--steps", "6", "--log-every", "2", "--ckpt-every", "3"]

@@ -12,9 +12,10 @@ import pytest
 import torch.multiprocessing as mp
 
 from conftest import REPO, hpcjobs
-from hpcjobs.ports import free_port
+from hpcjobs.protocol.ports import free_port
+from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from trainers.dist import FLIGHT_RECORDER, flight_recorder_env
-from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnvError, setting_seconds
+from trainers.distenv import DistEnvError, setting_seconds
 
 
 def _hung_rank(rank: int, port: int, out: str) -> None:

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from conftest import REPO, hpcjobs
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
 from trainers import tracking
-from trainers.config import ConfigError, TrainConfig, parse_trainer_args
 
 STEPS = 12
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--steps", str(STEPS), "--log-every", "1", "--ckpt-every", "3",

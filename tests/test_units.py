@@ -17,14 +17,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpcjobs.contract import LaunchContract, Preemption
-from hpcjobs.errors import UsageError
-from hpcjobs.ports import free_port
+from hpcjobs.protocol.contract import LaunchContract, Preemption
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.ports import free_port
+from hpcjobs.protocol.states import StopReason
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
 from hpcjobs.slurmtime import format_time, parse_mem_mb, parse_time
-from hpcjobs.states import StopReason
 from hpcjobs.store import JobRecord, JobStore
 from trainers import checkpoint, preemption
-from trainers.config import ConfigError, TrainConfig, parse_trainer_args
 
 
 def save(root: Path, step: int, keep: int = 2) -> Path:
@@ -187,7 +188,7 @@ def test_a_rank_whose_start_outlasted_the_deadline_still_joins_its_rank_0(tmp_pa
     """The time limit is already overdue when a slow rank 1 reaches the launcher (its start took longer than the
     time left): it must wait for its rank 0 and stop with the others at their first check. Counted as a stop, it
     left quietly while rank 0 went on and waited for it until Slurm killed the job (FAILED, seen on the cluster)."""
-    from hpcjobs.runfolder import RunFolder
+    from hpcjobs.protocol.runfolder import RunFolder
     from trainers import runlock
     from trainers.distenv import DistEnv
     from trainers.launch import claim_run_folder
@@ -213,7 +214,7 @@ def test_a_rank_whose_start_outlasted_the_deadline_still_joins_its_rank_0(tmp_pa
 
 
 EXITING_RANK = """import sys, time
-from hpcjobs.contract import LaunchContract, Preemption
+from hpcjobs.protocol.contract import LaunchContract, Preemption
 from trainers import preemption
 usr1 = LaunchContract(run_dir="r", preemption=Preemption(signal="USR1"))
 preemption.install(usr1, {})

@@ -5,15 +5,15 @@ e.g. under torchrun:  torchrun --nproc_per_node 8 -m trainers trainers.tasks.lm 
 `python -m trainers check TASK [FLAGS...]` says whether a rank would start with those flags (exit 0) or the line it
 would refuse them with (exit 2), and touches nothing.
 
-Without --run-dir the run folder is runs/<task's last name>; the preemption settings are hpcjobs.contract's defaults
-(no profile, no known time limit).
+Without --run-dir the run folder is runs/<task's last name>; the preemption settings are
+hpcjobs.protocol.contract's defaults (no profile, no known time limit).
 """
 
 from __future__ import annotations
 
 import sys
 
-from hpcjobs.helpflags import asks_help
+from hpcjobs.protocol.helpflags import asks_help
 from trainers.launch import main as launch
 
 RUN_DIR = "--run-dir"

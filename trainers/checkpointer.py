@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
+from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
-from trainers.config import ResumeError
 from trainers.dist import DistContext
 from trainers.faults import maybe_die
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from trainers.config import TrainConfig
+from hpcjobs.protocol.trainconfig import TrainConfig
 from trainers.dist import DistContext
 from trainers.state import Position
 

@@ -14,15 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from trainers import startup
-from trainers.distenv import (
-    COLLECTIVE_TIMEOUT,
-    CONTROL_TIMEOUT_MIN_S,
-    INIT_TIMEOUT,
-    DistEnv,
-    from_environ,
-    setting_seconds,
-)
+from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, setting_seconds
 
 
 class RendezvousError(RuntimeError):

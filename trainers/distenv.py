@@ -13,20 +13,13 @@ from dataclasses import dataclass, field
 
 import hostlist
 
-from hpcjobs.ports import port_for_job
+from hpcjobs.protocol.ports import port_for_job
 
 NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
-INIT_TIMEOUT = ("HPCJOBS_INIT_TIMEOUT", 300.0)
-"""Seconds every rank waits for the others at start-up: the rendezvous and every collective until the first step
-has finished (a cold node's imports, the first compile, loading a checkpoint)."""
 CONTROL_TIMEOUT_MIN_S = 1800.0
 """The least the control group (checkpoint barriers, the stop agreement) waits: rank 0 alone writes the shared
 checkpoint while the others wait at its barrier, which for a large model on a network filesystem takes minutes."""
-COLLECTIVE_TIMEOUT = ("HPCJOBS_COLLECTIVE_TIMEOUT", 120.0)
-"""Seconds a training collective may wait once the first step has finished: a rank that hangs (a dead GPU, a
-deadlock) ends the job this soon instead of after the start-up allowance. Checkpoint barriers and the stop agreement
-keep the start-up allowance (rank 0 may write for minutes)."""
 
 
 def setting_seconds(setting: tuple[str, float], environ: Mapping[str, str]) -> float:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from hpcjobs.errors import UsageError
-from hpcjobs.paths import refuse_output
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.paths import refuse_output
+from hpcjobs.protocol.runfolder import RunFolder
 from trainers import checkpoint
 from trainers.checkpointer import model_weights
 

@@ -10,33 +10,33 @@ the terminal gets one line, and final.json the reason: `rank R: ExcType: message
     python -m trainers.launch --contract JSON --kind task|script|module -- ENTRY ARGS     (as rendered)
     python -m trainers.launch --run-dir RUN [--kind ...] -- ENTRY ARGS                      (by hand: the defaults)
 
-The contract (hpcjobs.contract) is read once here, its run folder resolved from the job's ids and its start time
-stamped, then exported as $HPCJOBS_CONTRACT for the rest of the rank (the trainer, StopGuard, child processes).
-Importing this module does not import torch: the submit side pickles SubmititEntry without paying for it.
+The contract (hpcjobs.protocol.contract) is read once here, its run folder resolved from the job's ids and its start
+time stamped, then exported as $HPCJOBS_CONTRACT for the rest of the rank (the trainer, StopGuard, child processes).
+Importing this module does not import torch: submitit's callable (hpcjobs.protocol.nodecall) imports it first.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import gc
 import os
 import runpy
 import sys
-import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from hpcjobs.contract import ContractError, LaunchContract
-from hpcjobs.runfolder import RunDirPatternError, RunFolder, append_jsonl
-from hpcjobs.states import FinalState
-from hpcjobs.sweep import Point, as_args
+from hpcjobs.protocol.contract import ContractError, LaunchContract
+from hpcjobs.protocol.points import Point, as_args
+from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
+from hpcjobs.protocol.states import FinalState
+from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
+from hpcjobs.protocol.trainflags import ConfigError
 from trainers import preemption, runlock, startup
-from trainers.config import ConfigError, TaskArgError
-from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnv, DistEnvError, from_environ, setting_seconds
+from trainers.distenv import DistEnv, DistEnvError, from_environ, setting_seconds
+from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure
 from trainers.logtee import Tee
+from trainers.taskargs import TaskArgError
 from trainers.versions import TorchTooOld, require_torch
 
 KINDS = ("task", "script", "module")
@@ -156,11 +156,6 @@ _held: list[runlock.RunLock] = []
 """The run folder's lock, open for the life of the process (the kernel releases it when the process ends)."""
 
 
-def one_line(e: BaseException, limit: int = 500) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
 def say(env: DistEnv, tee: Tee, line: str) -> None:
     """One line for a refused start: rank 0 prints it (terminal and log); the others, whose line would be the same,
     only log it."""
@@ -190,60 +185,6 @@ def fail(e: BaseException, env: DistEnv, run: RunFolder, tee: Tee) -> int:
     return REFUSED_EXIT if isinstance(e, TaskArgError) else 1
 
 
-def describe_failure(e: BaseException) -> str:
-    return f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
-
-
-def record_rank_failure(e: BaseException, env: DistEnv, run: RunFolder) -> bool:
-    """Record `e` as this start's failure (see record_failure), once per exception; True if it is the one recorded.
-    trainers.run calls it before the process group goes, so the peers that fail because this rank left find the
-    first failure already written."""
-    known = getattr(e, "_hpcjobs_recorded", None)
-    if known is None:
-        log_path = run.rank_log(env.restart, env.rank)
-        append_jsonl(run.failures, {"time": time.time(), "job_id": env.job_id, "restart": env.restart,
-                                    "rank": env.rank, "host": os.uname().nodename, "error": describe_failure(e),
-                                    "log": str(log_path)})
-        known = record_failure(run, env, f"rank {env.rank} on {os.uname().nodename}: {describe_failure(e)} (log: "
-                                         f"{log_path})")
-        with contextlib.suppress(AttributeError):
-            e._hpcjobs_recorded = known  # type: ignore[attr-defined]
-    return bool(known)
-
-
-def record_failure(run: RunFolder, env: DistEnv, reason: str) -> bool:
-    """final.json says the job failed, and why; True if this call wrote it. The first failure of a start wins (a
-    rank whose peer died fails next, for that reason alone), and an earlier start's `finished` is never replaced: a
-    start that trains again removes it first (trainers.trainer), so only a failure of a start that never trained is
-    left out. This start's own `finished` (an own script's rank 0 exited 0 first) gives way to its failure."""
-    final = run.read("final")
-    mine = final_of_this_start(final, env, run)
-    finished_before = mine is None and isinstance(final, dict) and final.get("state") == str(FinalState.FINISHED)
-    if finished_before or mine == str(FinalState.FAILED):
-        return False
-    run.write_final(FinalState.FAILED, reason, job_id=env.job_id)
-    return True
-
-
-def failed_in_this_start(final: Any, env: DistEnv, run: RunFolder) -> bool:
-    return final_of_this_start(final, env, run) == str(FinalState.FAILED)
-
-
-def final_of_this_start(final: Any, env: DistEnv, run: RunFolder) -> str | None:
-    """final.json's state if this start of this job wrote it, else None: its job id, written since the start took
-    the run folder's lock (job ids repeat: a plain `python -m trainers` is job 0 every time, and the lock keeps
-    starts apart). The lock's time is rank 0's clock, taken before anything of the start happens."""
-    holder = runlock.read_holder(run)
-    if holder is not None and runlock.same_start(holder, env):
-        since = float(holder["time"])
-    else:  # a rank 0 that never took it (late, or a filesystem that cannot lock): this rank's own start
-        contract = LaunchContract.current()
-        since = contract.start_time if contract else 0.0
-    if isinstance(final, dict) and final.get("job_id") == env.job_id and float(final.get("time") or 0) >= since:
-        return str(final.get("state"))
-    return None
-
-
 def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: LaunchContract,
              point: Point | None = None) -> int:
     """Record the start, refuse a start past the restart cap, run the entry; returns the rank's exit code."""
@@ -267,25 +208,6 @@ def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: Lau
         # A user's own script has no trainer to say it finished: its rank 0 exiting 0, unasked to stop, does.
         run.write_final(FinalState.FINISHED, f"{ns.kind} {ns.entry} exited 0", job_id=env.job_id)
     return rc
-
-
-class SubmititEntry:
-    """The callable submitit pickles and runs on every task; `checkpoint` only matters if submitit's own handler
-    fires before ours is installed: the job is then resubmitted as is and resumes from the run folder."""
-
-    def __init__(self, argv: Sequence[str]) -> None:
-        self.argv = list(argv)
-
-    def __call__(self) -> int:
-        rc = main(self.argv)
-        if rc:
-            raise RuntimeError(f"hpcjobs rank exited with code {rc}; see the run folder's logs")
-        return rc
-
-    def checkpoint(self, *args: object, **kwargs: object) -> object:
-        from submitit.helpers import DelayedSubmission
-
-        return DelayedSubmission(self)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from hpcjobs.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.trainconfig import TrainConfig
 from trainers import tracking
-from trainers.config import TrainConfig
 from trainers.dist import DistContext
 from trainers.progress import Bar, Terminal
 from trainers.task import Task

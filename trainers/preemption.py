@@ -18,7 +18,7 @@ Under submitit, whose runner installs its own handler for USR2 and ignores SIGTE
 replaces both, so only this protocol acts.
 
 Which signal, how long before the end, the restart cap and the run folder all come from the launch contract
-(hpcjobs.contract), passed in explicitly; nothing here reads settings from the environment at import time.
+(hpcjobs.protocol.contract), passed in explicitly; nothing here reads settings from the environment at import time.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hpcjobs.backends.slurm_control import end_time, job_fields, preempted_with_sigterm, requeue_job
-from hpcjobs.contract import LaunchContract
-from hpcjobs.runfolder import RunFolder
-from hpcjobs.states import FinalState, StopOutcome, StopReason
+from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
+from trainers.jobenv.slurm import end_time, job_fields, preempted_with_sigterm, requeue_job
 
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
@@ -250,7 +250,8 @@ class StopGuard:
                 guard.requeue_and_exit(step)     # rank 0 requeues; every rank exits 0
 
     The contract is read when the guard is made (`current_contract()`): under hpcjobs, the launcher's (the
-    profile's signal, restart cap and run folder); outside it, the defaults of hpcjobs.contract with no run folder.
+    profile's signal, restart cap and run folder); outside it, the defaults of hpcjobs.protocol.contract with no run
+    folder.
     `signal_name` overrides the contract's signal (a script sent by its own `sbatch --signal=USR1@…`)."""
 
     signal_name: str | None = None

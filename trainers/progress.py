@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import RunFolder
 
 
 class Terminal(Protocol):

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
 from trainers.checkpoint import CheckpointRef, CorruptCheckpoint
-from trainers.config import ResumeError, TrainConfig
 from trainers.dist import DistContext
 from trainers.task import Task
 

@@ -7,12 +7,12 @@ import contextlib
 import io
 import sys
 
-from hpcjobs.contract import LaunchContract
-from hpcjobs.helpflags import HELP_FLAGS
-from hpcjobs.runfolder import RunFolder
-from trainers.config import ConfigError, parse_trainer_args, trainer_help
+from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.helpflags import HELP_FLAGS
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, trainer_help
 from trainers.dist import distributed
-from trainers.launch import one_line
+from trainers.failures import one_line, record_rank_failure
 from trainers.task import Task, TaskArgError, load_task
 from trainers.trainer import train
 
@@ -33,8 +33,6 @@ def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchCon
         except ConfigError:
             raise  # a refused start, not a failure
         except BaseException as e:  # recorded while the group still stands, then passed on
-            from trainers.launch import record_rank_failure
-
             record_rank_failure(e, ctx.env, run)
             raise
 

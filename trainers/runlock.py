@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import RunFolder
 from trainers.distenv import DistEnv
 
 WAIT_FOR_RANK0_S = 60.0

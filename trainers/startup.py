@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-from hpcjobs.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from trainers.distenv import DistEnv
 
 _marks: dict[str, float] = {}

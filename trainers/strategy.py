@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainers.config import ConfigError, TrainConfig
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import ConfigError
 from trainers.dist import DistContext
 
 ShardHook = Callable[[nn.Module, Any], None]

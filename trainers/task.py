@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainers.config import TaskArgError as TaskArgError  # a task's own flags: re-exported for task modules
-from trainers.config import TaskArgParser as TaskArgParser
+from trainers.taskargs import TaskArgError as TaskArgError  # a task's own flags: re-exported for task modules
+from trainers.taskargs import TaskArgParser as TaskArgParser
 
 
 @dataclass
@@ -76,4 +76,3 @@ def load_task(ref: str, args: list[str]) -> Task:
     if not isinstance(task, Task):
         raise ValueError(f"{ref} gave a {type(task).__name__}, not a trainers.task.Task")
     return task
-

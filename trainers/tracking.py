@@ -66,8 +66,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpcjobs.runfolder import RunFolder, read_json, write_json_atomic
-from trainers.config import TRACKERS, ConfigError
+from hpcjobs.protocol.runfolder import RunFolder, read_json, write_json_atomic
+from hpcjobs.protocol.trainconfig import TRACKERS
+from hpcjobs.protocol.trainflags import ConfigError
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """Each tracker's module, whose absence `require` reports; its pip extra of hpcjobs has the tracker's name."""

@@ -15,12 +15,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hpcjobs.contract import LaunchContract
-from hpcjobs.runfolder import RunFolder
-from hpcjobs.states import FinalState, StopOutcome
+from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.states import FinalState, StopOutcome
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import ConfigError, ResumeError
 from trainers import checkpoint, faults, perf, preemption, resume, startup, strategy
 from trainers.checkpointer import METADATA, Checkpointer, Parts, tensors_of
-from trainers.config import ConfigError, ResumeError, TrainConfig
 from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
 from trainers.logtee import Tee

@@ -1,8 +1,8 @@
 """The oldest torch the node side runs on, checked when a rank starts: an older one would otherwise fail at the first
 checkpoint save, which may be the one a preemption asks for.
 
-Torch-free at import (it reads the installed version's metadata); `pyproject.toml` declares the same floor, and a
-test keeps the two equal.
+Torch-free at import (it reads the installed version's metadata). The floor itself is hpcjobs.protocol.versions's:
+the job script's check names this module by text.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import importlib.util
 import re
 from importlib import metadata
 
-TORCH_FLOOR = (2, 7)
-"""torch.utils.serialization.config (checkpoint writes without the zip CRC) is the newest API the node side needs;
-torch 2.6 has none (measured: a 2.6 run failed at its first save). 2.7.1, 2.11 (an H100) and 2.13 run the tests."""
+from hpcjobs.protocol.versions import FLOOR_TEXT, TORCH_FLOOR
 
 
 class TorchTooOld(RuntimeError):
@@ -23,9 +21,6 @@ class TorchTooOld(RuntimeError):
 def parse(version: str) -> tuple[int, int]:
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
-FLOOR_TEXT = ".".join(map(str, TORCH_FLOOR))
 
 
 def torch_problem(installed: str | None = None) -> str | None:
@@ -49,9 +44,3 @@ def require_torch(installed: str | None = None) -> None:
     if problem is not None:
         raise TorchTooOld(f"{problem}. HINT: pip install 'torch>={FLOOR_TEXT}' in the environment the nodes use (the "
                           "profile's python or setup)")
-
-
-CHECK = ("import sys; from trainers.versions import torch_problem; problem = torch_problem(); "
-         "problem and sys.exit(problem)")
-"""Python statements that exit 1 with a short reason when torch is missing or too old, else go on (the job script's
-check, followed by the imports it needs)."""

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hpcjobs.errors import UsageError
+from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
     from hpcjobs.diagnosis import Failure
     from hpcjobs.doctor import Check
+    from hpcjobs.protocol.states import JobState
     from hpcjobs.spec import JobSpec
-    from hpcjobs.states import JobState
     from hpcjobs.store import JobRecord
 
 SCHEDULERS = ("slurm", "local")

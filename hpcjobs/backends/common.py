@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpcjobs.diagnosis import Failure
-from hpcjobs.errors import UsageError
-from hpcjobs.paths import RUN_DIR_HINT, run_folder_place
-from hpcjobs.runfolder import RunFolder, write_json_atomic
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.paths import RUN_DIR_HINT, run_folder_place
+from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord
 
@@ -35,6 +35,10 @@ def last_words(proc: subprocess.CompletedProcess[str]) -> str:
         if said:
             return said[-1]
     return f"exit code {proc.returncode}"
+
+
+CONTROLLER_HINT = "check that Slurm's controller is up (`scontrol ping`)"
+"""The hint when a Slurm command could not answer (squeue for status, scontrol for doctor)."""
 
 
 def check_run_folder(run_dir: str) -> None:

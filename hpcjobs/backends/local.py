@@ -22,12 +22,12 @@ from hpcjobs.backends import Script, SubmitRequest, Submitted
 from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
 from hpcjobs.backends.environment import clean
 from hpcjobs.doctor import Check, Result
-from hpcjobs.errors import UsageError
-from hpcjobs.ports import free_port
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.ports import free_port
+from hpcjobs.protocol.runfolder import RunFolder, array_ids, resolve_run_dir, write_json_atomic
+from hpcjobs.protocol.states import JobState
 from hpcjobs.render import launcher_argv
-from hpcjobs.runfolder import RunFolder, array_ids, resolve_run_dir, write_json_atomic
 from hpcjobs.spec import JobSpec
-from hpcjobs.states import JobState
 from hpcjobs.store import JobRecord
 
 JOB_ID_PLACEHOLDER = "local-<id>"

@@ -1,7 +1,7 @@
 """The Slurm backend: submission through submitit, state from squeue then sacct, cancel through scancel.
 
 Its pure half is hpcjobs/backends/slurm_render.py (the flags, the sbatch text, submitit's parameters); what the ranks
-ask Slurm themselves (requeue, EndTime, PreemptTime) is in hpcjobs/backends/slurm_control.py.
+ask Slurm themselves (requeue, EndTime, PreemptTime) is in trainers/jobenv/slurm.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted
 from hpcjobs.backends.common import (
+    CONTROLLER_HINT,
     RunFolderLogs,
     Runner,
     check_run_folder,
@@ -34,8 +35,8 @@ from hpcjobs.backends.slurm_render import (
 )
 from hpcjobs.diagnosis import Failure, read_text
 from hpcjobs.doctor import Check
-from hpcjobs.errors import RuntimeFailure, UsageError
-from hpcjobs.runfolder import (
+from hpcjobs.protocol.errors import RuntimeFailure, UsageError
+from hpcjobs.protocol.runfolder import (
     TASK_INDEX,
     RunDirPatternError,
     RunFolder,
@@ -44,9 +45,9 @@ from hpcjobs.runfolder import (
     resolve_run_dir,
     split_task_id,
 )
+from hpcjobs.protocol.states import JobState
 from hpcjobs.slurmtime import format_time
 from hpcjobs.spec import JobSpec
-from hpcjobs.states import JobState
 from hpcjobs.store import JobRecord
 
 
@@ -71,9 +72,6 @@ FORGOTTEN = "Invalid job id specified"
 
 SLURM_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?", re.ASCII)
 """A job's id as Slurm gives it: a number, or an array task's ARRAY_INDEX."""
-
-
-CONTROLLER_HINT = "check that Slurm's controller is up (`scontrol ping`)"
 
 
 class SlurmUnreachable(RuntimeFailure):
@@ -174,7 +172,7 @@ class SlurmBackend(RunFolderLogs):
         import submitit
         from submitit.core.utils import FailedJobError
 
-        from trainers.launch import SubmititEntry
+        from hpcjobs.protocol.nodecall import NodeEntry
 
         spec = request.spec
         check_run_folder(spec.run_dir)
@@ -182,7 +180,7 @@ class SlurmBackend(RunFolderLogs):
         executor = submitit.SlurmExecutor(folder=submitit_folder(spec), python=submitit_python(spec),
                                           max_num_timeout=10**6)  # the restart cap is hpcjobs' (the contract)
         executor.update_parameters(**request.params["submitit"])
-        entry = SubmititEntry(launcher_args(spec))  # one for every task: each picks its point on the node
+        entry = NodeEntry(launcher_args(spec))  # one for every task: each picks its point on the node
         try:
             with cleaned_os_environ():  # sbatch would hand this shell's job identity to the new job
                 jobs = executor.submit_array([entry] * len(spec.points)) if spec.array else [executor.submit(entry)]
@@ -291,7 +289,8 @@ def submitit_folder(spec: JobSpec) -> Path:
 
 def launcher_args(spec: JobSpec) -> list[str]:
     """The launcher's own arguments (what follows `-m trainers.launch`): submitit runs the launcher in-process."""
-    from hpcjobs.render import LAUNCHER_MODULE, launcher_argv
+    from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
+    from hpcjobs.render import launcher_argv
 
     argv = launcher_argv(spec)
     return argv[argv.index(LAUNCHER_MODULE) + 1:]

@@ -14,12 +14,11 @@ from subprocess import CompletedProcess
 
 import hostlist
 
-from hpcjobs.backends.common import Runner, last_words
-from hpcjobs.backends.slurm import CONTROLLER_HINT
+from hpcjobs.backends.common import CONTROLLER_HINT, Runner, last_words
 from hpcjobs.doctor import Check, Result
+from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.spec import JobSpec
-from trainers.distenv import COLLECTIVE_TIMEOUT
 
 UNLIMITED = ("UNLIMITED", "INFINITE", "NONE")
 DOWN = frozenset({"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "MAINT", "FUTURE",

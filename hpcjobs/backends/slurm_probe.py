@@ -19,7 +19,7 @@ from typing import Any
 
 from hpcjobs.backends.slurm_render import environment_lines, gpu_flags, python_lines, sbatch_directive
 from hpcjobs.doctor import Check, Result
-from hpcjobs.runfolder import JOB_ID
+from hpcjobs.protocol.runfolder import JOB_ID
 from hpcjobs.spec import JobSpec
 from hpcjobs.sweep import tasks_args
 

@@ -12,16 +12,16 @@ from typing import Any
 import jinja2
 
 from hpcjobs import __version__
-from hpcjobs.ports import shell_port_expr
 from hpcjobs.profiles import ClusterProfile
+from hpcjobs.protocol.points import array_spec
+from hpcjobs.protocol.ports import shell_port_expr
+from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID
+from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
+from hpcjobs.protocol.versions import FLOOR_TEXT
 from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
-from hpcjobs.runfolder import ARRAY_TASK_DIR, JOB_ID
 from hpcjobs.slurmtime import parse_mem_mb
 from hpcjobs.spec import JobSpec
-from hpcjobs.sweep import array_spec
-from trainers.versions import CHECK as TORCH_CHECK
-from trainers.versions import FLOOR_TEXT
 
 SBATCH_TEMPLATE = "sbatch.sh.j2"
 SUBMITIT_NATIVE = frozenset({

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import REPO, TESTCLUSTER, hpcjobs, on_every_node, slurm, wait_for_state
-from hpcjobs.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import RunFolder
 from trainers import checkpoint
 from trainers.checkpointer import model_weights
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hpcjobs.contract import LaunchContract
+from hpcjobs.protocol.contract import LaunchContract
 from trainers.checkpoint import latest, load_checkpoint, save_checkpoint
 from trainers.preemption import StopGuard
 

@@ -7,8 +7,8 @@ import errno
 import os
 from pathlib import Path
 
-from hpcjobs.errors import UsageError, shown
-from hpcjobs.runfolder import fixed_part
+from hpcjobs.protocol.errors import UsageError, shown
+from hpcjobs.protocol.runfolder import fixed_part
 
 NAME_MAX = 255
 """The longest name of one file or folder that Linux filesystems take (bytes); PATH_MAX bounds a whole path."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.states import FinalState
+from hpcjobs.protocol.states import FinalState
 
 JOB_ID, ARRAY_ID, TASK_INDEX = "%j", "%A", "%a"
 """The patterns of a run folder, as in Slurm's own file names."""

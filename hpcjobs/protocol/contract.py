@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from hpcjobs.runfolder import resolve_run_dir
-from hpcjobs.sweep import Point, point_of
+from hpcjobs.protocol.points import Point, point_of
+from hpcjobs.protocol.runfolder import resolve_run_dir
 
 DEFAULT_SIGNAL = "USR2"
 SIGNALS = ("USR1", DEFAULT_SIGNAL, "TERM", "INT", "HUP", "URG")
@@ -46,7 +46,8 @@ class LaunchContract:
     """What every rank must know about its job that Slurm's environment does not say."""
 
     run_dir: str
-    """The run folder; before `started()` it may hold `%j`, `%A`, `%a` (see hpcjobs.runfolder.resolve_run_dir)."""
+    """The run folder; before `started()` it may hold `%j`, `%A`, `%a` (see
+    hpcjobs.protocol.runfolder.resolve_run_dir)."""
     preemption: Preemption = field(default_factory=Preemption)
     """Signal, warning seconds and restart cap, from the profile."""
     time_limit_s: int = 0

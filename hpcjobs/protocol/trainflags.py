@@ -1,145 +1,15 @@
-"""The trainer's settings: one dataclass, a docstring per field, flags derived from the fields.
-
-Torch-free (so is trainers/__init__.py): the submit side imports `parse_trainer_args` to refuse a bad trainer flag
-on the login node, before the job is queued, with the same check the ranks make.
-"""
+"""The shared trainer's flags: their help text and the one parser both sides run (the ranks at start, `hpcjobs
+submit`/`render` before queueing), raising one line for a flag that cannot be used. Torch-free."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-from hpcjobs.helpflags import HELP_FLAGS
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-STRATEGIES = ("ddp", "fsdp")
-LR_SCALING = ("none", "linear", "sqrt")
-TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
-"""--tracker's names; metrics.jsonl is written whichever are given (trainers/tracking.py has the others)."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 100
-    """Optimizer steps to train in all (a resumed run continues up to this number)."""
-    batch_size: int = 8
-    """Samples per rank per optimizer step (per-GPU batch). Ignored when global_batch_size is set."""
-    global_batch_size: int = 0
-    """Samples per optimizer step across all ranks (0: batch_size × world size). Must divide by the world size."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step on each rank; gradients are only all-reduced on the last one (no_sync)."""
-    lr: float = 3e-4
-    """Peak learning rate before scaling with the world size."""
-    lr_scaling: str = "none"
-    """How the LR grows with the world size: none, linear (lr × world) or sqrt (lr × √world). Logged at start."""
-    warmup_steps: int = 0
-    """Linear warmup steps, then cosine decay to min_lr_ratio × lr at `steps`."""
-    min_lr_ratio: float = 0.1
-    """Final LR as a fraction of the peak."""
-    weight_decay: float = 0.1
-    """AdamW weight decay (on matrices only, not biases or norms)."""
-    grad_clip: float = 1.0
-    """Clip the gradient norm to this (0: no clipping)."""
-    precision: str = "auto"
-    """auto (bf16 on GPUs that have it, else fp32), fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."""
-    seed: int = 0
-    """Seed for weights, data order and dropout; each rank's RNG states are checkpointed for exact resume."""
-    log_every: int = 10
-    """Steps between log lines, metrics.jsonl records and heartbeats (the only host-device syncs)."""
-    ckpt_every: int = 100
-    """Steps between periodic checkpoints (0: only at the end and on a stop request)."""
-    keep: int = 2
-    """Finished checkpoints to keep (at least 2)."""
-    keep_best: bool = False
-    """Also keep the checkpoint with the lowest val_loss (RUN/checkpoints/best.json names it; never pruned)."""
-    eval_every: int = 0
-    """Steps between evaluations of the task's validation set, all ranks' shards averaged (0: never)."""
-    stop_check_every: int = 0
-    """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int, in the background: a stop
-    takes effect at the check after the one that saw it). 0: about once a second of training, from the step time
-    measured over this start's first steps (the slowest rank's; every rank checks at the same steps)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank, kept across epochs. With workers, each sample's randomness (data
-    augmentation) is seeded from the seed, the epoch and its index, so results do not depend on how many workers
-    there are or on where a resume began; without, it draws from the rank's checkpointed RNG (also exact, but other
-    values than with workers)."""
-    deterministic: bool = False
-    """Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, no TF32, deterministic SDPA):
-    needed for a bit-exact resume on GPUs; slower (bench/gpu.py measures by how much)."""
-    compile: bool = False
-    """torch.compile the model (with fsdp: each block), off by default; the first steps take longer while it
-    compiles."""
-    strategy: str = "ddp"
-    """ddp: every rank holds the whole model, gradients are all-reduced. fsdp: FSDP2 shards parameters, gradients and
-    optimizer state over the ranks (each holds 1/world; a block's parameters are gathered while it runs): for models
-    whose weights, gradients and AdamW state (~16 bytes/parameter) do not fit on one GPU."""
-    cpu_offload: bool = False
-    """fsdp on GPUs: keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's
-    CPUOffloadPolicy); the optimizer step runs on the CPU."""
-    meta_init: bool = True
-    """fsdp with more than one rank: only rank 0 builds the model in host memory; the others build it on the meta
-    device (no memory), shard it, and receive their shards and buffers from rank 0, one tensor at a time. A node
-    then holds one full copy of the model while the job starts instead of one per rank (8 × 28 GB for a 7B model in
-    fp32 on an 8-GPU node). The weights are the same either way. --no-meta-init builds it on every rank, for a
-    task whose model() must compute with real tensors (e.g. calls .item() on one)."""
-    reduce_each_micro_batch: bool = False
-    """fsdp with --grad-accum above 1: reduce-scatter the gradients after every micro-batch, so each rank only ever
-    holds its shard of them. Without it the gradients are reduced once per step, on the last micro-batch, and until
-    then each rank holds an unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B
-    model), which can be what does not fit; with it, --grad-accum reduce-scatters per step instead of one."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward instead of keeping them (both strategies): less memory,
-    about a third more compute."""
-    async_save: bool = True
-    """Periodic checkpoints are written in the background: training waits only while the state is copied to host
-    memory. At most one save is in flight; a stop and the end of training wait for it, then save in the foreground."""
-    reshard: bool = False
-    """Resume a checkpoint written by another number of ranks (or the other --strategy): weights, optimizer,
-    scheduler and step exactly, the data position by samples consumed; per-rank RNG streams start anew. Without it
-    such a resume is refused."""
-    tracker: str = "jsonl"
-    """Where rank 0 logs the metrics: jsonl (RUN/metrics.jsonl, always written), tensorboard (RUN/tensorboard),
-    wandb (RUN/wandb; offline unless W&B credentials or WANDB_MODE say otherwise), mlflow (MLFLOW_TRACKING_URI, else
-    a file store in RUN/mlruns); several joined by commas (wandb,tensorboard). A requeued or resumed run goes on
-    logging into the same tracker run (RUN/tracker.json holds its id); trainers/tracking.py says more."""
-    extend: bool = False
-    """Resume a checkpoint written under another --steps: the LR then goes on from the value the checkpoint was saved
-    with (its step k) down to min_lr_ratio × lr at the new --steps along a half cosine over steps k..steps (a
-    checkpoint still in warmup simply follows the plan for the new --steps: the warmup does not depend on it).
-    Without it a changed --steps is refused, since the cosine would be re-planned and the LR would jump."""
-
-    def trackers(self) -> tuple[str, ...]:
-        """--tracker's names in the order given, each once; jsonl among them or not (it is always written)."""
-        return tuple(dict.fromkeys(name.strip() for name in self.tracker.split(",") if name.strip()))
-
-    def lr_factor(self, world_size: int) -> float:
-        return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
-
-    def per_rank_batch(self, world_size: int) -> int:
-        if self.global_batch_size:
-            if self.global_batch_size % world_size:
-                raise ValueError(f"global_batch_size {self.global_batch_size} does not divide by the world size "
-                                 f"{world_size}")
-            return self.global_batch_size // world_size
-        return self.batch_size
-
-    def micro_batch(self, world_size: int) -> int:
-        per_rank = self.per_rank_batch(world_size)
-        if per_rank % self.grad_accum:
-            raise ValueError(f"the per-rank batch {per_rank} does not divide into grad_accum={self.grad_accum} "
-                             "micro-batches")
-        return per_rank // self.grad_accum
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    # Settings that change what training computes: a checkpoint written under other values is refused.
-    RESUME_KEYS = ("batch_size", "global_batch_size", "grad_accum", "lr", "lr_scaling", "warmup_steps",
-                   "min_lr_ratio", "weight_decay", "grad_clip", "precision", "seed")
+from hpcjobs.protocol.trainconfig import LR_SCALING, PRECISIONS, STRATEGIES, TRACKERS, TrainConfig
 
 
 def _field_docs() -> dict[str, str]:
@@ -412,49 +282,3 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
     cfg = TrainConfig(**values)
     _check_together(cfg)
     return cfg, rest
-
-
-# --- a task's own flags (trainers.task re-exports these) ------------------------------------------------------------
-
-class TaskArgError(ValueError):
-    """A task flag that cannot be used, as one line, in the trainer flags' pattern (trainers.config.ConfigError):
-    what was given; valid: what would be. HINT: what to do."""
-
-
-class TaskArgParser(argparse.ArgumentParser):
-    """argparse for a task's own flags, raising TaskArgError instead of printing a usage block and exiting: every
-    rank parses the same flags, and a mistake must read as one line, not as a SystemExit traceback per rank. Long
-    options match exactly (a prefix of a trainer flag would otherwise be taken). `--help` prints and exits as usual
-    (`python -m trainers help TASK` shows it)."""
-
-    def __init__(self, prog: str, **kwargs: Any) -> None:
-        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        raise TaskArgError(self.explain(message)) from None  # argparse's own exception adds nothing to the log
-
-    def explain(self, message: str) -> str:
-        """argparse's message with what is valid and what to do."""
-        flags = sorted(o for a in self._actions for o in a.option_strings if o not in HELP_FLAGS)
-        hint = f"`python -m trainers help {self.prog}` lists them"
-        if message.startswith("argument "):
-            names, _, why = message[len("argument "):].partition(": ")
-            why = why.split(" (choose from ")[0]  # `valid:` lists them
-            action = next((a for a in self._actions if set(a.option_strings) & set(names.split("/"))), None)
-            valid = _valid_task_flag(action) if action is not None else " ".join(flags)
-            return f"{self.prog}: {names}: {why}; valid: {valid}. HINT: {hint}"
-        unknown = message.removeprefix("unrecognized arguments: ").split()
-        if message.startswith("unrecognized arguments: ") and unknown:
-            close = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
-            hint = f"did you mean {close[0]}? {hint}" if close else hint
-            return (f"{self.prog}: {' '.join(unknown)} is not a flag of this task or of the trainer; valid task "
-                    f"flags: {' '.join(flags) or 'none'}. HINT: {hint}")
-        return f"{self.prog}: {message}; valid task flags: {' '.join(flags) or 'none'}. HINT: {hint}"
-
-
-def _valid_task_flag(action: argparse.Action) -> str:
-    flag = action.option_strings[0] if action.option_strings else action.dest
-    if action.choices is not None:
-        return f"{flag} {'|'.join(str(c) for c in action.choices)}"
-    kind = {int: "N (a whole number)", float: "X (a number)"}.get(action.type, "VALUE")  # type: ignore[call-overload]
-    return f"{flag} {kind}" if action.nargs != 0 else f"{flag} alone"

@@ -1,0 +1,33 @@
+"""How the submit side names the node's launcher: by module, as text, never by import.
+
+`LAUNCHER_MODULE` is what every rank runs (`python -m trainers.launch` in a rendered script or the local backend's
+command line), and `NodeEntry` is the callable submitit pickles and runs on every task: it imports the launcher only
+when called, on the node. So `hpcjobs/` never imports `trainers/` (tests/test_imports.py), and a submit pickles a
+class whose module the login node already has.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+LAUNCHER_MODULE = "trainers.launch"
+
+
+class NodeEntry:
+    """The callable submitit runs on every task; `checkpoint` only matters if submitit's own handler fires before
+    the launcher's is installed: the job is then resubmitted as is and resumes from the run folder."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.argv = list(argv)
+
+    def __call__(self) -> int:
+        rc: int = importlib.import_module(LAUNCHER_MODULE).main(self.argv)
+        if rc:
+            raise RuntimeError(f"hpcjobs rank exited with code {rc}; see the run folder's logs")
+        return rc
+
+    def checkpoint(self, *args: object, **kwargs: object) -> object:
+        from submitit.helpers import DelayedSubmission  # submitit calls this, so it is there
+
+        return DelayedSubmission(self)

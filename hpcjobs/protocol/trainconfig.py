@@ -1,0 +1,136 @@
+"""The shared trainer's settings: one dataclass, a docstring per field; its flags are derived from the fields
+(hpcjobs.protocol.trainflags). Shared: the ranks train with it, and the submit side checks a job's trainer flags
+with the same parser before anything is queued."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+STRATEGIES = ("ddp", "fsdp")
+LR_SCALING = ("none", "linear", "sqrt")
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""--tracker's names; metrics.jsonl is written whichever are given (trainers/tracking.py has the others)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps to train in all (a resumed run continues up to this number)."""
+    batch_size: int = 8
+    """Samples per rank per optimizer step (per-GPU batch). Ignored when global_batch_size is set."""
+    global_batch_size: int = 0
+    """Samples per optimizer step across all ranks (0: batch_size × world size). Must divide by the world size."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank; gradients are only all-reduced on the last one (no_sync)."""
+    lr: float = 3e-4
+    """Peak learning rate before scaling with the world size."""
+    lr_scaling: str = "none"
+    """How the LR grows with the world size: none, linear (lr × world) or sqrt (lr × √world). Logged at start."""
+    warmup_steps: int = 0
+    """Linear warmup steps, then cosine decay to min_lr_ratio × lr at `steps`."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (on matrices only, not biases or norms)."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this (0: no clipping)."""
+    precision: str = "auto"
+    """auto (bf16 on GPUs that have it, else fp32), fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."""
+    seed: int = 0
+    """Seed for weights, data order and dropout; each rank's RNG states are checkpointed for exact resume."""
+    log_every: int = 10
+    """Steps between log lines, metrics.jsonl records and heartbeats (the only host-device syncs)."""
+    ckpt_every: int = 100
+    """Steps between periodic checkpoints (0: only at the end and on a stop request)."""
+    keep: int = 2
+    """Finished checkpoints to keep (at least 2)."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest val_loss (RUN/checkpoints/best.json names it; never pruned)."""
+    eval_every: int = 0
+    """Steps between evaluations of the task's validation set, all ranks' shards averaged (0: never)."""
+    stop_check_every: int = 0
+    """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int, in the background: a stop
+    takes effect at the check after the one that saw it). 0: about once a second of training, from the step time
+    measured over this start's first steps (the slowest rank's; every rank checks at the same steps)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank, kept across epochs. With workers, each sample's randomness (data
+    augmentation) is seeded from the seed, the epoch and its index, so results do not depend on how many workers
+    there are or on where a resume began; without, it draws from the rank's checkpointed RNG (also exact, but other
+    values than with workers)."""
+    deterministic: bool = False
+    """Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, no TF32, deterministic SDPA):
+    needed for a bit-exact resume on GPUs; slower (bench/gpu.py measures by how much)."""
+    compile: bool = False
+    """torch.compile the model (with fsdp: each block), off by default; the first steps take longer while it
+    compiles."""
+    strategy: str = "ddp"
+    """ddp: every rank holds the whole model, gradients are all-reduced. fsdp: FSDP2 shards parameters, gradients and
+    optimizer state over the ranks (each holds 1/world; a block's parameters are gathered while it runs): for models
+    whose weights, gradients and AdamW state (~16 bytes/parameter) do not fit on one GPU."""
+    cpu_offload: bool = False
+    """fsdp on GPUs: keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's
+    CPUOffloadPolicy); the optimizer step runs on the CPU."""
+    meta_init: bool = True
+    """fsdp with more than one rank: only rank 0 builds the model in host memory; the others build it on the meta
+    device (no memory), shard it, and receive their shards and buffers from rank 0, one tensor at a time. A node
+    then holds one full copy of the model while the job starts instead of one per rank (8 × 28 GB for a 7B model in
+    fp32 on an 8-GPU node). The weights are the same either way. --no-meta-init builds it on every rank, for a
+    task whose model() must compute with real tensors (e.g. calls .item() on one)."""
+    reduce_each_micro_batch: bool = False
+    """fsdp with --grad-accum above 1: reduce-scatter the gradients after every micro-batch, so each rank only ever
+    holds its shard of them. Without it the gradients are reduced once per step, on the last micro-batch, and until
+    then each rank holds an unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B
+    model), which can be what does not fit; with it, --grad-accum reduce-scatters per step instead of one."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward instead of keeping them (both strategies): less memory,
+    about a third more compute."""
+    async_save: bool = True
+    """Periodic checkpoints are written in the background: training waits only while the state is copied to host
+    memory. At most one save is in flight; a stop and the end of training wait for it, then save in the foreground."""
+    reshard: bool = False
+    """Resume a checkpoint written by another number of ranks (or the other --strategy): weights, optimizer,
+    scheduler and step exactly, the data position by samples consumed; per-rank RNG streams start anew. Without it
+    such a resume is refused."""
+    tracker: str = "jsonl"
+    """Where rank 0 logs the metrics: jsonl (RUN/metrics.jsonl, always written), tensorboard (RUN/tensorboard),
+    wandb (RUN/wandb; offline unless W&B credentials or WANDB_MODE say otherwise), mlflow (MLFLOW_TRACKING_URI, else
+    a file store in RUN/mlruns); several joined by commas (wandb,tensorboard). A requeued or resumed run goes on
+    logging into the same tracker run (RUN/tracker.json holds its id); trainers/tracking.py says more."""
+    extend: bool = False
+    """Resume a checkpoint written under another --steps: the LR then goes on from the value the checkpoint was saved
+    with (its step k) down to min_lr_ratio × lr at the new --steps along a half cosine over steps k..steps (a
+    checkpoint still in warmup simply follows the plan for the new --steps: the warmup does not depend on it).
+    Without it a changed --steps is refused, since the cosine would be re-planned and the LR would jump."""
+
+    def trackers(self) -> tuple[str, ...]:
+        """--tracker's names in the order given, each once; jsonl among them or not (it is always written)."""
+        return tuple(dict.fromkeys(name.strip() for name in self.tracker.split(",") if name.strip()))
+
+    def lr_factor(self, world_size: int) -> float:
+        return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
+
+    def per_rank_batch(self, world_size: int) -> int:
+        if self.global_batch_size:
+            if self.global_batch_size % world_size:
+                raise ValueError(f"global_batch_size {self.global_batch_size} does not divide by the world size "
+                                 f"{world_size}")
+            return self.global_batch_size // world_size
+        return self.batch_size
+
+    def micro_batch(self, world_size: int) -> int:
+        per_rank = self.per_rank_batch(world_size)
+        if per_rank % self.grad_accum:
+            raise ValueError(f"the per-rank batch {per_rank} does not divide into grad_accum={self.grad_accum} "
+                             "micro-batches")
+        return per_rank // self.grad_accum
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # Settings that change what training computes: a checkpoint written under other values is refused.
+    RESUME_KEYS = ("batch_size", "global_batch_size", "grad_accum", "lr", "lr_scaling", "warmup_steps",
+                   "min_lr_ratio", "weight_decay", "grad_clip", "precision", "seed")
