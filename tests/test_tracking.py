@@ -23,6 +23,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
 from trainers import tracking
+from trainers.tracking import mlflow_run, wandb_run
 
 STEPS = 12
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--steps", str(STEPS), "--log-every", "1", "--ckpt-every", "3",
@@ -143,7 +144,7 @@ def test_mlflow_keeps_one_run_across_the_restart_written_by_rank_0_only(run: Pat
     assert runs[0].info.status == "FINISHED" and runs[0].info.run_name == "run"
     params = runs[0].data.params
     assert (params["trainer.steps"], params["trainer.tracker"], params["spec.name"]) == ("12", "wandb,mlflow", "lm")
-    assert all(len(value) <= tracking.PARAM_CHARS for value in params.values())  # longer ones: config.json only
+    assert all(len(value) <= mlflow_run.PARAM_CHARS for value in params.values())  # longer ones: config.json only
     artifacts = Path(urllib.parse.urlparse(runs[0].info.artifact_uri).path)
     config = json.loads((artifacts / "config.json").read_text())
     assert config["trainer"]["steps"] == STEPS and config["spec"]["name"] == "lm"
@@ -257,13 +258,13 @@ def test_a_failing_tracker_is_turned_off_with_one_line_and_training_goes_on(
 
 def test_wandb_goes_offline_only_when_nothing_says_how_to_reach_it(tmp_path: Path) -> None:
     home = {"HOME": str(tmp_path)}
-    assert tracking.wandb_mode(home) == "offline"
-    assert tracking.wandb_mode({**home, "WANDB_MODE": "online"}) is None
-    assert tracking.wandb_mode({**home, "WANDB_API_KEY": "k" * 40}) is None
+    assert wandb_run.wandb_mode(home) == "offline"
+    assert wandb_run.wandb_mode({**home, "WANDB_MODE": "online"}) is None
+    assert wandb_run.wandb_mode({**home, "WANDB_API_KEY": "k" * 40}) is None
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
     (tmp_path / ".netrc").chmod(0o600)
-    assert tracking.wandb_mode(home) is None  # `wandb login` wrote it
-    assert tracking.wandb_mode({**home, "WANDB_BASE_URL": "https://wandb.example.org"}) == "offline"
+    assert wandb_run.wandb_mode(home) is None  # `wandb login` wrote it
+    assert wandb_run.wandb_mode({**home, "WANDB_BASE_URL": "https://wandb.example.org"}) == "offline"
 
 
 def test_tensorboard_shows_the_resumed_starts_values_from_its_step_on(tmp_path: Path) -> None:
