@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcjobs.jobs import FOLDER_STATES, last_step, restart_count, status_of
+from hpcjobs.protocol.atomic import replacing
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.paths import refuse_output
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
@@ -299,12 +300,10 @@ def plot(rows: Sequence[Row], out_path: str | os.PathLike[str], force: bool = Fa
 
 
 def save_atomic(fig: Figure, path: Path, fmt: str) -> Path:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, format=fmt)
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            fig.savefig(tmp, format=fmt)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise RuntimeFailure(f"could not write the plot {path} ({e.strerror or e}).",
                              "pick a writable path for --plot.") from None
     return path

@@ -3,13 +3,12 @@ backend, record the job. Everything they need was decided by the pure spec and r
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
 from hpcjobs.backends.common import check_run_folder
+from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.errors import RuntimeFailure
 from hpcjobs.protocol.paths import refuse_output
 from hpcjobs.snapshot import materialize
@@ -19,20 +18,13 @@ from hpcjobs.store import JobRecord, JobStore
 
 def write_script(script: Script, path: Path, force: bool = False) -> Path:
     """Write a rendered script (never over an existing file unless forced) and make the folders it needs."""
-    tmp: Path | None = None
     try:
-        refuse_output(path, force)
+        refuse_output(path, force)  # first: `.` or `/` has no name to write aside
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # after the checks: `.` or `/` has no name to take
-        tmp.write_text(script.text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
+        write_atomic(path, script.text, mode=0o755)  # nothing half-written stays behind, whatever fails
         for folder in script.folders:
             Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        with contextlib.suppress(OSError):  # nothing half-written stays behind, whatever failed
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
         raise RuntimeFailure(f"cannot write {e.filename or path} ({e.strerror}); nothing was written.",
                              "pick a writable folder for -o (and runs_dir in the profile).") from None
     return path

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hpcjobs.protocol.atomic import fsync_path, write_atomic
 from trainers.faults import maybe_die
 
 FINISHED = "FINISHED"
@@ -49,18 +50,6 @@ class CheckpointRef:
 
     def meta(self) -> dict[str, Any]:
         return json.loads((self.path / "meta.json").read_text())
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync_file(path)  # a directory opened read-only can be fsynced on Linux
 
 
 class _Crc32Off:
@@ -157,16 +146,16 @@ def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int) ->
     info = {"step": step, **meta}
     with full_disk_explained(root, tmp, step, 0):
         (tmp / "meta.json").write_text(json.dumps(info, sort_keys=True, default=str))
-        _fsync_file(tmp / "meta.json")
+        fsync_path(tmp / "meta.json")
         (tmp / FINISHED).write_text(f"{step}\n")
-        _fsync_file(tmp / FINISHED)
-        _fsync_dir(tmp)
+        fsync_path(tmp / FINISHED)
+        fsync_path(tmp)
     maybe_die("save-marked", step)
     final = root / f"step-{step}"
     if final.exists():  # the same step saved again (a stop request right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_path(root)
     maybe_die("save-renamed", step)
     prune(root, keep)
 
@@ -246,11 +235,7 @@ def read_best(root: Path) -> dict[str, Any] | None:
 def mark_best(root: Path, step: int, metric: str, value: float) -> None:
     """Name step-N as the best (rank 0, after it is committed): written aside, fsynced, renamed over best.json, so
     a kill leaves the old or the new record, and the checkpoint it names is always a finished one."""
-    tmp = root / f".{BEST}.tmp"
-    tmp.write_text(json.dumps({"step": step, "metric": metric, "value": value}))
-    _fsync_file(tmp)
-    os.replace(tmp, root / BEST)
-    _fsync_dir(root)
+    write_atomic(root / BEST, json.dumps({"step": step, "metric": metric, "value": value}), durable=True)
 
 
 def load_checkpoint(ref: CheckpointRef, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -314,6 +299,6 @@ def move_aside(root: Path, ref: CheckpointRef) -> Path:
         n += 1
         target = aside / f"{ref.path.name}.{n}"
     os.rename(ref.path, target)
-    _fsync_dir(root)
-    _fsync_dir(aside)
+    fsync_path(root)
+    fsync_path(aside)
     return target

@@ -12,13 +12,13 @@ missing safetensors package: `pip install 'hpcjobs[safetensors]'`) is one line w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from hpcjobs.protocol.atomic import replacing
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.paths import refuse_output
 from hpcjobs.protocol.runfolder import RunFolder
@@ -72,8 +72,7 @@ def check_output(out: Path, force: bool) -> None:
 
 def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:
     check_output(out, force)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
+    with replacing(out) as tmp:
         if out.suffix == ".safetensors":
             try:
                 from safetensors.torch import save_file
@@ -83,9 +82,6 @@ def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:
             save_file(state, str(tmp))
         else:
             torch.save(state, tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ResumeError
@@ -216,17 +216,7 @@ def trim_metrics(path: Path, step: int) -> int:
     keep = [line for line in lines if _at_or_before(line, step)]
     if len(keep) == len(lines):
         return 0
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, b"".join(keep), durable=True)
     return len(lines) - len(keep)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.states import FinalState
 
 JOB_ID, ARRAY_ID, TASK_INDEX = "%j", "%A", "%a"
@@ -143,9 +144,7 @@ class RunFolder:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, sort_keys=True))
 
 
 def append_jsonl(path: Path, obj: Any) -> None:
