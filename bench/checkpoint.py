@@ -5,7 +5,7 @@ of bytes in the same run (this machine drifts).
 Writes bench/results/checkpoint.json and prints a summary. Two parts:
   - single-file (`trainers.checkpoint.save_checkpoint`, what users' own scripts call), ~100 MB and ~500 MB of model +
     AdamW state. Target: median save / median dd ≤ 1.3.
-  - sharded (the shared trainer's `trainers.checkpointer`), 2 ranks under --strategy fsdp, ~500 MB in all
+  - sharded (the shared trainer's `trainers.checkpoint.sharded`), 2 ranks under --strategy fsdp, ~500 MB in all
     (`--sharded-mb`), each round: a foreground save (from the state dict on: what the trainer pays), the same bytes
     by dd, a background save, DCP's own `async_save` of the same tensors, and a load (bytes each rank read, from
     /proc/self/io, against the checkpoint's size). A background save is timed twice: what it blocks training (the
@@ -83,7 +83,7 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
 
     from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers import strategy
-    from trainers.checkpointer import Checkpointer, Parts, tensors_of
+    from trainers.checkpoint.sharded import Checkpointer, Parts, tensors_of
     from trainers.dist import distributed
 
     width = 2048

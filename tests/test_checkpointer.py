@@ -1,5 +1,5 @@
-"""The shared trainer's sharded checkpoints (trainers.checkpointer) in one process: a foreground and a background save
-load back exactly; the background one copies parameters only before the next update; a crafted `.metadata` is
+"""The shared trainer's sharded checkpoints (trainers.checkpoint.sharded) in one process: a foreground and a background
+save load back exactly; the background one copies parameters only before the next update; a crafted `.metadata` is
 refused without running its code; a checkpoint of another model is refused as such, not moved aside as corrupt."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
-from trainers.checkpointer import Checkpointer, Parts, flat, model_weights, tensors_of
+from trainers.checkpoint.sharded import Checkpointer, Parts, flat, model_weights, tensors_of
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 

@@ -60,7 +60,7 @@ SHARDED = r'''
 import sys, time, torch
 from pathlib import Path
 from trainers import checkpoint
-from trainers.checkpointer import Checkpointer, Parts, model_weights, tensors_of
+from trainers.checkpoint.sharded import Checkpointer, Parts, model_weights, tensors_of
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 root = Path(sys.argv[1]) / "checkpoints"

@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, hpcjobs
 from trainers import checkpoint
-from trainers.checkpointer import model_weights
+from trainers.checkpoint.sharded import model_weights
 
 STEPS = 12
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", str(STEPS), "--log-every", "1",

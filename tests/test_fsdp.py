@@ -17,7 +17,7 @@ from conftest import REPO, hpcjobs
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError
 from trainers import checkpoint, strategy
-from trainers.checkpointer import model_weights
+from trainers.checkpoint.sharded import model_weights
 from trainers.dist import DistContext, release_groups
 from trainers.distenv import DistEnv
 

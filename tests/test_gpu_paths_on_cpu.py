@@ -136,7 +136,7 @@ def test_a_rank_on_the_cpu_never_asks_cuda_for_its_rng_state(monkeypatch: pytest
     there, which opens a context on GPU 0 in every rank. Simulated: CUDA 'available', and any question to it fails."""
     import torch
 
-    from trainers.state import rng_state, set_rng_state
+    from trainers.checkpoint.state import rng_state, set_rng_state
 
     def no_cuda(*args: object) -> None:
         raise AssertionError("a rank on the CPU asked CUDA")
@@ -155,7 +155,7 @@ def test_a_background_save_waits_for_its_gpu_copies_once(monkeypatch: pytest.Mon
     state); it waits once, after queueing them all. Simulated: a 'cuda' device whose stream counts the waits."""
     import torch
 
-    from trainers.checkpointer import stage
+    from trainers.checkpoint.sharded import stage
 
     waits: list[object] = []
 

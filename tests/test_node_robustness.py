@@ -27,7 +27,7 @@ from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.trainconfig import TrainConfig
 from trainers import checkpoint
-from trainers.checkpointer import model_weights
+from trainers.checkpoint.sharded import model_weights
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 from trainers.task import Task
@@ -218,7 +218,7 @@ def test_after_a_kill_and_a_resume_metrics_hold_each_step_once(tmp_path: Path) -
 
 
 def test_trimming_metrics_drops_later_steps_and_a_torn_line(tmp_path: Path) -> None:
-    from trainers.resume import trim_metrics
+    from trainers.checkpoint.resume import trim_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
@@ -430,7 +430,7 @@ def test_extend_continues_the_schedule_from_the_saved_lr(tmp_path: Path) -> None
 
 
 def test_the_extended_schedule_is_exact_at_both_ends() -> None:
-    from trainers.resume import lr_lambda
+    from trainers.checkpoint.resume import lr_lambda
 
     cfg = TrainConfig(steps=12, warmup_steps=2, min_lr_ratio=0.1)
     old = lr_lambda(cfg)

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from hpcjobs.protocol.trainconfig import TrainConfig
+from trainers.checkpoint.state import Position
 from trainers.dist import DistContext
-from trainers.state import Position
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

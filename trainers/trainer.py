@@ -1,7 +1,8 @@
 """The shared trainer. Reads top to bottom: build the model under its strategy (ddp | fsdp), resume from the newest
 readable finished checkpoint, loop, stop (at the end, or at a checkpoint when asked to). What each part holds lives
-in its own module: the strategy (trainers.strategy), the saved parts and how they are written (trainers.checkpointer),
-the position and RNG streams (trainers.state), the data order (trainers.data), the logging (trainers.meter)."""
+in its own module: the strategy (trainers.strategy), the saved parts and how they are written
+(trainers.checkpoint.sharded), the position and RNG streams (trainers.checkpoint.state), the data order
+(trainers.data), the logging (trainers.meter)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,16 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, ResumeError
-from trainers import checkpoint, faults, perf, preemption, resume, startup, strategy
-from trainers.checkpointer import METADATA, Checkpointer, Parts, tensors_of
+from trainers import checkpoint, faults, perf, preemption, startup, strategy
+from trainers.checkpoint import resume
+from trainers.checkpoint.resume import Resumed, check_compatible, lr_lambda
+from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
+from trainers.checkpoint.state import Position, reseed, rng_state, seed_all, set_rng_state
 from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
 from trainers.logtee import Tee
 from trainers.meter import Meter
 from trainers.progress import summary
-from trainers.resume import Resumed, check_compatible, lr_lambda
-from trainers.state import Position, reseed, rng_state, seed_all, set_rng_state
 from trainers.task import Task
 
 __all__ = ["Meter", "ResumeError", "Training", "check_compatible", "default_optimizer", "lr_lambda", "rng_state",
@@ -37,7 +39,8 @@ __all__ = ["Meter", "ResumeError", "Training", "check_compatible", "default_opti
 
 WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 SETTLE_S = 60.0
-"""How long a failing start waits for its save in flight to commit before it ends (trainers.checkpointer.settle)."""
+"""How long a failing start waits for its save in flight to commit before it ends
+(trainers.checkpoint.sharded.settle)."""
 
 
 def log(ctx: DistContext, msg: str) -> None:

@@ -21,7 +21,7 @@ import yaml
 from conftest import REPO, TESTCLUSTER, hpcjobs, on_every_node, slurm, wait_for_state
 from hpcjobs.protocol.runfolder import RunFolder
 from trainers import checkpoint
-from trainers.checkpointer import model_weights
+from trainers.checkpoint.sharded import model_weights
 
 pytestmark = pytest.mark.cluster
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}

@@ -19,7 +19,7 @@ class Position:
     epoch: int = 0
     micro: int = 0
     """Micro-batches this rank has read of the epoch. The same count at any world size means the same samples
-    consumed, since a --reshard keeps the global batch (trainers.resume.check_layout)."""
+    consumed, since a --reshard keeps the global batch (trainers.checkpoint.resume.check_layout)."""
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
