@@ -129,7 +129,7 @@ def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     # The big job: once it trains, an outside requeue gives it a restart 1 to follow.
     run = Path(json.loads(user.run("hpcjobs status 4242 --json").stdout)["run_dir"])
     wait_for(lambda: (run / "heartbeat.json").exists(), "the 16-rank job to train")
-    slurm("scontrol", "requeue", job)
+    user.run("scontrol requeue 4242")  # docs/tutorial/preemption-and-resume.md: as a preemption would
     wait_for(lambda: (run / "logs" / "restart-1" / "rank-3.log").exists(), "restart 1")
     assert "restarts:    1" in user.run("hpcjobs status 4242").stdout
     follow = user.start("hpcjobs logs 4242 --rank 3 --restart 1 --follow")
