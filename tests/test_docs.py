@@ -8,6 +8,7 @@ import ast
 import re
 
 import readme_quickstart
+import yaml
 from doccommands import RUN_ELSEWHERE, commands_of, doc_commands, pages
 
 from conftest import REPO
@@ -42,6 +43,21 @@ def test_the_readme_is_short_and_leads_to_the_docs() -> None:
     assert linked and missing == []
 
 
+
+
+def nav_pages(nav: list) -> list[str]:
+    found: list[str] = []
+    for item in nav:
+        value = next(iter(item.values())) if isinstance(item, dict) else item
+        found += nav_pages(value) if isinstance(value, list) else [value]
+    return found
+
+
+def test_every_page_is_on_the_sites_nav_once() -> None:
+    """mkdocs build --strict (tests/run_all.sh) says the same, with the links; this says it in a second."""
+    nav = nav_pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
+    on_disk = sorted(str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md"))
+    assert sorted(nav) == on_disk
 
 
 def test_no_page_keeps_a_dated_result() -> None:
