@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q --upgrade --force-reinstall --no-deps . >/dev/null
-.venv/bin/pip install -q . '.[dev]' >/dev/null   # the dependencies (torch is already satisfied)
+.venv/bin/pip install -q . '.[dev,docs]' >/dev/null   # the dependencies (torch is already satisfied)
 # The wheel, installed in a fresh virtual environment outside the repo (the cluster's namespaces reach no index,
 # so this happens here); tests/cluster/test_submit_cluster.py renders and submits from it.
 export HPCJOBS_WHEEL_VENV=${HPCJOBS_WHEEL_VENV:-/tmp/hpcjobs-wheel-venv}
@@ -26,9 +26,13 @@ echo "[run_all] environment ready in $((SECONDS - t0)) s"
 t2=$SECONDS
 .venv/bin/ruff check .
 .venv/bin/mypy
-echo "[run_all] ruff + mypy clean in $((SECONDS - t2)) s"
+# The docs site, strictly: a broken link or anchor, or a page left off the nav, fails here (mkdocs.yml). Not
+# --quiet: it hides the warnings from strict mode too, and a broken link passed.
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir /tmp/hpcjobs-site
+echo "[run_all] ruff + mypy + docs site clean in $((SECONDS - t2)) s"
 
-# The README's first command, as typed, in a fresh clone (here: the cluster's namespaces reach no package index).
+# The README's first command, as typed, in a fresh clone, then its "run it again" command (here: the cluster's
+# namespaces reach no package index).
 t3=$SECONDS
 "$PY" tests/readme_quickstart.py /tmp/hpcjobs-quickstart
 echo "[run_all] README quickstart as typed in $((SECONDS - t3)) s"

@@ -1,4 +1,4 @@
-"""The profile schema read off its dataclasses, the README's key table generated from it, and the profile limits:
+"""The profile schema read off its dataclasses, the docs' key table generated from it, and the profile limits:
 an empty file, a key given twice, a huge, binary or unreadable file, absurd numbers and lengths. Each is refused
 as one ProfileError line (exit 2 through the console script, nothing submitted)."""
 
@@ -98,10 +98,9 @@ def test_the_table_shows_defaults_docs_and_bounds() -> None:
     assert rows["setup"].startswith("| `setup` | `[]` |")
 
 
-def test_readme_holds_exactly_the_reference_table() -> None:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Profiles", 1)[1].split("\n## ", 1)[0]
-    assert f"\n\n{reference_table()}\n" in section, "README's profile table is stale: paste reference_table()"
+def test_the_docs_hold_exactly_the_reference_table() -> None:
+    page = (REPO / "docs" / "reference" / "profiles.md").read_text()
+    assert f"\n\n{reference_table()}\n" in page, "docs/reference/profiles.md's table is stale: paste reference_table()"
 
 
 def test_every_number_has_bounds() -> None:

@@ -132,9 +132,10 @@ def test_every_path_starts_ranks_through_the_guard() -> None:
     assert shlex.split(submitit_python(spec)) == [*guard, "$HPCJOBS_PYTHON"]  # found after the setup
 
 
-def test_the_readme_shows_the_script_as_rendered_today() -> None:
+def test_the_docs_show_the_script_as_rendered_today() -> None:
     golden = (GOLDEN / "testcluster-2x8.sbatch").read_text()
-    assert f"```bash\n{golden}```" in (REPO / "README.md").read_text(), "README's rendered script is stale"
+    page = REPO / "docs" / "reference" / "rendered-script.md"
+    assert f"```bash\n{golden}```" in page.read_text(), f"{page.relative_to(REPO)}'s rendered script is stale"
 
 
 def test_gloo_takes_the_nccl_interface_unless_named() -> None:

@@ -1,15 +1,15 @@
-"""The README as a contract: every command in its fenced blocks runs as written, on the test cluster or this machine.
+"""The docs as a contract: every command in the fenced shell blocks of the README and of docs/ runs as written, on
+the test cluster (here) or this machine (the quickstart's, by tests/readme_quickstart.py).
 
-Substitutions, as the README states them ("The README as typed"): `mysite` is the profile the README copies into
-~/.config/hpcjobs/profiles/ (HOME is a fresh folder here), edited, as the README says, into the test cluster's;
-`4242` is the job the block submitted; `...` is the request named in SUBSTITUTED; `train.py` and `mypkg.train` are
-stand-in scripts of the user's (here: a few lines that check their environment). `bash tests/run_all.sh` is the
-command that runs this test, so it is the one command not run here.
+Substitutions, as docs/testing.md states them ("The docs as typed"): `mysite` is the profile the docs copy into
+~/.config/hpcjobs/profiles/ (HOME is a fresh folder here), edited, as they say, into the test cluster's; `4242` is
+the job the block submitted; `...` is the request named in SUBSTITUTED; `train.py` and `mypkg.train` are stand-in
+scripts of the user's (here: a few lines that check their environment). The commands run elsewhere are
+doccommands.RUN_ELSEWHERE's and the quickstart's; tests/test_docs.py fails on a command that has no case here.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from doccommands import python_block
 
 from conftest import BIN, REPO, slurm, wait_for_state
 
 pytestmark = pytest.mark.cluster
-README = (REPO / "README.md").read_text()
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 SUBSTITUTED = {
@@ -37,10 +37,6 @@ SUBSTITUTED = {
                                           "trainers.tasks.lm",
     "hpcjobs submit ... ENTRY --help": "hpcjobs submit --profile mysite trainers.tasks.lm --help",
 }
-NOT_RUN_HERE = {
-    "bash tests/run_all.sh",  # it runs this test
-}
-RUN_BY_RUN_ALL = "python3 -m venv .venv"  # the quickstart: tests/readme_quickstart.py, outside the namespaces
 
 
 @pytest.fixture(autouse=True)
@@ -53,25 +49,8 @@ def _cancel_what_the_test_queued() -> Iterator[None]:
         slurm("scancel", *left, check=False)
 
 
-def readme_commands() -> list[str]:
-    """Every command line of the README's bash blocks (the rendered script excepted), comments dropped."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
-        if block.startswith("#!/bin/bash"):
-            continue
-        for line in block.splitlines():
-            command = re.sub(r"\s+#.*$", "", line).strip()
-            if command and not command.startswith("#"):
-                commands.append(command)
-    return commands
-
-
-def readme_task() -> str:
-    return next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if b.startswith("# mytask.py"))
-
-
 class User:
-    """A shell in a fresh folder with a fresh HOME, running the README's commands as typed."""
+    """A shell in a fresh folder with a fresh HOME, running the docs' commands as typed."""
 
     def __init__(self, root: Path) -> None:
         self.cwd, self.home = root / "work", root / "home"
@@ -122,15 +101,6 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> 
 STAND_IN = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n"
 
 
-def test_every_readme_command_has_a_case() -> None:
-    """A command added to the README without a case here fails this test (the cases are below, by their text)."""
-    tree = ast.parse(Path(__file__).read_text())  # adjacent string literals arrive joined
-    cases = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-    missing = [c for c in readme_commands()
-               if c not in NOT_RUN_HERE and not c.startswith(RUN_BY_RUN_ALL) and c not in cases]
-    assert missing == []
-
-
 def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     user = User(tmp_path)
     (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
@@ -159,7 +129,7 @@ def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     # The big job: once it trains, an outside requeue gives it a restart 1 to follow.
     run = Path(json.loads(user.run("hpcjobs status 4242 --json").stdout)["run_dir"])
     wait_for(lambda: (run / "heartbeat.json").exists(), "the 16-rank job to train")
-    slurm("scontrol", "requeue", job)
+    user.run("scontrol requeue 4242")  # docs/tutorial/preemption-and-resume.md: as a preemption would
     wait_for(lambda: (run / "logs" / "restart-1" / "rank-3.log").exists(), "restart 1")
     assert "restarts:    1" in user.run("hpcjobs status 4242").stdout
     follow = user.start("hpcjobs logs 4242 --rank 3 --restart 1 --follow")
@@ -176,11 +146,11 @@ def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
 
 
 def test_own_task_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
-    """The README's mytask.py, submitted to the cluster and run under torchrun, as typed."""
+    """The docs' mytask.py (docs/tutorial/own-task.md), submitted to the cluster and run under torchrun, as typed."""
     user = User(tmp_path)
     (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
     user.edit_mysite(shared_tmp / "runs")
-    (user.cwd / "mytask.py").write_text(readme_task())
+    (user.cwd / "mytask.py").write_text(python_block("# mytask.py"))
     job = user.job = job_id(user.run("hpcjobs submit --profile mysite --nodes 2 --gpus 8 mytask --steps 2000 "
                                      "--batch-size 32 --lr-scaling sqrt"))
     run = Path(json.loads(user.run("hpcjobs status 4242 --json").stdout)["run_dir"])
@@ -198,7 +168,7 @@ def test_own_task_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
 
 
 def test_sweep_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
-    """The README's sweep: a 4-point array, two tasks at once, then status and compare of the whole array."""
+    """The docs' sweep (docs/how-to/sweeps.md): a 4-point array, two tasks at once, then status and compare."""
     user = User(tmp_path)
     (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
     user.edit_mysite(shared_tmp / "runs")
