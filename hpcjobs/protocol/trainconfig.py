@@ -12,8 +12,9 @@ from typing import Any
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
 LR_SCALING = ("none", "linear", "sqrt")
-TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
-"""--tracker's names; metrics.jsonl is written whichever are given (trainers/tracking.py has the others)."""
+TRACKERS: dict[str, str | None] = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""--tracker's names, each with the package it needs (its pip extra of hpcjobs has the tracker's name). metrics.jsonl
+(jsonl) is the Meter's own and always written; every other tracker NAME is trainers/tracking/NAME_run.py."""
 
 
 @dataclass(frozen=True)

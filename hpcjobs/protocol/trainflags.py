@@ -55,7 +55,7 @@ def trainer_help(defaults: dict[str, Any] | None = None) -> str:
 # have become --warmup-steps).
 
 CHOICES: dict[str, tuple[str, ...]] = {"precision": PRECISIONS, "lr_scaling": LR_SCALING, "strategy": STRATEGIES}
-MULTI_CHOICES: dict[str, tuple[str, ...]] = {"tracker": TRACKERS}
+MULTI_CHOICES: dict[str, tuple[str, ...]] = {"tracker": tuple(TRACKERS)}
 """Settings that take one or more of their choices, joined by commas."""
 CHOICE_HINTS = {
     "precision": "auto picks bf16 on GPUs that have it and fp32 elsewhere; fp16 adds a GradScaler.",

@@ -51,14 +51,13 @@ answer holds that one log call for mlflow's HTTP retries first (MLFLOW_HTTP_REQU
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from hpcjobs.protocol.runfolder import RunFolder
-from trainers.tracking.common import Backend, Guarded, Job, TrackerFile, TrackerUnavailable, reason_of, require, say
-from trainers.tracking.mlflow_run import MlflowTracker
-from trainers.tracking.tensorboard_run import TensorBoardTracker
-from trainers.tracking.wandb_run import WandbTracker
+from hpcjobs.protocol.trainconfig import TRACKERS
+from trainers.tracking.common import Guarded, Job, TrackerFile, TrackerUnavailable, reason_of, require, say
 
 __all__ = ["Guarded", "Tracker", "TrackerFile", "TrackerUnavailable", "open_trackers", "require"]
 
@@ -87,26 +86,16 @@ def open_trackers(names: tuple[str, ...] | list[str], run: RunFolder, config: di
     run_config = {"spec": job.spec, "trainer": config}
     opened: list[Tracker] = []
     for name in names:
-        make = _makers(start_step).get(name)
-        if make is None:
+        if TRACKERS.get(name) is None:  # jsonl: the Meter's own
             continue
+        module = importlib.import_module(f"trainers.tracking.{name}_run")
         try:
-            backend = make(run, state, job, run_config)
+            backend = module.open_run(run, state, job, run_config, start_step)
         except TrackerUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 - a tracker never stops training
             say(f"tracker {name} could not start ({reason_of(e)}); it is off for this start, metrics.jsonl has every "
                 "record")
             continue
-        opened.append(Guarded(name, backend, state, once=name != "tensorboard"))
+        opened.append(Guarded(name, backend, state, once=module.LOGS_ONCE))
     return opened
-
-
-Maker = Callable[[RunFolder, TrackerFile, Job, dict[str, Any]], Backend]
-
-
-def _makers(start_step: int) -> dict[str, Maker]:
-    def tensorboard(run: RunFolder, state: TrackerFile, job: Job, config: dict[str, Any]) -> Backend:
-        return TensorBoardTracker(run, state, job, config, start_step)
-
-    return {"wandb": WandbTracker, "mlflow": MlflowTracker, "tensorboard": tensorboard}

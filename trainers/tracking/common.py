@@ -13,9 +13,6 @@ from hpcjobs.protocol.runfolder import RunFolder, read_json, write_json_atomic
 from hpcjobs.protocol.trainconfig import TRACKERS
 from hpcjobs.protocol.trainflags import ConfigError
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-"""Each tracker's module, whose absence `require` reports; its pip extra of hpcjobs has the tracker's name."""
-
 
 class TrackerUnavailable(ConfigError):
     """A tracker asked for whose package this Python lacks: one line, the pip extra that installs it."""
@@ -31,7 +28,7 @@ def require(names: tuple[str, ...] | list[str]) -> None:
     """Raise TrackerUnavailable for the first tracker in `names` whose package is not installed. Finds the module
     without importing it: every rank calls this, and only rank 0 imports."""
     for name in names:
-        module = PACKAGES.get(name)
+        module = TRACKERS.get(name)
         if module is not None and not _installed(module):
             raise _unavailable(name, module)
 
@@ -45,7 +42,8 @@ def _installed(module: str) -> bool:
 
 def import_package(name: str) -> Any:
     """The tracker's package, or TrackerUnavailable when it cannot be imported."""
-    module = PACKAGES[name]
+    module = TRACKERS[name]
+    assert module is not None, name
     try:
         return importlib.import_module(module)
     except ImportError as e:

@@ -104,3 +104,12 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         if len(text) <= PARAM_CHARS and len(name) <= 250:
             out[name] = text
     return out
+
+
+LOGS_ONCE = True
+"""Whether a step already in the tracker's run is left out on a resume (mlflow keeps both values of a step)."""
+
+
+def open_run(run: RunFolder, state: TrackerFile, job: Job, config: dict[str, Any],
+             start_step: int) -> MlflowTracker:
+    return MlflowTracker(run, state, job, config)

@@ -32,3 +32,13 @@ class TensorBoardTracker:
 
     def close(self, finished: bool) -> None:
         self.writer.close()
+
+
+LOGS_ONCE = False
+"""Whether a step already in the tracker's run is left out on a resume (TensorBoard hides an earlier start's events
+from the resumed step on: purge_step)."""
+
+
+def open_run(run: RunFolder, state: TrackerFile, job: Job, config: dict[str, Any],
+             start_step: int) -> TensorBoardTracker:
+    return TensorBoardTracker(run, state, job, config, start_step)

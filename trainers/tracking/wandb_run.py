@@ -80,3 +80,13 @@ def wandb_mode(environ: Mapping[str, str]) -> str | None:
 def wandb_project(name: str) -> str:
     """W&B refuses project names with /, \\, #, ?, %, : and over 128 characters."""
     return re.sub(r"[/\\#?%:\s]+", "-", name)[:128] or "hpcjobs"
+
+
+LOGS_ONCE = True
+"""Whether a step already in the tracker's run is left out on a resume (a step below the run's current one is
+dropped by wandb)."""
+
+
+def open_run(run: RunFolder, state: TrackerFile, job: Job, config: dict[str, Any],
+             start_step: int) -> WandbTracker:
+    return WandbTracker(run, state, job, config)
