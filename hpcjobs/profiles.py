@@ -17,7 +17,7 @@ The schema is the dataclass: each YAML key is a field of `ClusterProfile` (the `
   max_items  the most entries of a list or mapping (default MAX_ITEMS)
   shown      the default as the reference table shows it, where the value itself says little (None)
   key        False for a field the loader fills in, never read from the file
-The validator and `reference_table()` (the README's key table) are both read off the fields.
+The validator and `reference_table()` (docs/reference/profiles.md's key table) are both read off the fields.
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def _rows(cls: type, prefix: str = "") -> list[str]:
 
 
 def reference_table() -> str:
-    """The Markdown table of every profile key (| key | default | meaning |), as the README's "Profiles" shows it."""
+    """The Markdown table of every profile key (| key | default | meaning |), as docs/reference/profiles.md shows it."""
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(ClusterProfile)]) + "\n"
 
 

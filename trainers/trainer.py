@@ -205,7 +205,7 @@ class Training:
         self.pos = Position(**found.shared["position"])
         if found.mine:
             set_rng_state(found.mine["rng"], ctx.device)
-        else:  # resharded: the saved streams belong to other ranks (README, "Resharding")
+        else:  # resharded: the saved streams belong to other ranks (docs/how-to/fsdp.md, "Resharding")
             reseed(cfg.seed, ctx.rank, self.pos.step)
         resharded = "" if found.mine else f", resharded from {found.meta.get('world_size')} ranks"
         log(ctx, f"resumed from {found.ref.path} (step {self.pos.step}, epoch {self.pos.epoch}, micro-batch "

@@ -136,7 +136,7 @@ IN_CI = {("ddp", "scontrol-requeue", "submit"), ("ddp", "scancel-signal", "submi
          *(("fsdp", t, p) for t in ("preemption", "time-limit") for p in ("submit", "sbatch"))}
 """The rendered-sbatch path shares every line of the node side with the submit path, and both strategies share the
 preemption protocol; CI runs the issues' must-show cases (a real preemption and the time limit, both paths, fsdp)
-and the other triggers once; the rest run with `-m slow` (see the README)."""
+and the other triggers once; the rest run with `-m slow` (see docs/testing.md)."""
 CASES = [pytest.param(s, t, p, marks=[] if (s, t, p) in IN_CI else [pytest.mark.slow], id=f"{s}-{t}-{p}")
          for s in ("ddp", "fsdp") for p in ("submit", "sbatch") for t in TRIGGERS]
 

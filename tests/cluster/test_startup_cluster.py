@@ -1,6 +1,6 @@
 """The short version of bench/startup.py that CI runs: 2 nodes, the submit path, cold and after a requeue. Every
 rank writes its start-up line, the stages come in order, and the requeued start resumes. The 2-16 node sweep and its
-figures are `bench/startup.py` (README, "Start-up as nodes grow")."""
+figures are `bench/startup.py` (bench/README.md, "Start-up as nodes grow")."""
 
 from __future__ import annotations
 

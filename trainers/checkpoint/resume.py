@@ -122,7 +122,7 @@ def check_layout(meta: dict[str, Any], cfg: TrainConfig, world: int, where: str)
         raise ResumeError(f"checkpoint {where} was written by {was}, this run has {now}; the data order and per-rank "
                           f"RNG states would not continue exactly. HINT: resume with {saved_world} ranks and "
                           f"--strategy {saved.get('strategy', 'ddp')}, add --reshard to load it anyway (weights, "
-                          "optimizer and step exactly; see the README), or start a new --run-dir.")
+                          "optimizer and step exactly; see docs/how-to/fsdp.md#resharding), or start a new --run-dir.")
     saved_global = saved.get("global_batch_size") or saved.get("batch_size", 0) * saved_world
     now_global = cfg.per_rank_batch(world) * world
     if saved_global != now_global:
