@@ -90,7 +90,9 @@ def sbatch_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> P
     folder = tmp_path / "shim"
     folder.mkdir(exist_ok=True)
     (folder / "sbatch").write_text(f"#!/bin/sh\n{body}")
-    (folder / "sbatch").chmod(0o755)
+    (folder / "srun").write_text("#!/bin/sh\necho 'the test shim has no srun' >&2; exit 1\n")  # submitit looks for it
+    for name in ("sbatch", "srun"):
+        (folder / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
     return folder
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, hpcjobs, sbatch_shim
+from conftest import BIN, REPO, hpcjobs, sbatch_shim
 
 GOOD = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
 
@@ -215,6 +215,22 @@ def test_sbatch_refusal_is_a_runtime_failure(tmp_path: Path, sbatch_log: Path) -
     assert out.returncode == 1, out.stderr
     assert "sbatch refused the job" in out.stderr and "HINT:" in out.stderr
     runs = tmp_path / "runs"  # no run folder (the code snapshot may stay: another submission may share it)
+    assert not runs.exists() or [p.name for p in runs.iterdir()] in ([], [".snapshots"])
+    assert hpcjobs("list", "--json").stdout.strip() == "[]"
+
+
+def test_submit_where_slurm_is_not_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without Slurm's clients (a laptop, a container): one line naming them and `render` as the way on,
+    nothing queued or recorded; it was submitit's 'Could not detect "srun"' traceback. The PATH holds only this
+    Python's folder, so whatever this machine has installed does not decide the outcome."""
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({**GOOD, "runs_dir": str(tmp_path / "runs")}))
+    monkeypatch.setenv("PATH", str(BIN))
+    out = hpcjobs("submit", "--profile", str(prof), "trainers.tasks.lm", cwd=REPO)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "sbatch and srun not found" in out.stderr
+    assert "hpcjobs render" in out.stderr
+    runs = tmp_path / "runs"
     assert not runs.exists() or [p.name for p in runs.iterdir()] in ([], [".snapshots"])
     assert hpcjobs("list", "--json").stdout.strip() == "[]"
 

@@ -175,6 +175,11 @@ class SlurmBackend(RunFolderLogs):
         from hpcjobs.protocol.nodecall import NodeEntry
 
         spec = request.spec
+        missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]  # submitit needs both, asks for srun
+        if missing:
+            raise RuntimeFailure(f"{' and '.join(missing)} not found on this machine's PATH: Slurm's client tools are "
+                                 "not here, so nothing was queued.", "submit from the cluster's login node, or write "
+                                 "the job with `hpcjobs render -o job.sbatch ...` and run `sbatch job.sbatch` there.")
         check_run_folder(spec.run_dir)
         created = False if has_pattern(spec.run_dir) else prepare_run_folder(spec, spec.run_dir)
         executor = submitit.SlurmExecutor(folder=submitit_folder(spec), python=submitit_python(spec),
