@@ -32,7 +32,7 @@ from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.protocol.states import FinalState
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from hpcjobs.protocol.trainflags import ConfigError
-from trainers import preemption, runlock, startup
+from trainers import integrations, preemption, runlock, startup
 from trainers.distenv import DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure
 from trainers.logtee import Tee
@@ -85,6 +85,7 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
 
         return run_task(entry, args, run, contract)
     sys.argv = [entry, *args]
+    integrations.install()  # a user's Trainer joins the stop protocol (HPCJOBS_HOOKS=0: left as it is)
     try:
         if kind == "script":
             sys.path.insert(0, os.path.dirname(entry))

@@ -1,0 +1,44 @@
+"""An unchanged Hugging Face Trainer script, as users write them: a tiny GPT-2 built from its config, token ids made
+here (no hub), a log line every step, the usual `get_last_checkpoint` resume, and work after `train()` (save_model,
+a record and a print) that must run once per finished training, never on a stop."""
+
+import argparse
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+p = argparse.ArgumentParser()
+p.add_argument("--output_dir", required=True)
+p.add_argument("--max_steps", type=int, default=40)
+p.add_argument("--save_steps", type=int, default=10)
+p.add_argument("--resume_from_checkpoint", default=None)
+args = p.parse_args()
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+training_args = TrainingArguments(
+    output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=4, logging_steps=1,
+    save_steps=args.save_steps, report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0,
+    dataloader_num_workers=0)
+trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
+last = args.resume_from_checkpoint
+if last is None and os.path.isdir(args.output_dir):
+    last = get_last_checkpoint(args.output_dir)
+trainer.train(resume_from_checkpoint=last)
+trainer.save_model(os.path.join(args.output_dir, "final"))
+if trainer.is_world_process_zero():
+    with open(os.path.join(args.output_dir, "after-train.txt"), "a") as f:
+        f.write("ran\n")
+    print("AFTER TRAIN", flush=True)

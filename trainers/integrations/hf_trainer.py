@@ -1,0 +1,160 @@
+"""`transformers.Trainer` under hpcjobs's stop protocol, with no line of the user's script changed.
+
+Attached when the script imports `transformers.trainer` (trainers/integrations/__init__.py):
+
+- Every `Trainer` gets one more callback. At each step end the ranks agree whether any of them was asked to stop
+  (StopGuard: the profile's signal, SIGTERM, Ctrl-C; one small all-reduce a step, the same agreement the shared
+  trainer uses). When one was, that step is saved by the Trainer itself (`checkpoint-N`: model, optimizer,
+  scheduler, scaler, RNG, trainer state) and training stops there: no evaluation, no other work.
+- After every save, periodic or not, each rank fsyncs the folder's files and, once all have, rank 0 writes
+  `hpcjobs-complete.json` into it (fsynced): only then is the checkpoint complete. A save that dies halfway leaves
+  its `.hpcjobs-pending` mark, written before the save began, and no completion mark.
+- After a stop's save, rank 0 requeues the job (on Slurm, when the stop came from the profile's signal) and every
+  rank exits: nothing after `trainer.train()` runs (no final save_model, evaluation or upload on a stop).
+- `train()` resumes the newest complete checkpoint of the output folder when it is given none. A checkpoint it is
+  given, or finds, that a save left incomplete (the pending mark without the completion mark) is moved aside to
+  `OUTPUT/incomplete/` with one line, and the newest complete one before it is used instead (Hugging Face's own
+  `get_last_checkpoint`, which scripts like run_clm.py call, picks the newest folder however it ended). A
+  checkpoint written without hpcjobs (neither mark) is taken as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from hpcjobs.protocol.atomic import fsync_path, write_atomic
+
+COMPLETE = "hpcjobs-complete.json"
+PENDING = ".hpcjobs-pending"
+ASIDE = "incomplete"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def attach(module: ModuleType) -> None:
+    """Wrap the module's Trainer (once): the callback in __init__, the resume in train()."""
+    trainer_cls = module.Trainer
+    if getattr(trainer_cls, "_hpcjobs_attached", False):
+        return
+    original_init, original_train = trainer_cls.__init__, trainer_cls.train
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self.add_callback(stop_callback())
+
+    @functools.wraps(original_train)
+    def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return original_train(self, resume_point(self.args.output_dir, resume_from_checkpoint), *args, **kwargs)
+
+    trainer_cls.__init__, trainer_cls.train = __init__, train
+    trainer_cls._hpcjobs_attached = True
+
+
+# --- which checkpoint a start resumes ------------------------------------------------------------------------------
+
+def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()] \
+        if output_dir.is_dir() else []
+    return sorted(found)
+
+
+def incomplete(folder: Path) -> bool:
+    return (folder / PENDING).exists() and not (folder / COMPLETE).exists()
+
+
+def resume_point(output_dir: str, given: Any) -> Any:
+    """What train() resumes from: `given` when it is a complete (or foreign) checkpoint or False, else the newest
+    complete checkpoint of the output folder (None: a fresh start). Incomplete ones are moved aside by rank 0."""
+    if given is False:
+        return given
+    if given not in (None, True) and not incomplete(Path(given)):
+        _say(f"resuming from {given}")
+        return given
+    root = Path(output_dir)
+    found = checkpoints(root)
+    newest = next((p for _, p in reversed(found) if not incomplete(p)), None)
+    bad = [p for _, p in found if incomplete(p)]
+    _barrier()  # every rank has chosen before rank 0 moves anything
+    if bad and _rank() == 0:
+        aside = root / ASIDE
+        aside.mkdir(exist_ok=True)
+        for p in bad:
+            target = aside / p.name
+            n = 0
+            while target.exists():
+                n += 1
+                target = aside / f"{p.name}.{n}"
+            os.rename(p, target)
+            _say(f"{p} was left incomplete by a save that did not finish; moved to {target}")
+    _barrier()
+    if newest is not None:
+        _say(f"resuming from {newest}")
+    return str(newest) if newest is not None else (None if given is True else given)
+
+
+# --- the callback ---------------------------------------------------------------------------------------------------
+
+def stop_callback() -> Any:
+    from transformers import TrainerCallback
+
+    from trainers.preemption import StopGuard
+
+    class StopAtAgreedStep(TrainerCallback):
+        """The stop protocol at the Trainer's step ends, and the completion mark after each save."""
+
+        def __init__(self) -> None:
+            self.guard = StopGuard()
+            self.stop_step: int | None = None
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+            if self.guard.should_stop():  # every rank, every step: the agreement is a collective
+                control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
+                self.stop_step = state.global_step
+            if control.should_save and _rank() == 0:
+                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / PENDING).touch()
+            return control
+
+        def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            mark_complete(folder, state.global_step)
+            if self.stop_step is not None:
+                self.guard.requeue_and_exit(state.global_step)
+            return control
+
+    return StopAtAgreedStep()
+
+
+def mark_complete(folder: Path, step: int) -> None:
+    """Every rank fsyncs what is in the folder (its own files among them); once all have, rank 0 writes the mark."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            fsync_path(path)
+    _barrier()
+    if _rank() == 0:
+        write_atomic(folder / COMPLETE, json.dumps({"step": step}), durable=True)
+        (folder / PENDING).unlink(missing_ok=True)
+    _barrier()
+
+
+def _say(line: str) -> None:
+    if _rank() == 0:
+        print(f"hpcjobs: {line}", flush=True)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _barrier() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
