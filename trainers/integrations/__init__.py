@@ -4,8 +4,8 @@ The launcher calls `install()` before it runs a user's script or module (never f
 import hook: when the script imports a library module named in HOOKS, the hook runs right after that module's own
 code and attaches hpcjobs (trainers/integrations/hf_trainer.py for `transformers.Trainer`). A script that imports
 none of them pays one dictionary lookup per import it makes (measured: 0.37 µs per import; `import torch` makes 1125,
-so 0.4 ms of a start that spends 2-4 s importing torch). `HPCJOBS_HOOKS=0` in the rank's environment (`hpcjobs submit --env HPCJOBS_HOOKS=0`)
-leaves every library as it is.
+so 0.4 ms of a start that spends 2-4 s importing torch). `HPCJOBS_HOOKS=0` in the rank's environment
+(`hpcjobs submit --env HPCJOBS_HOOKS=0`) leaves every library as it is.
 
 Torch-free: the hooks import nothing until the library itself is imported.
 """
