@@ -4,6 +4,7 @@ a record and a print) that must run once per finished training, never on a stop.
 
 import argparse
 import os
+import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -14,6 +15,7 @@ p.add_argument("--output_dir", required=True)
 p.add_argument("--max_steps", type=int, default=40)
 p.add_argument("--save_steps", type=int, default=10)
 p.add_argument("--resume_from_checkpoint", default=None)
+p.add_argument("--sample_seconds", type=float, default=0.0, help="slow data loading: each sample takes this long")
 args = p.parse_args()
 
 
@@ -22,6 +24,7 @@ class Tokens(torch.utils.data.Dataset):
         return 4096
 
     def __getitem__(self, i: int) -> dict:
+        time.sleep(args.sample_seconds)
         ids = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids}
 
