@@ -84,3 +84,6 @@ def test_an_incomplete_checkpoint_is_moved_aside_and_the_one_before_is_resumed(t
     assert hf_trainer.resume_point(str(out), None) == str(out / "checkpoint-10")
     assert hf_trainer.resume_point(str(out), str(out / "checkpoint-5")) == str(out / "checkpoint-5")  # written
     assert hf_trainer.resume_point(str(tmp_path / "none"), None) is None                             # elsewhere
+    with pytest.raises(SystemExit) as e:
+        hf_trainer.resume_point(str(out), str(tmp_path / "nowhere"))
+    assert e.value.code == 2 and "is not a folder" in capsys.readouterr().out

@@ -74,6 +74,10 @@ def resume_point(output_dir: str, given: Any) -> Any:
     complete checkpoint of the output folder (None: a fresh start). Incomplete ones are moved aside by rank 0."""
     if given is False:
         return given
+    if given not in (None, True) and not Path(given).is_dir():
+        _say(f"resume_from_checkpoint {given} is not a folder; valid: a checkpoint-N folder of a run, or none to "
+             f"resume the newest complete one of {output_dir}. HINT: check the path, or drop the flag")
+        raise SystemExit(2)  # on every rank: each was given the same path
     if given not in (None, True) and not incomplete(Path(given)):
         _say(f"resuming from {given}")
         return given
