@@ -20,7 +20,7 @@ import pytest
 from conftest import BIN, REPO, hpcjobs
 from hpcjobs.contract import LaunchContract, Preemption
 from hpcjobs.states import StopOutcome
-from trainers import checkpoint, preemption
+from trainers import checkpoint, standby
 
 PLAIN = """import os, sys, time
 from pathlib import Path
@@ -213,7 +213,7 @@ CAP = 3
 ])
 def test_what_the_profiles_signal_does_to_a_script_that_does_not_take_part(env: dict[str, str],
                                                                             outcome: StopOutcome) -> None:
-    assert preemption.unjoined_outcome(env, CAP) == outcome
+    assert standby.outcome(env, CAP) == outcome
 
 
 class Scontrol:
@@ -232,34 +232,34 @@ def test_rank_0_requeues_and_records_a_script_that_does_not_take_part(tmp_path: 
     contract = LaunchContract(run_dir=str(tmp_path), preemption=Preemption(signal="USR1", max_restarts=CAP))
     ok = Scontrol()
     env = {"SLURM_JOB_ID": "7", "RANK": "0", "HPCJOBS_RESTART": "1"}
-    assert preemption.act_unjoined(signal.SIGUSR1, contract, env, ok) == StopOutcome.REQUEUED
+    assert standby.act(signal.SIGUSR1, contract, env, ok) == StopOutcome.REQUEUED
     assert ok.calls == [["scontrol", "requeue", "7"]]
     stop = json.loads((tmp_path / "restarts.jsonl").read_text())
     assert (stop["stopped"], stop["signal"], stop["restart"], stop["saved_by_hpcjobs"]) == (
         "preemption", "SIGUSR1", 1, False)
     assert "requeued job 7; Slurm now stops the script" in capfd.readouterr().err
     refused = Scontrol(rc=1, err="Access denied")
-    assert preemption.act_unjoined(signal.SIGUSR1, contract, env, refused) == StopOutcome.CAP
+    assert standby.act(signal.SIGUSR1, contract, env, refused) == StopOutcome.CAP
     assert "requeue of job 7 failed (Access denied); the script runs on" in capfd.readouterr().err
     other = Scontrol()
-    assert preemption.act_unjoined(signal.SIGUSR1, contract, {**env, "RANK": "1"}, other) == StopOutcome.STOPPED
+    assert standby.act(signal.SIGUSR1, contract, {**env, "RANK": "1"}, other) == StopOutcome.STOPPED
     assert other.calls == []
     capped = Scontrol()
-    assert preemption.act_unjoined(signal.SIGUSR1, contract, {**env, "HPCJOBS_RESTART": "3"}, capped) == \
+    assert standby.act(signal.SIGUSR1, contract, {**env, "HPCJOBS_RESTART": "3"}, capped) == \
         StopOutcome.CAP
     assert capped.calls == [] and "restart cap 3 reached" in capfd.readouterr().err
     with pytest.raises(KeyboardInterrupt):
-        preemption.act_unjoined(signal.SIGUSR1, contract, {}, Scontrol())
+        standby.act(signal.SIGUSR1, contract, {}, Scontrol())
 
 
 STAND_BY = """import json, os, signal, sys
 from hpcjobs.contract import LaunchContract, Preemption
-from trainers import preemption
+from trainers import preemption, standby
 contract = LaunchContract(run_dir="", preemption=Preemption(signal=sys.argv[1]))
-preemption.stand_by(contract)
+standby.stand_by(contract)
 seen = {"term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-        "profile": signal.getsignal(preemption.signal_number(sys.argv[1])) is preemption._unjoined_handler,
+        "profile": signal.getsignal(preemption.signal_number(sys.argv[1])) is standby._handler,
         "joined": preemption.joined()}
 preemption.StopGuard(contract=contract)
 seen["after_guard"] = all(signal.getsignal(s) is preemption._handler for s in (signal.SIGTERM, signal.SIGINT))

@@ -34,7 +34,7 @@ from hpcjobs.contract import ContractError, LaunchContract
 from hpcjobs.runfolder import RunDirPatternError, RunFolder, append_jsonl
 from hpcjobs.states import FinalState, StopReason
 from hpcjobs.sweep import Point, as_args
-from trainers import preemption, runlock, startup
+from trainers import preemption, runlock, standby, startup
 from trainers.config import ConfigError, TaskArgError
 from trainers.distenv import COLLECTIVE_TIMEOUT, INIT_TIMEOUT, DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.logtee import Tee
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.kind == "task":  # after submitit's runner installed its own: ours replace them
         preemption.install(contract)  # the shared trainer takes part in the stop protocol from its start
     else:
-        preemption.stand_by(contract)  # a user's entry joins only if it makes a StopGuard: defaults until then
+        standby.stand_by(contract)  # a user's entry joins only if it makes a StopGuard: its signals' usual meaning
     refused = claim_run_folder(run, env)
     if refused is not None:
         return refused

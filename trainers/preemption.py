@@ -40,7 +40,6 @@ from hpcjobs.states import FinalState, StopOutcome, StopReason
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
 _joined: list[bool] = []  # non-empty once install() ran: the entry takes part in the protocol
-_unjoined_contract: list[LaunchContract] = []  # set by stand_by(): what _unjoined_handler reads
 # Set by install(): (when to stop if no signal came, job id, seconds_before); empty when no time limit is known.
 _deadline: list[tuple[float, str, int]] = []
 EARLY_SIGNAL_S = 75
@@ -82,80 +81,10 @@ def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> l
     return nums
 
 
-def stand_by(contract: LaunchContract) -> None:
-    """The signals of a rank whose entry has not asked for the protocol (yet): a user's script or module until it
-    makes a StopGuard (`install`), maybe never. Nothing would ever look at the flag, so SIGTERM keeps its default
-    meaning (the rank started with it ignored, see `hpcjobs.render.signal_guard`: the kernel ends the rank at once,
-    even inside a collective) and SIGINT its Python one (KeyboardInterrupt; untouched here). The profile's signal,
-    whose default would kill the rank, gets `_unjoined_handler`: under Slurm rank 0 requeues the job and Slurm then
-    stops the script, elsewhere it stops the script as Ctrl-C does. A profile whose signal is TERM or INT leaves
-    both at their defaults: a scancel cannot be told from a warning there."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    num = signal_number(contract.preemption.signal)
-    if num not in (signal.SIGTERM, signal.SIGINT):
-        _unjoined_contract[:] = [contract]
-        signal.signal(num, _unjoined_handler)
-
-
 def joined() -> bool:
-    """Whether this rank's entry takes part in the protocol (the shared trainer, or a StopGuard was made)."""
+    """Whether this rank's entry takes part in the protocol (the shared trainer, or a StopGuard was made); until
+    then a user's script stands by with the usual meaning of its signals (trainers.standby)."""
     return bool(_joined)
-
-
-def unjoined_outcome(env: Mapping[str, str], cap: int) -> StopOutcome:
-    """What the profile's signal does to a rank that does not take part in the protocol: LOCAL (no Slurm job: stop
-    the script now, as Ctrl-C would), REQUEUED (rank 0 requeues, then Slurm stops every rank with SIGTERM and starts
-    the job again: a script that saves on its own goes on from its save instead of ending TIMEOUT), STOPPED (another
-    rank under Slurm: rank 0 acts for the job) or CAP (rank 0 past the restart cap: the script runs on until Slurm
-    ends the job)."""
-    outcome = decide(StopReason.PREEMPTION, env.get("SLURM_JOB_ID", ""), int(env.get("HPCJOBS_RESTART", "0")), cap)
-    if outcome != StopOutcome.LOCAL and env.get("RANK", "0") != "0":
-        return StopOutcome.STOPPED
-    return outcome
-
-
-def _unjoined_handler(signum: int, frame: Any) -> None:
-    """The profile's signal in a rank that does not take part (see `stand_by`). A Python-level handler (it runs in
-    the main thread between bytecodes), so it may run scontrol and write files; its lines go to fd 2 unbuffered,
-    since the interrupted code may be inside a print."""
-    _requested.append((signum, time.time()))
-    if len(_requested) == 1 or "SLURM_JOB_ID" not in os.environ:  # under Slurm, the job is requeued once
-        act_unjoined(signum, _unjoined_contract[0])
-
-
-def act_unjoined(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = None,
-                 runner: Callable[..., Any] = subprocess.run) -> StopOutcome:
-    """What `_unjoined_handler` does, callable from tests; raises KeyboardInterrupt for LOCAL."""
-    env = os.environ if env is None else env
-    outcome = unjoined_outcome(env, contract.preemption.max_restarts)
-    name = signal.Signals(signum).name
-    if outcome == StopOutcome.LOCAL:
-        raise KeyboardInterrupt  # the launcher says what happened, once the script has unwound
-    if outcome == StopOutcome.STOPPED:
-        return outcome
-    job_id = env.get("SLURM_JOB_ID", "")
-    why = stop_reason(contract, env) or StopReason.PREEMPTION
-    nothing = ("this script does not use hpcjobs's stop protocol (StopGuard), so hpcjobs saved nothing: it goes on "
-               "only from what it saved itself")
-    if outcome == StopOutcome.CAP:
-        _say(f"hpcjobs: {name} ({why}): restart cap {contract.preemption.max_restarts} reached, not requeuing job "
-             f"{job_id}; the script runs on until Slurm ends the job ({nothing})")
-        return outcome
-    err = requeue_job(job_id, runner)
-    if err:
-        _say(f"hpcjobs: {name} ({why}): requeue of job {job_id} failed ({err}); the script runs on until Slurm ends "
-             f"the job")
-        return StopOutcome.CAP
-    if contract.run_dir != NO_RUN_FOLDER:
-        RunFolder(contract.run_dir).record_stop(str(why), -1, int(env.get("HPCJOBS_RESTART", "0")), signal=name,
-                                                saved_by_hpcjobs=False)
-    _say(f"hpcjobs: {name} ({why}): requeued job {job_id}; Slurm now stops the script and starts the job again "
-         f"({nothing})")
-    return outcome
-
-
-def _say(line: str) -> None:
-    os.write(2, f"{line}\n".encode())
 
 
 def ignore_from_now(contract: LaunchContract) -> None:
@@ -207,7 +136,6 @@ def reset() -> None:
     _requested.clear()
     _deadline.clear()
     _joined.clear()
-    _unjoined_contract.clear()
 
 
 def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None,

@@ -93,7 +93,7 @@ def device_slice(slot: int, ranks: int, environ: dict[str, str]) -> dict[str, st
 
 
 def stop_note(kind: str) -> str:
-    """What the profile's signal does to the ranks of an entry of this kind (trainers.preemption.stand_by): the
+    """What the profile's signal does to the ranks of an entry of this kind (trainers.standby): the
     shared trainer always takes part in the stop protocol; a user's script only once it made a StopGuard."""
     if kind == "task":
         return "every rank commits a checkpoint at the next step, then exits"

@@ -1,0 +1,104 @@
+"""The signals of a rank whose entry has not joined the stop protocol: a user's script or module until it makes a
+StopGuard (`trainers.preemption.install`), maybe never. Nothing in such a script looks at the protocol's flag, so
+a flag-only handler swallowed every signal (Ctrl-C printed "every rank commits a checkpoint" and training went on,
+`hpcjobs cancel` left the job RUNNING, ranks orphaned under `| tee` ignored kill). Here the signals keep their usual
+meaning, and the profile's signal, which only hpcjobs asked Slurm to send, does what the job needs:
+
+  SIGTERM   its default: the kernel ends the rank at once, even inside a collective (the rank started with it
+            ignored, see `hpcjobs.render.signal_guard`; a scancel, `hpcjobs cancel`, the launcher's death).
+  SIGINT    Python's (KeyboardInterrupt), untouched.
+  profile's under Slurm rank 0 requeues the job (the restart cap as the protocol has it) and Slurm's SIGTERM then
+            stops every rank: a script that saves on its own goes on from its save instead of ending TIMEOUT.
+            Without Slurm (the local launcher passes Ctrl-C and cancel on as this signal) a KeyboardInterrupt,
+            as Ctrl-C; the launcher then says hpcjobs saved nothing (trainers.launch.interrupted).
+
+A profile whose signal is TERM or INT leaves both at their defaults: a scancel cannot be told from a warning there.
+Imports nothing that trainers.preemption does not: a script pays two signal.signal calls (~25 µs) at its start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hpcjobs.backends.slurm_control import requeue_job
+from hpcjobs.contract import LaunchContract
+from hpcjobs.runfolder import RunFolder
+from hpcjobs.states import StopOutcome, StopReason
+from trainers import preemption
+
+_contract: list[LaunchContract] = []
+"""Set by stand_by(): what the handler reads (a handler takes no arguments of ours)."""
+
+
+def stand_by(contract: LaunchContract) -> None:
+    """Give this rank the signals of an entry that has not joined (see the module's doc); `preemption.install`
+    replaces them all when the script makes a StopGuard."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    num = preemption.signal_number(contract.preemption.signal)
+    if num not in (signal.SIGTERM, signal.SIGINT):
+        _contract[:] = [contract]
+        signal.signal(num, _handler)
+
+
+def outcome(env: Mapping[str, str], cap: int) -> StopOutcome:
+    """What the profile's signal does to a rank that has not joined: LOCAL (no Slurm job: stop the script now, as
+    Ctrl-C would), REQUEUED (rank 0 requeues, then Slurm stops every rank and starts the job again), STOPPED
+    (another rank under Slurm: rank 0 acts for the job, Slurm's SIGTERM ends this one) or CAP (rank 0 past the
+    restart cap: the script runs on until Slurm ends the job). From the protocol's own `decide`."""
+    got = preemption.decide(StopReason.PREEMPTION, env.get("SLURM_JOB_ID", ""),
+                            int(env.get("HPCJOBS_RESTART", "0")), cap)
+    if got != StopOutcome.LOCAL and env.get("RANK", "0") != "0":
+        return StopOutcome.STOPPED
+    return got
+
+
+def _handler(signum: int, frame: Any) -> None:
+    """A Python-level handler: it runs in the main thread between bytecodes, so it may run scontrol and write the
+    run folder. Under Slurm the job is requeued once, however many signals come."""
+    first = not preemption._requested
+    preemption.request_stop(signum)  # first_request() names it, and the launcher writes no FINISHED for the start
+    if first or "SLURM_JOB_ID" not in os.environ:
+        act(signum, _contract[0])
+
+
+def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = None,
+        runner: Callable[..., Any] = subprocess.run) -> StopOutcome:
+    """What the handler does for `signum` (`outcome`), callable from tests with a stand-in for scontrol; raises
+    KeyboardInterrupt for LOCAL. Rank 0's lines go to fd 2 unbuffered: the interrupted code may be inside a print."""
+    env = os.environ if env is None else env
+    got = outcome(env, contract.preemption.max_restarts)
+    if got == StopOutcome.LOCAL:
+        raise KeyboardInterrupt  # the launcher says what happened, once the script has unwound
+    if got == StopOutcome.STOPPED:
+        return got
+    name, job_id = signal.Signals(signum).name, env.get("SLURM_JOB_ID", "")
+    why = preemption.stop_reason(contract, env) or StopReason.PREEMPTION
+    nothing = ("this script does not use hpcjobs's stop protocol (StopGuard), so hpcjobs saved nothing: it goes on "
+               "only from what it saved itself")
+    if got == StopOutcome.CAP:
+        _say(f"hpcjobs: {name} ({why}): restart cap {contract.preemption.max_restarts} reached, not requeuing job "
+             f"{job_id}; the script runs on until Slurm ends the job ({nothing})")
+        return got
+    err = requeue_job(job_id, runner)
+    if err:
+        _say(f"hpcjobs: {name} ({why}): requeue of job {job_id} failed ({err}); the script runs on until Slurm ends "
+             "the job")
+        return StopOutcome.CAP
+    if contract.run_dir != preemption.NO_RUN_FOLDER:
+        RunFolder(contract.run_dir).record_stop(str(why), -1, int(env.get("HPCJOBS_RESTART", "0")), signal=name,
+                                                saved_by_hpcjobs=False)
+    _say(f"hpcjobs: {name} ({why}): requeued job {job_id}; Slurm now stops the script and starts the job again "
+         f"({nothing})")
+    return got
+
+
+def _say(line: str) -> None:
+    os.write(2, f"{line}\n".encode())
+
+
+def reset() -> None:
+    _contract.clear()
