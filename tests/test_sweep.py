@@ -195,6 +195,22 @@ def test_snapshot_outside_git_copies_the_folder_without_caches(tmp_path: Path) -
     assert snap.files == ("train.py",) and snap.git_commit is None
 
 
+def test_snapshot_outside_git_never_copies_earlier_outputs(tmp_path: Path) -> None:
+    """Issue 25: outside git the snapshots grew by every earlier run's outputs (501 MB after two runs of a Trainer
+    script). Whatever wrote them: Hugging Face, Lightning, Hydra, a script's own checkpoints, an hpcjobs run."""
+    project = tmp_path / "plain"
+    outputs = ["out/trainer_state.json", "out/model.safetensors", "checkpoint-10/optimizer.pt",
+               "lightning_logs/version_0/checkpoints/epoch=0.ckpt", "outputs/2026-11-25/10-00-00/.hydra/config.yaml",
+               "outputs/2026-11-25/10-00-00/model.pt", "runs/own-script/checkpoints/step-00000010/shared.pt",
+               "old-run/spec.json", "old-run/specs/0.json"]
+    code = ["train.py", "checkpoints/__init__.py", "checkpoints/io.py", "conf/config.yaml", "outputs/README.md"]
+    for rel in [*outputs, *code]:
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text("x\n")
+    snap = plan(project, tmp_path / "runs")
+    assert sorted(snap.files) == sorted(code)
+
+
 def test_snapshot_over_the_size_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project = tmp_path / "plain"
     project.mkdir()
@@ -203,6 +219,12 @@ def test_snapshot_over_the_size_limit_is_refused(tmp_path: Path, monkeypatch: py
     with pytest.raises(UsageError, match=r"largest: weights.bin") as refused:
         plan(project, tmp_path / "runs")
     assert "--no-snapshot" in refused.value.one_line()
+    for i in range(3):
+        (project / "data" / f"part{i}").mkdir(parents=True)
+        (project / "data" / f"part{i}" / "shard.arrow").write_bytes(b"0" * 3000)
+    with pytest.raises(UsageError) as refused:  # the folder that holds the bytes is named, not only a file in it
+        plan(project, tmp_path / "runs")
+    assert "(largest: data/ (0 MiB), weights.bin (0 MiB); largest file weights.bin (0 MiB))" in str(refused.value)
     assert MAX_BYTES >= 100 * 2**20
 
 
