@@ -22,6 +22,9 @@ SIGNALS = ("USR1", DEFAULT_SIGNAL, "TERM", "INT", "HUP", "URG")
 """Signals a profile may ask Slurm to send before it stops a job (`--signal`)."""
 ENV_VAR = "HPCJOBS_CONTRACT"
 """Where the launcher leaves the resolved contract for the rest of the rank (and its child processes)."""
+RUN_DIR_VAR = "HPCJOBS_RUN_DIR"
+"""The rank's run folder, resolved (%j and the like filled in), for a user's script to read: a place for its own
+outputs that a requeue finds again. Written beside the contract, never read by hpcjobs (the contract holds it)."""
 
 
 class ContractError(ValueError):
@@ -88,7 +91,9 @@ class LaunchContract:
         return replace(self, run_dir=resolve_run_dir(self.run_dir, env), start_time=now)
 
     def export(self, environ: Any = None) -> None:
-        (os.environ if environ is None else environ)[ENV_VAR] = self.to_json()
+        environ = os.environ if environ is None else environ
+        environ[ENV_VAR] = self.to_json()
+        environ[RUN_DIR_VAR] = self.run_dir
 
     @classmethod
     def current(cls, environ: Mapping[str, str] | None = None) -> LaunchContract | None:
