@@ -58,11 +58,17 @@ class LaunchContract:
     """When this start of the job began on the rank (epoch seconds; set by the launcher)."""
     points: tuple[Point, ...] = ()
     """A sweep's points, one per array task (hpcjobs.sweep); each task adds its own to the entry's arguments."""
+    submit_dir: str = ""
+    """The folder a user's script or module was submitted from, when its code runs from a snapshot (empty
+    otherwise): the script runs there, so a relative path it is given (an --output_dir, its data) means what it
+    meant at the submit, while its code stays the snapshot's (trainers.launch.run_entry)."""
 
     def to_json(self) -> str:
         data = asdict(self)
         if not data["points"]:  # not a sweep: the contract reads as it did before sweeps
             del data["points"]
+        if not data["submit_dir"]:  # no snapshot, or the shared trainer: as before
+            del data["submit_dir"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod

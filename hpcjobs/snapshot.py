@@ -62,6 +62,14 @@ class Snapshot:
             return path
         return str(Path(self.folder) / rel) if str(rel) != "." else self.folder
 
+    def origin(self, path: str) -> str:
+        """Where `path` (in the snapshot, as `where` gave it) came from in the project; as is if not in the snapshot."""
+        try:
+            rel = Path(path).relative_to(self.folder)
+        except ValueError:
+            return path
+        return str(Path(self.source) / rel) if str(rel) != "." else self.source
+
     def as_dict(self) -> dict[str, object]:
         diff = self.git_diff if len(self.git_diff) <= DIFF_MAX else self.git_diff[:DIFF_MAX] + "\n[... cut]\n"
         return {"folder": self.folder, "source": self.source, "files": len(self.files), "digest": self.digest,

@@ -86,6 +86,7 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
 
         return run_task(entry, args, run, contract)
     sys.argv = [entry, *args]
+    enter_submit_dir(contract.submit_dir)
     try:
         if kind == "script":
             sys.path.insert(0, os.path.dirname(entry))
@@ -100,6 +101,20 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
     finally:
         end_process_group()
     return 0
+
+
+def enter_submit_dir(folder: str) -> None:
+    """Run a user's script where it was submitted from: its relative paths (`--output_dir out`) land where the user
+    meant, never inside the code snapshot the rank started in (they did, unsaid). The code stays the snapshot's:
+    sys.path[0] is already the snapshot's folder (absolute, from `python -m`) and a script's own folder is put
+    first by run_entry. A folder this node cannot enter (not shared with it) leaves the rank where it is, said."""
+    if not folder:
+        return
+    try:
+        os.chdir(folder)
+    except OSError as e:
+        print(f"hpcjobs: the folder the job was submitted from, {folder}, cannot be entered here ({e.strerror}): the "
+              f"script runs in its code snapshot {os.getcwd()}, and relative paths land there", flush=True)
 
 
 def end_process_group() -> None:
