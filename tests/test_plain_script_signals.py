@@ -20,7 +20,7 @@ import pytest
 from conftest import BIN, REPO, hpcjobs
 from hpcjobs.contract import LaunchContract, Preemption
 from hpcjobs.states import StopOutcome
-from trainers import checkpoint, standby
+from trainers import checkpoint, preemption, standby
 
 PLAIN = """import os, sys, time
 from pathlib import Path
@@ -89,7 +89,7 @@ def test_ctrl_c_stops_a_plain_script_at_once(tmp_path: Path, plain: tuple[Path, 
     out = ended(proc, pids)
     assert proc.returncode == 130, out
     assert "any other script is stopped now" in out  # the launcher's note says what will happen
-    assert "stopped by SIGUSR2 (KeyboardInterrupt in the script): it does not use hpcjobs's stop protocol" in out
+    assert "stopped by SIGUSR2 (KeyboardInterrupt in the script): it has not joined hpcjobs's stop protocol" in out
     assert "Traceback" not in out
     stop = [json.loads(x) for x in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()][-1]
     assert stop["stopped"] == "interrupt" and stop["saved_by_hpcjobs"] is False
@@ -276,3 +276,45 @@ def test_a_rank_stands_by_with_the_defaults_until_its_script_makes_a_stopguard(s
                           sig], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert json.loads(out.stdout) == {"term": True, "int": True, "profile": sig != "TERM", "joined": False,
                                       "after_guard": True, "joined_after": True}, out.stderr
+
+
+def test_a_lost_signal_is_acted_on_at_the_time_it_was_due(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The rank starts with the profile's signal ignored (render.signal_guard), so it can be lost: rank 0 of a
+    script that has not joined requeues at the time it was due, unless it came, the script joined meanwhile, or
+    the limit was extended (Slurm's EndTime)."""
+    contract = LaunchContract(run_dir=str(tmp_path), preemption=Preemption(signal="USR1", seconds_before=60),
+                              time_limit_s=600, start_time=time.time() - 590)  # due 50 s ago
+    env = {"SLURM_JOB_ID": "7", "RANK": "0"}
+    due = contract.signal_due(env)
+    assert due is not None
+    ended = Scontrol()
+    ended.state = "RUNNING EndTime=" + time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(due + 60))
+    preemption.reset()
+    try:
+        preemption.request_stop(signal.SIGUSR1)
+        assert standby.overdue(contract, due, env, ended) is None and ended.calls == []  # it came
+        preemption.reset()
+        preemption.install(contract, {})
+        assert standby.overdue(contract, due, env, ended) is None and ended.calls == []  # the script joined
+        preemption.reset()
+        later = Scontrol()
+        later.state = "RUNNING EndTime=" + time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(due + 3660))
+        assert standby.overdue(contract, due, env, later) is None  # extended: armed again for the new time
+        assert later.calls == [["scontrol", "show", "job", "-o", "7"]]
+        assert standby.overdue(contract, due, env, ended) == StopOutcome.REQUEUED
+        assert ended.calls[-1] == ["scontrol", "requeue", "7"]
+        stop = json.loads((tmp_path / "restarts.jsonl").read_text())
+        assert (stop["stopped"], stop["signal"]) == ("timeout", "deadline")
+        assert "the USR1 signal due before the time limit never came" in capfd.readouterr().err
+        assert standby.arm_deadline(contract, {"RANK": "0"}) is None  # not under Slurm
+        assert standby.arm_deadline(contract, {**env, "RANK": "1"}) is None  # rank 0 acts for the job
+        assert standby.arm_deadline(LaunchContract(run_dir="r"), env) is None  # no time limit known
+        far = LaunchContract(run_dir="r", time_limit_s=3600, start_time=time.time())
+        timer = standby.arm_deadline(far, env)
+        assert timer is not None and timer.daemon
+        timer.cancel()
+    finally:
+        preemption.reset()
+        for num in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(num, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -190,8 +190,8 @@ def interrupted(env: DistEnv, run: RunFolder, tee: Tee, contract: LaunchContract
     if env.rank == 0:
         reason = preemption.stop_reason(contract) or StopReason.INTERRUPT
         run.record_stop(str(reason), -1, env.restart, signal=by, saved_by_hpcjobs=False)
-    say(env, tee, f"hpcjobs: stopped by {by} (KeyboardInterrupt in the script): it does not use hpcjobs's stop "
-                  "protocol (StopGuard), so hpcjobs saved nothing; run again, it goes on only from what it saved "
+    say(env, tee, f"hpcjobs: stopped by {by} (KeyboardInterrupt in the script): it has not joined hpcjobs's stop "
+                  "protocol (no StopGuard), so hpcjobs saved nothing; run again, it goes on only from what it saved "
                   "itself")
     return INTERRUPTED_EXIT
 

@@ -13,7 +13,10 @@ meaning, and the profile's signal, which only hpcjobs asked Slurm to send, does 
             as Ctrl-C; the launcher then says hpcjobs saved nothing (trainers.launch.interrupted).
 
 A profile whose signal is TERM or INT leaves both at their defaults: a scancel cannot be told from a warning there.
-Imports nothing that trainers.preemption does not: a script pays two signal.signal calls (~25 µs) at its start.
+The profile's signal can be lost (sent while the rank was starting with it ignored): under Slurm, rank 0 acts at the
+time it was due as if it came (`arm_deadline`), as the protocol's own deadline does for a rank that joined.
+Imports nothing that the launcher has not (threading: its log tee): a script pays two signal.signal calls (~25 µs)
+at its start, and under Slurm with a time limit one sleeping timer thread on rank 0.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hpcjobs.backends.slurm_control import requeue_job
+from hpcjobs.backends.slurm_control import end_time, job_fields, requeue_job
 from hpcjobs.contract import LaunchContract
 from hpcjobs.runfolder import RunFolder
 from hpcjobs.states import StopOutcome, StopReason
@@ -42,6 +47,42 @@ def stand_by(contract: LaunchContract) -> None:
     if num not in (signal.SIGTERM, signal.SIGINT):
         _contract[:] = [contract]
         signal.signal(num, _handler)
+        arm_deadline(contract)
+
+
+def arm_deadline(contract: LaunchContract, env: Mapping[str, str] | None = None) -> threading.Timer | None:
+    """On rank 0 under Slurm with a known time limit: a daemon timer that calls `overdue` when the profile's signal
+    was due at the latest. None where nothing is armed."""
+    env = os.environ if env is None else env
+    due = contract.signal_due(env)
+    if due is None or env.get("RANK", "0") != "0" or not env.get("SLURM_JOB_ID"):
+        return None
+    timer = threading.Timer(max(0.0, due - time.time()), overdue, (contract, due))
+    timer.daemon = True  # never keeps a finished script's process alive
+    timer.start()
+    return timer
+
+
+def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None = None,
+            runner: Callable[..., Any] = subprocess.run) -> StopOutcome | None:
+    """The time the profile's signal was due has come (a timer thread). Nothing to do if it came, or the script
+    joined meanwhile (the protocol's deadline acts). Slurm is asked for the job's EndTime first: a limit extended
+    since the start (`scontrol update`) moves the deadline, and the timer is armed again. Else the signal is taken
+    as lost: rank 0 requeues as if it came (`act`; the stop's reason is then TIMEOUT)."""
+    if preemption.joined() or preemption._requested:
+        return None
+    env = os.environ if env is None else env
+    warn = contract.preemption.seconds_before
+    end = end_time(job_fields(env.get("SLURM_JOB_ID", ""), runner))
+    if end is not None and end - warn > due + 1:
+        timer = threading.Timer(max(0.0, end - warn - time.time()), overdue, (contract, end - warn))
+        timer.daemon = True
+        timer.start()
+        return None
+    preemption.request_stop(preemption.DEADLINE)
+    _say(f"hpcjobs: the {contract.preemption.signal} signal due before the time limit never came (lost at the start "
+         "of this run?): acting as if it had")
+    return act(preemption.signal_number(contract.preemption.signal), contract, env, runner, name="deadline")
 
 
 def outcome(env: Mapping[str, str], cap: int) -> StopOutcome:
@@ -66,7 +107,7 @@ def _handler(signum: int, frame: Any) -> None:
 
 
 def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = None,
-        runner: Callable[..., Any] = subprocess.run) -> StopOutcome:
+        runner: Callable[..., Any] = subprocess.run, name: str = "") -> StopOutcome:
     """What the handler does for `signum` (`outcome`), callable from tests with a stand-in for scontrol; raises
     KeyboardInterrupt for LOCAL. Rank 0's lines go to fd 2 unbuffered: the interrupted code may be inside a print."""
     env = os.environ if env is None else env
@@ -75,10 +116,10 @@ def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = N
         raise KeyboardInterrupt  # the launcher says what happened, once the script has unwound
     if got == StopOutcome.STOPPED:
         return got
-    name, job_id = signal.Signals(signum).name, env.get("SLURM_JOB_ID", "")
+    name, job_id = name or signal.Signals(signum).name, env.get("SLURM_JOB_ID", "")
     why = preemption.stop_reason(contract, env) or StopReason.PREEMPTION
-    nothing = ("this script does not use hpcjobs's stop protocol (StopGuard), so hpcjobs saved nothing: it goes on "
-               "only from what it saved itself")
+    nothing = ("this script has not joined hpcjobs's stop protocol (no StopGuard), so hpcjobs saved nothing: it goes "
+               "on only from what it saved itself")
     if got == StopOutcome.CAP:
         _say(f"hpcjobs: {name} ({why}): restart cap {contract.preemption.max_restarts} reached, not requeuing job "
              f"{job_id}; the script runs on until Slurm ends the job ({nothing})")
