@@ -311,10 +311,13 @@ def test_a_lost_signal_is_acted_on_at_the_time_it_was_due(tmp_path: Path, capfd:
         assert standby.arm_deadline(LaunchContract(run_dir="r"), env) is None  # no time limit known
         far = LaunchContract(run_dir="r", time_limit_s=3600, start_time=time.time())
         timer = standby.arm_deadline(far, env)
-        assert timer is not None and timer.daemon
-        timer.cancel()
+        assert timer is not None and timer.daemon and timer.is_alive()
+        standby.disarm()  # the launcher's, once the work is over
+        timer.join(5)
+        assert not timer.is_alive()
     finally:
         preemption.reset()
+        standby.reset()
         for num in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             signal.signal(num, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -168,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(e, env, run, tee)
     finally:
         preemption.ignore_from_now(contract)  # the work is over: a late signal must not turn it into a failure
+        standby.disarm()  # nor a late deadline into a requeue
         tee.close()
         # The exit of a process that imported torch collects every object it ever made: ~0.6 s of CPU on each rank
         # at the end of every start, paid by all ranks of a node at once (and by a requeue, whose next start waits

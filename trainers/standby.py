@@ -37,6 +37,8 @@ from trainers import preemption
 
 _contract: list[LaunchContract] = []
 """Set by stand_by(): what the handler reads (a handler takes no arguments of ours)."""
+_timers: list[threading.Timer] = []
+"""The deadline's timer (arm_deadline), cancelled by disarm() once the rank's work is over."""
 
 
 def stand_by(contract: LaunchContract) -> None:
@@ -57,10 +59,23 @@ def arm_deadline(contract: LaunchContract, env: Mapping[str, str] | None = None)
     due = contract.signal_due(env)
     if due is None or env.get("RANK", "0") != "0" or not env.get("SLURM_JOB_ID"):
         return None
+    return _start_timer(due, contract)
+
+
+def _start_timer(due: float, contract: LaunchContract) -> threading.Timer:
     timer = threading.Timer(max(0.0, due - time.time()), overdue, (contract, due))
     timer.daemon = True  # never keeps a finished script's process alive
+    _timers[:] = [timer]
     timer.start()
     return timer
+
+
+def disarm() -> None:
+    """The rank's work is over: a deadline passing while the interpreter shuts down must not requeue a job that
+    just finished (the launcher calls this where it ignores the late signals, preemption.ignore_from_now)."""
+    for timer in _timers:
+        timer.cancel()
+    _timers.clear()
 
 
 def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None = None,
@@ -75,9 +90,7 @@ def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None 
     warn = contract.preemption.seconds_before
     end = end_time(job_fields(env.get("SLURM_JOB_ID", ""), runner))
     if end is not None and end - warn > due + 1:
-        timer = threading.Timer(max(0.0, end - warn - time.time()), overdue, (contract, end - warn))
-        timer.daemon = True
-        timer.start()
+        _start_timer(end - warn, contract)
         return None
     preemption.request_stop(preemption.DEADLINE)
     _say(f"hpcjobs: the {contract.preemption.signal} signal due before the time limit never came (lost at the start "
@@ -142,4 +155,5 @@ def _say(line: str) -> None:
 
 
 def reset() -> None:
+    disarm()
     _contract.clear()
