@@ -52,12 +52,84 @@ def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path
         path = resolved(workdir / entry, "script", hint)
         if not path.is_file():
             raise UsageError(f"script {entry!r} does not exist (looked in {workdir}).", hint)
+        _refuse_task_file(entry, path, args, workdir)
         return Entry("script", str(path), args)
     name, colon, attr = entry.partition(":")
     if colon and not attr.isidentifier():
         raise UsageError(f"task {entry!r}: {attr!r} is not a Python name; valid: MODULE or MODULE:CALLABLE.", hint)
     _require_callable(entry, _require_module(name, "task", hint, workdir), attr, hint)
     return Entry("task", entry, args)
+
+
+def _refuse_task_file(entry: str, path: Path, args: tuple[str, ...], workdir: Path) -> None:
+    """A task's file given as a script (`hpcjobs submit trainers/tasks/lm.py --steps 5`) would run as a script that
+    only defines make_task: nothing trains, exit 0, no word. Refused with the module name to give instead, rather
+    than run as the task: the ranks import a task by its module name, which the path does not always give (a file
+    outside the submit's folder, a folder that is no package), and a file that once ran as a script must not start
+    to mean something else because a make_task appeared in it. A file whose source cannot be read or parsed, or
+    that does anything when run (a call, a loop, a `__main__` guard), is a script and runs as one."""
+    try:
+        text = path.read_bytes()[:MAX_SOURCE_BYTES + 1].decode("utf-8")
+        tree = ast.parse(text) if len(text) <= MAX_SOURCE_BYTES else None
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError):
+        return
+    if tree is None or not _only_defines(tree.body):
+        return
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
+        t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    defined = [name for name in ("make_task", "task") if name in names]
+    if not defined:
+        return
+    module = _module_name(path, workdir)
+    raise UsageError(
+        f"{entry} defines {defined[0]} (a task for the shared trainer) and does nothing when run as a script: "
+        "nothing would train; valid: a task by its module name, or a script that trains.",
+        f"name the task by its module: `{' '.join(['hpcjobs submit ...', module, *args])}`" if module else
+        "name the task by its module, submitting from the folder its package is in (e.g. `hpcjobs submit ... "
+        "pkg.mytask --steps 5`).")
+
+
+def _only_defines(body: list[ast.stmt]) -> bool:
+    """Whether running these statements only defines names: imports, functions, classes, assignments, docstrings,
+    and if/try blocks of those (`try: import x except ImportError`); no call of its own, no loop, no `__main__`."""
+    for node in body:
+        if isinstance(node, ast.Expr):
+            if not isinstance(node.value, ast.Constant):
+                return False
+        elif isinstance(node, ast.If):
+            if any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test)):
+                return False
+            if not (_only_defines(node.body) and _only_defines(node.orelse)):
+                return False
+        elif isinstance(node, ast.Try):
+            blocks = [node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)]
+            if not all(_only_defines(b) for b in blocks):
+                return False
+        elif not isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                   ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Pass)):
+            return False
+    return True
+
+
+def _module_name(path: Path, workdir: Path) -> str | None:
+    """The dotted name under which the ranks (started in `workdir`, which comes first on their sys.path) import
+    exactly this file, if it has one."""
+    file = path.resolve()
+    for base in (workdir, *map(Path, filter(None, sys.path))):
+        try:
+            parts = file.with_suffix("").relative_to(base.resolve()).parts
+        except (ValueError, OSError):
+            continue
+        if not parts or not all(p.isidentifier() for p in parts):
+            continue
+        try:
+            found = _require_module(".".join(parts), "task", "", workdir)
+        except UsageError:
+            continue
+        if found is not None and Path(found).resolve() == file:
+            return ".".join(parts)
+    return None
 
 
 def _require_callable(entry: str, source: str | None, attr: str, hint: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -61,6 +62,14 @@ class Snapshot:
             return path
         return str(Path(self.folder) / rel) if str(rel) != "." else self.folder
 
+    def origin(self, path: str) -> str:
+        """Where `path` (in the snapshot, as `where` gave it) came from in the project; as is if not in the snapshot."""
+        try:
+            rel = Path(path).relative_to(self.folder)
+        except ValueError:
+            return path
+        return str(Path(self.source) / rel) if str(rel) != "." else self.source
+
     def as_dict(self) -> dict[str, object]:
         diff = self.git_diff if len(self.git_diff) <= DIFF_MAX else self.git_diff[:DIFF_MAX] + "\n[... cut]\n"
         return {"folder": self.folder, "source": self.source, "files": len(self.files), "digest": self.digest,
@@ -91,11 +100,24 @@ def _is_run_folder(path: Path) -> bool:
     return (path / "spec.json").is_file() and (path / "specs").is_dir()
 
 
+def _is_output(path: Path) -> bool:
+    """What a training run wrote, never code, whoever wrote it: a run folder; a checkpoint folder (Hugging Face's
+    checkpoint-N, Lightning's lightning_logs, a `checkpoints` folder with no Python in it); a folder a trainer
+    saved into (Hugging Face's trainer_state.json, Hydra's .hydra). Outside git nothing else tells them apart, and
+    copied they grew the snapshots by every earlier run's weights (501 MB after two runs of a Trainer script)."""
+    name = path.name
+    if _is_run_folder(path) or name == "lightning_logs" or re.fullmatch(r"checkpoint-\d+", name):
+        return True
+    if name == "checkpoints" and not any(path.glob("*.py")):
+        return True
+    return (path / "trainer_state.json").is_file() or (path / ".hydra").is_dir()
+
+
 def _plain_files(root: Path) -> list[str]:
     files = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in PLAIN_EXCLUDES and not d.endswith(".egg-info")
-                         and not _is_run_folder(Path(folder, d)))
+                         and not _is_output(Path(folder, d)))
         files += [os.path.relpath(os.path.join(folder, n), root) for n in names if not n.endswith((".pyc", ".pyo"))]
     return sorted(files)
 
@@ -110,6 +132,18 @@ def _real(path: Path) -> Path:
         return path.resolve()
     except (RuntimeError, OSError):  # Path.resolve's symlink loop (RuntimeError until Python 3.13)
         return path
+
+
+def _largest(sizes: list[tuple[int, str]], n: int = 3) -> str:
+    """The `n` largest entries of the project's top level (a folder by all it holds) and its largest file: where
+    the bytes are, as one line. `sizes`: (bytes, relative path), sorted."""
+    tops: dict[str, int] = {}
+    for size, rel in sizes:
+        head, sep, _ = rel.partition("/")
+        tops[head + sep] = tops.get(head + sep, 0) + size
+    named = sorted(tops.items(), key=lambda kv: -kv[1])[:n]
+    size, rel = sizes[-1]
+    return ", ".join(f"{p} ({b / 2**20:.0f} MiB)" for p, b in named) + f"; largest file {rel} ({size / 2**20:.0f} MiB)"
 
 
 def _digest(root: Path, files: list[str]) -> tuple[str, int]:
@@ -152,9 +186,8 @@ def plan(workdir: Path, runs_root: Path) -> Snapshot:
     sizes = sorted(((root / p).lstat().st_size, p) for p in files)
     total = sum(s for s, _ in sizes)
     if total > MAX_BYTES:
-        big = ", ".join(f"{p} ({s / 2**20:.0f} MiB)" for s, p in sizes[-3:][::-1])
-        raise UsageError(f"the code snapshot of {root} would copy {total / 2**20:.0f} MiB (largest: {big}); valid: "
-                         f"at most {MAX_BYTES // 2**20} MiB.", HINT)
+        raise UsageError(f"the code snapshot of {root} would copy {total / 2**20:.0f} MiB (largest: "
+                         f"{_largest(sizes)}); valid: at most {MAX_BYTES // 2**20} MiB.", HINT)
     digest, _ = _digest(root, files)
     commit = (_git(["rev-parse", "HEAD"], root) or "").strip() or None if top else None
     diff = (_git(["diff", "HEAD", "--no-color"], root) or "") if commit else ""

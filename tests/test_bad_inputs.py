@@ -169,6 +169,35 @@ def test_bad_entry_or_profile_name(argv: list[str], fragment: str, sbatch_log: P
     assert_refused(out, fragment, sbatch_log)
 
 
+def test_a_task_file_given_as_a_script_is_refused_with_its_module_name(tmp_path: Path, sbatch_log: Path) -> None:
+    """Run as a script, the task's file only defined make_task: nothing trained, exit 0, no word (issue 25). From
+    the repository and from elsewhere (the module found on sys.path), the hint names the module; nothing written."""
+    for cwd, entry in ((REPO, "trainers/tasks/lm.py"), (tmp_path, str(REPO / "trainers" / "tasks" / "lm.py"))):
+        out = hpcjobs("submit", "--profile", "local", "--run-dir", str(tmp_path / "run"), entry, "--steps", "5",
+                      cwd=cwd)
+        assert_refused(out, "HINT: name the task by its module: `hpcjobs submit ... trainers.tasks.lm --steps 5`",
+                       sbatch_log)
+        assert "defines make_task (a task for the shared trainer) and does nothing when run as a script" in out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "hpcjobs-home").exists()  # no run folder, no record
+    (tmp_path / "mytask.py").write_text("from trainers.task import Task\ntry:\n    import yaml\nexcept ImportError:"
+                                        "\n    yaml = None\n\n\ndef make_task(args):\n    ...\n")
+    out = hpcjobs("submit", "--profile", "local", "mytask.py", cwd=tmp_path)
+    assert_refused(out, "HINT: name the task by its module: `hpcjobs submit ... mytask`", sbatch_log)
+
+
+@pytest.mark.parametrize("source", [
+    "def make_task(args):\n    ...\n\n\nif __name__ == '__main__':\n    print('trains')\n",
+    "def make_task(args):\n    ...\n\n\nprint('trains')\n",
+    "task = 'classify'\nfor step in range(3):\n    pass\n",
+    "def main():\n    ...\n",  # defines no task: a script that does nothing is its own business
+    "def make_task(:\n",  # does not parse: Python says so on the node, as it would for any script
+])
+def test_a_script_that_does_something_is_never_taken_for_a_task_file(tmp_path: Path, source: str) -> None:
+    (tmp_path / "train.py").write_text(source)
+    out = hpcjobs("submit", "--profile", "local", "--dry-run", "train.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
 def test_render_refuses_to_overwrite(tmp_path: Path, sbatch_log: Path) -> None:
     target = tmp_path / "job.sbatch"
     target.write_text("precious\n")

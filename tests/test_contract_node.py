@@ -28,7 +28,7 @@ from trainers.jobenv import slurm as slurm_control
 from trainers.taskargs import TaskArgError
 
 REPO = Path(__file__).resolve().parent.parent
-REMOVED_VARIABLES = ("HPCJOBS_RUN_DIR", "HPCJOBS_SIGNAL", "HPCJOBS_SIGNAL_SECONDS", "HPCJOBS_MAX_RESTARTS",
+REMOVED_VARIABLES = ("HPCJOBS_SIGNAL", "HPCJOBS_SIGNAL_SECONDS", "HPCJOBS_MAX_RESTARTS",
                      "HPCJOBS_START_TIME", "HPCJOBS_TIME_LIMIT")
 DEFAULTS = Preemption()
 """The preemption defaults, from their one home."""
@@ -245,7 +245,8 @@ PROBE = """import json, os, signal, sys
 from hpcjobs.protocol.contract import LaunchContract
 c = LaunchContract.current()
 print(json.dumps({"contract": c.to_json(), "loose": sorted(v for v in os.environ if v in sys.argv[1:]),
-                  "usr1": signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None)}))
+                  "usr1": signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None),
+                  "run_dir": os.environ.get("HPCJOBS_RUN_DIR")}))
 """
 
 
@@ -268,6 +269,7 @@ def test_the_launcher_resolves_stamps_and_exports_the_contract(tmp_path: Path) -
     assert got.run_dir == str(tmp_path / "run-local-7") and got.start_time > 0
     assert dataclasses.replace(got, run_dir=given.run_dir, start_time=0.0) == given
     assert seen["loose"] == [] and seen["usr1"]
+    assert seen["run_dir"] == str(tmp_path / "run-local-7")  # for the script's own outputs: resolved, as the contract
     assert (tmp_path / "run-local-7" / "logs" / "restart-0" / "rank-0.log").exists()
 
 

@@ -196,6 +196,22 @@ def test_snapshot_outside_git_copies_the_folder_without_caches(tmp_path: Path) -
     assert snap.files == ("train.py",) and snap.git_commit is None
 
 
+def test_snapshot_outside_git_never_copies_earlier_outputs(tmp_path: Path) -> None:
+    """Issue 25: outside git the snapshots grew by every earlier run's outputs (501 MB after two runs of a Trainer
+    script). Whatever wrote them: Hugging Face, Lightning, Hydra, a script's own checkpoints, an hpcjobs run."""
+    project = tmp_path / "plain"
+    outputs = ["out/trainer_state.json", "out/model.safetensors", "checkpoint-10/optimizer.pt",
+               "lightning_logs/version_0/checkpoints/epoch=0.ckpt", "outputs/2026-11-25/10-00-00/.hydra/config.yaml",
+               "outputs/2026-11-25/10-00-00/model.pt", "runs/own-script/checkpoints/step-00000010/shared.pt",
+               "old-run/spec.json", "old-run/specs/0.json"]
+    code = ["train.py", "checkpoints/__init__.py", "checkpoints/io.py", "conf/config.yaml", "outputs/README.md"]
+    for rel in [*outputs, *code]:
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text("x\n")
+    snap = plan(project, tmp_path / "runs")
+    assert sorted(snap.files) == sorted(code)
+
+
 def test_snapshot_over_the_size_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project = tmp_path / "plain"
     project.mkdir()
@@ -204,24 +220,69 @@ def test_snapshot_over_the_size_limit_is_refused(tmp_path: Path, monkeypatch: py
     with pytest.raises(UsageError, match=r"largest: weights.bin") as refused:
         plan(project, tmp_path / "runs")
     assert "--no-snapshot" in refused.value.one_line()
+    for i in range(3):
+        (project / "data" / f"part{i}").mkdir(parents=True)
+        (project / "data" / f"part{i}" / "shard.arrow").write_bytes(b"0" * 3000)
+    with pytest.raises(UsageError) as refused:  # the folder that holds the bytes is named, not only a file in it
+        plan(project, tmp_path / "runs")
+    assert "(largest: data/ (0 MiB), weights.bin (0 MiB); largest file weights.bin (0 MiB))" in str(refused.value)
     assert MAX_BYTES >= 100 * 2**20
 
 
+TRAIN_FROM = """import os, sys
+from pathlib import Path
+import helper
+print('VERSION', helper.VERSION, 'from', os.path.dirname(helper.__file__), 'in', os.getcwd())
+Path(sys.argv[1]).mkdir(exist_ok=True)
+(Path(sys.argv[1]) / 'result.txt').write_text('written')
+"""
+
+
 def test_a_job_runs_the_snapshot_not_the_working_tree(tmp_path: Path, hpcjobs_home: Path) -> None:
+    """The code is the snapshot's; the script runs where it was submitted from, so a relative output path lands
+    there, never inside the snapshot (issue 25: a Trainer's `--output_dir out` did, unsaid)."""
     project = git_project(tmp_path / "proj")
-    (project / "train.py").write_text("import os\nprint('VERSION A from', os.getcwd())\n")
+    (project / "sub").mkdir()
+    (project / "sub" / "train.py").write_text(TRAIN_FROM)
+    (project / "sub" / "helper.py").write_text("VERSION = 'A'\n")
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--json", "--run-dir", str(tmp_path / "run"),
-                  "train.py", cwd=project)
+                  "train.py", "out", cwd=project / "sub")
     assert out.returncode == 0, out.stderr
     log = (tmp_path / "run" / "logs" / "restart-0" / "rank-0.log").read_text()
     spec = json.loads((tmp_path / "run" / "spec.json").read_text())
-    assert "VERSION A from " + spec["snapshot"]["folder"] in log
-    assert spec["workdir"] == spec["snapshot"]["folder"] and spec["snapshot"]["git_dirty"]
-    assert spec["entry"]["target"] == spec["snapshot"]["folder"] + "/train.py"
+    snap = spec["snapshot"]["folder"]
+    assert f"VERSION A from {snap}/sub in {project / 'sub'}" in log
+    assert (project / "sub" / "out" / "result.txt").read_text() == "written"
+    assert not (Path(snap) / "sub" / "out").exists()
+    assert spec["workdir"] == snap + "/sub" and spec["snapshot"]["git_dirty"]
+    assert spec["entry"]["target"] == snap + "/sub/train.py"
     plain = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--json", "--no-snapshot", "--run-dir",
-                    str(tmp_path / "run2"), "train.py", cwd=project)
+                    str(tmp_path / "run2"), "train.py", "out2", cwd=project / "sub")
     assert plain.returncode == 0, plain.stderr
-    assert f"VERSION A from {project}" in (tmp_path / "run2" / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert f"VERSION A from {project / 'sub'} in {project / 'sub'}" in (
+        tmp_path / "run2" / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert (project / "sub" / "out2" / "result.txt").is_file()
+
+
+def test_the_submit_folder_reaches_a_scripts_ranks_only_with_a_snapshot() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from hpcjobs.profiles import load_profile
+    from hpcjobs.render import launch_contract
+    from hpcjobs.snapshot import Snapshot
+
+    snap = Snapshot(source="/home/u/proj", files=(), digest="d", folder="/runs/.snapshots/d")
+
+    def contract(kind: str, snapshot: Snapshot | None = snap, workdir: str = "/runs/.snapshots/d/sub") -> Any:
+        spec: Any = SimpleNamespace(run_dir="r", profile=load_profile("local"), time_seconds=0, points=(),
+                                    array=False, snapshot=snapshot, workdir=workdir, entry=SimpleNamespace(kind=kind))
+        return launch_contract(spec)
+
+    assert contract("script").submit_dir == contract("module").submit_dir == "/home/u/proj/sub"
+    assert contract("task").submit_dir == ""  # the shared trainer runs where it did
+    none = contract("script", None, "/home/u/proj/sub")
+    assert none.submit_dir == "" and "submit_dir" not in none.to_json()  # the contract reads as before
 
 
 def test_ctrl_c_stops_a_local_sweep_at_a_checkpoint_and_starts_no_more(tmp_path: Path, hpcjobs_home: Path) -> None:

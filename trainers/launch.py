@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import os
 import runpy
+import signal
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
@@ -29,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
-from hpcjobs.protocol.states import FinalState
+from hpcjobs.protocol.states import FinalState, StopReason
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from hpcjobs.protocol.trainflags import ConfigError
-from trainers import integrations, preemption, runlock, startup
+from trainers import integrations, preemption, runlock, standby, startup
 from trainers.distenv import DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure
 from trainers.logtee import Tee
@@ -85,6 +87,7 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
 
         return run_task(entry, args, run, contract)
     sys.argv = [entry, *args]
+    enter_submit_dir(contract.submit_dir)
     integrations.install()  # a user's Trainer joins the stop protocol (HPCJOBS_HOOKS=0: left as it is)
     try:
         if kind == "script":
@@ -97,7 +100,37 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
             return e.code or 0
         print(e.code, file=sys.stderr, flush=True)  # as Python itself does for sys.exit("message")
         return 1
+    finally:
+        end_process_group()
     return 0
+
+
+def enter_submit_dir(folder: str) -> None:
+    """Run a user's script where it was submitted from: its relative paths (`--output_dir out`) land where the user
+    meant, never inside the code snapshot the rank started in (they did, unsaid). The code stays the snapshot's:
+    sys.path[0] is already the snapshot's folder (absolute, from `python -m`) and a script's own folder is put
+    first by run_entry. A folder this node cannot enter (not shared with it) leaves the rank where it is, said."""
+    if not folder:
+        return
+    try:
+        os.chdir(folder)
+    except OSError as e:
+        print(f"hpcjobs: the folder the job was submitted from, {folder}, cannot be entered here ({e.strerror}): the "
+              f"script runs in its code snapshot {os.getcwd()}, and relative paths land there", flush=True)
+
+
+def end_process_group() -> None:
+    """Destroy the default process group a user's script left open, however the script ended. Left to the
+    interpreter's exit, the group's threads are torn down in whatever order the process's destructors run: on the
+    test cluster 1 of 8 such jobs had a rank abort after training ("terminate called without an active exception"),
+    and the job ended FAILED. The shared trainer ends its own group (trainers.dist). Imports nothing: a script that
+    never imported torch.distributed has no group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    with contextlib.suppress(Exception):  # a group already broken (a peer died): the exit code says what happened
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.update(env.as_env())
     contract.export()
     run = RunFolder(contract.run_dir)
-    preemption.install(contract)  # after submitit's runner installed its own: ours replace them
+    if ns.kind == "task":  # after submitit's runner installed its own: ours replace them
+        preemption.install(contract)  # the shared trainer takes part in the stop protocol from its start
+    else:
+        standby.stand_by(contract)  # a user's entry joins only if it makes a StopGuard: its signals' usual meaning
     refused = claim_run_folder(run, env)
     if refused is not None:
         return refused
@@ -126,15 +162,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:  # a refused start (a flag, a resume that would not continue the run): not a run's end
         say(env, tee, f"hpcjobs: {one_line(e)}")
         return REFUSED_EXIT
+    except KeyboardInterrupt as e:
+        if preemption.joined():  # raised by the trainer's or StopGuard script's own code: a failure, as before
+            return fail(e, env, run, tee)
+        return interrupted(env, run, tee, contract)
     except BaseException as e:  # noqa: BLE001 - record why, then let the exit code speak
         return fail(e, env, run, tee)
     finally:
         preemption.ignore_from_now(contract)  # the work is over: a late signal must not turn it into a failure
+        standby.disarm()  # nor a late deadline into a requeue
         tee.close()
         # The exit of a process that imported torch collects every object it ever made: ~0.6 s of CPU on each rank
         # at the end of every start, paid by all ranks of a node at once (and by a requeue, whose next start waits
         # for every rank to leave). What is left is freed by the OS; the atexit handlers still run.
         atexit.register(gc.freeze)
+
+
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+"""Exit code of a script that does not take part in the stop protocol, stopped by Ctrl-C: a shell's for SIGINT."""
+
+
+def interrupted(env: DistEnv, run: RunFolder, tee: Tee, contract: LaunchContract) -> int:
+    """A script that does not take part in the stop protocol was stopped (Ctrl-C, which the local launcher passes
+    on as the profile's signal, a SIGINT to the rank) and its KeyboardInterrupt has unwound: one line from rank 0
+    saying that hpcjobs saved nothing, the traceback in the log, the stop in restarts.jsonl (the job shows STOPPED,
+    not FAILED), and a shell's exit code for Ctrl-C."""
+    tee.log_only(traceback.format_exc())
+    first = preemption.first_request()
+    by = first[0] if first else "SIGINT"
+    if env.rank == 0:
+        reason = preemption.stop_reason(contract) or StopReason.INTERRUPT
+        run.record_stop(str(reason), -1, env.restart, signal=by, saved_by_hpcjobs=False)
+    say(env, tee, f"hpcjobs: stopped by {by} (KeyboardInterrupt in the script): it has not joined hpcjobs's stop "
+                  "protocol (no StopGuard), so hpcjobs saved nothing; run again, it goes on only from what it saved "
+                  "itself")
+    return INTERRUPTED_EXIT
 
 
 def claim_run_folder(run: RunFolder, env: DistEnv) -> int | None:

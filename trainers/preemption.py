@@ -39,6 +39,7 @@ from trainers.jobenv.slurm import end_time, job_fields, preempted_with_sigterm, 
 
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
+_joined: list[bool] = []  # non-empty once install() ran: the entry takes part in the protocol
 # Set by install(): (when to stop if no signal came, job id, seconds_before); empty when no time limit is known.
 _deadline: list[tuple[float, str, int]] = []
 EARLY_SIGNAL_S = 75
@@ -67,10 +68,12 @@ def current_contract() -> LaunchContract:
 def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> list[int]:
     """Handle the profile's signal and SIGTERM (and SIGINT for local runs) by setting the flag, and arm the
     deadline: the signal can be lost (sent before this rank's step existed, or while the rank was starting with it
-    ignored, see `hpcjobs.render.launcher_argv`), so at the time the signal was due the rank stops anyway."""
+    ignored, see `hpcjobs.render.launcher_argv`), so at the time the signal was due the rank stops anyway.
+    From here on the rank takes part in the protocol (`joined`): the shared trainer, or a script's StopGuard."""
     nums = sorted({signal_number(contract.preemption.signal), signal.SIGTERM, signal.SIGINT})
     for num in nums:
         signal.signal(num, _handler)
+    _joined[:] = [True]
     env = os.environ if env is None else env
     due = contract.signal_due(env)
     warn = contract.preemption.seconds_before
@@ -78,12 +81,21 @@ def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> l
     return nums
 
 
+def joined() -> bool:
+    """Whether this rank's entry takes part in the protocol (the shared trainer, or a StopGuard was made); until
+    then a user's script stands by with the usual meaning of its signals (trainers.standby)."""
+    return bool(_joined)
+
+
 def ignore_from_now(contract: LaunchContract) -> None:
     """Ignore the stop signals until the process exits. Called when the rank's work is over: Python gives every
     signal that has a handler its default action back while the interpreter shuts down (which takes seconds with
     torch), and the time-limit signal landing then killed ranks of a job that had just finished (job FAILED,
-    measured). An ignored signal stays ignored through shutdown."""
-    for num in {signal_number(contract.preemption.signal), signal.SIGTERM}:
+    measured). An ignored signal stays ignored through shutdown. A rank that never joined the protocol keeps
+    SIGTERM's default: a script whose teardown hangs stays stoppable by kill, cancel and its launcher's death."""
+    nums = {signal_number(contract.preemption.signal), signal.SIGTERM} if joined() else {
+        signal_number(contract.preemption.signal)} - {signal.SIGINT, signal.SIGTERM}
+    for num in nums:
         signal.signal(num, signal.SIG_IGN)
 
 
@@ -123,6 +135,7 @@ def first_request() -> tuple[str, float] | None:
 def reset() -> None:
     _requested.clear()
     _deadline.clear()
+    _joined.clear()
 
 
 def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None,

@@ -1,7 +1,8 @@
 """The local backend: every rank a process on this machine, in the foreground (CPU + gloo without GPUs).
 
-Ctrl-C (or SIGTERM) is forwarded to the ranks as the profile's stop signal, so they stop at a step boundary after a
-checkpoint, as on a cluster; running the same command with the same --run-dir resumes.
+Ctrl-C (or SIGTERM) is forwarded to the ranks as the profile's stop signal, so a task for the shared trainer or a
+script with a StopGuard stops at a step boundary after a checkpoint, as on a cluster (running the same command with
+the same --run-dir resumes); any other script is stopped at once (KeyboardInterrupt), as Ctrl-C stops it anywhere.
 """
 
 from __future__ import annotations
@@ -91,20 +92,31 @@ def device_slice(slot: int, ranks: int, environ: dict[str, str]) -> dict[str, st
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[slot * ranks:(slot + 1) * ranks])}
 
 
-class Stopper:
-    """Ctrl-C (or SIGTERM, `hpcjobs cancel`) asks every rank to stop at the next step boundary after a checkpoint;
-    a second one says that is under way; a third kills the ranks at once (the last checkpoint stays)."""
+def stop_note(kind: str) -> str:
+    """What the profile's signal does to the ranks of an entry of this kind (trainers.standby): the
+    shared trainer always takes part in the stop protocol; a user's script only once it made a StopGuard."""
+    if kind == "task":
+        return "every rank commits a checkpoint at the next step, then exits"
+    return ("a script with a StopGuard commits a checkpoint at its next check, then exits; any other script is "
+            "stopped now (KeyboardInterrupt; hpcjobs saves nothing for it)")
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int) -> None:
-        self.procs, self.stop_signal, self.count = procs, stop_signal, 0
+
+class Stopper:
+    """Ctrl-C (or SIGTERM, `hpcjobs cancel`) passes the profile's signal to every rank: a task (or a StopGuard
+    script) stops at the next step boundary after a checkpoint, any other script at once (`stop_note`); a second
+    one says a stop is under way; a third kills the ranks at once (the last checkpoint stays)."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int, kind: str = "task") -> None:
+        self.procs, self.stop_signal, self.kind, self.count = procs, stop_signal, kind, 0
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count == 1:
             self._send(self.stop_signal)
-            note = "stopping: every rank commits a checkpoint at the next step, then exits"
+            note = f"stopping: {stop_note(self.kind)}"
         elif self.count == 2:
-            note = "still stopping (saving a checkpoint); press Ctrl-C once more to kill the ranks now"
+            saving = "saving a checkpoint" if self.kind == "task" else "a script with a StopGuard saves first"
+            note = f"still stopping ({saving}); press Ctrl-C once more to kill the ranks now"
         else:
             self._send(signal.SIGKILL)
             note = "killed the ranks; the newest finished checkpoint is kept"
@@ -118,7 +130,8 @@ class Stopper:
 
 def _rank_preexec() -> None:
     """In each rank, before exec: a process group of its own (see LocalBackend._run), and if the launching process
-    dies (SIGKILL), SIGTERM, so the rank stops at a checkpoint instead of training on as an orphan."""
+    dies (SIGKILL, or a `| tee` that took it down at Ctrl-C), SIGTERM, so the rank stops instead of training on as
+    an orphan: at a checkpoint for a task, at once for a script that does not take part in the stop protocol."""
     import ctypes
 
     os.setpgid(0, 0)
@@ -189,7 +202,7 @@ class LocalBackend(RunFolderLogs):
         width = spec.max_parallel or 1
         codes: list[int | None] = [None] * len(subs)
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
-        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"))
+        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind)
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             pending = list(range(len(subs)))
@@ -240,13 +253,14 @@ class LocalBackend(RunFolderLogs):
         return JobState.FAILED, "run folder (its processes are gone, with no final word: killed?)"
 
     def cancel(self, rec: JobRecord) -> str:
-        """Ask the launching process to stop, as Ctrl-C does: the ranks commit a checkpoint and stop."""
+        """Ask the launching process to stop, as Ctrl-C does (`Stopper`)."""
         run = RunFolder(rec.run_dir)
         if not launcher_alive(run, rec.job_id):
             return f"job {rec.job_id} is not running here; nothing to cancel"
         os.kill(int(run.read("local_process")["pid"]), signal.SIGTERM)
-        return (f"job {rec.job_id} asked to stop: its ranks commit a checkpoint and stop (resume with the same "
-                f"command and --run-dir {rec.run_dir})")
+        kind = str((rec.spec.get("entry") or {}).get("kind", "task"))
+        return (f"job {rec.job_id} asked to stop: {stop_note(kind)} (resume with the same command and --run-dir "
+                f"{rec.run_dir})")
 
 
 def launcher_alive(run: RunFolder, job_id: str) -> bool | None:

@@ -22,6 +22,9 @@ SIGNALS = ("USR1", DEFAULT_SIGNAL, "TERM", "INT", "HUP", "URG")
 """Signals a profile may ask Slurm to send before it stops a job (`--signal`)."""
 ENV_VAR = "HPCJOBS_CONTRACT"
 """Where the launcher leaves the resolved contract for the rest of the rank (and its child processes)."""
+RUN_DIR_VAR = "HPCJOBS_RUN_DIR"
+"""The rank's run folder, resolved (%j and the like filled in), for a user's script to read: a place for its own
+outputs that a requeue finds again. Written beside the contract, never read by hpcjobs (the contract holds it)."""
 
 
 class ContractError(ValueError):
@@ -56,11 +59,17 @@ class LaunchContract:
     """When this start of the job began on the rank (epoch seconds; set by the launcher)."""
     points: tuple[Point, ...] = ()
     """A sweep's points, one per array task (hpcjobs.sweep); each task adds its own to the entry's arguments."""
+    submit_dir: str = ""
+    """The folder a user's script or module was submitted from, when its code runs from a snapshot (empty
+    otherwise): the script runs there, so a relative path it is given (an --output_dir, its data) means what it
+    meant at the submit, while its code stays the snapshot's (trainers.launch.run_entry)."""
 
     def to_json(self) -> str:
         data = asdict(self)
         if not data["points"]:  # not a sweep: the contract reads as it did before sweeps
             del data["points"]
+        if not data["submit_dir"]:  # no snapshot, or the shared trainer: as before
+            del data["submit_dir"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -89,7 +98,9 @@ class LaunchContract:
         return replace(self, run_dir=resolve_run_dir(self.run_dir, env), start_time=now)
 
     def export(self, environ: Any = None) -> None:
-        (os.environ if environ is None else environ)[ENV_VAR] = self.to_json()
+        environ = os.environ if environ is None else environ
+        environ[ENV_VAR] = self.to_json()
+        environ[RUN_DIR_VAR] = self.run_dir
 
     @classmethod
     def current(cls, environ: Mapping[str, str] | None = None) -> LaunchContract | None:
