@@ -51,6 +51,8 @@ class Row:
     best: float | None
     best_metric: str
     best_step: int | None
+    ettr: float | None = None
+    """Productive training time / allocated time (hpcjobs.goodput), when any start is recorded."""
     loss_curve: Curve = field(default=(), repr=False, compare=False)
     val_curve: Curve = field(default=(), repr=False, compare=False)
 
@@ -147,7 +149,16 @@ def row_for(path: str | os.PathLike[str], record: JobRecord | None = None) -> Ro
     if step is None and (loss or val):
         step = max(s for s, _ in (*loss, *val))
     return Row(os.path.abspath(path), record.job_id if record else None, point_of(run, record), str(state), source,
-               step, restart_count(run), loss[-1][1] if loss else None, best, metric, at, loss, val)
+               step, restart_count(run), loss[-1][1] if loss else None, best, metric, at, ettr_of(run, record, state),
+               loss, val)
+
+
+def ettr_of(run: RunFolder, record: JobRecord | None, state: JobState) -> float | None:
+    """The run's ETTR over every job that ran in its folder (`record`: the newest, whose state is `state`)."""
+    from hpcjobs.goodput import total
+    from hpcjobs.goodput_report import folder_goodput
+
+    return total(folder_goodput(run, record, state), str(run.path)).ettr
 
 
 def records_by_folder(store: JobStore) -> dict[str, JobRecord]:
@@ -224,12 +235,13 @@ def table(rows: Sequence[Row]) -> tuple[list[str], list[tuple[str, ...]]]:
     keys = point_keys(rows)
     metrics = {r.best_metric for r in rows}
     best_header = f"best {metrics.pop()}" if len(metrics) == 1 else "best (metric)"
-    header = [*keys, "run", "job", "state", "steps", "restarts", "last loss", best_header]
+    header = [*keys, "run", "job", "state", "steps", "restarts", "last loss", best_header, "ETTR"]
     cells = []
     for r in rows:
         best = number(r.best) if len(metrics) <= 1 or r.best is None else f"{number(r.best)} ({r.best_metric})"
         cells.append((*(r.point.get(k, "-") for k in keys), shown_path(r.run_dir), r.job_id or "-", r.state,
-                      "-" if r.steps is None else str(r.steps), str(r.restarts), number(r.last_loss), best))
+                      "-" if r.steps is None else str(r.steps), str(r.restarts), number(r.last_loss), best,
+                      "-" if r.ettr is None else f"{r.ettr:.0%}"))
     return header, cells
 
 
