@@ -136,8 +136,9 @@ def seconds_before_of(run: RunFolder) -> int | None:
 
 
 def report(target: str, store: JobStore | None = None, now: float | None = None,
-           runner: Callable[[Sequence[str]], Any] | None = None) -> Report:
-    """The report of a run folder, a job, or a sweep's array (one part per task)."""
+           runner: Callable[[Sequence[str]], Any] | None = None, state_of: StateOf = scheduler_state) -> Report:
+    """The report of a run folder, a job, or a sweep's array (one part per task). `runner` runs sacct, `state_of`
+    tells whether a job still runs (tests pass stand-ins)."""
     from hpcjobs.backends.common import run_command
     from hpcjobs.jobs import records_for
 
@@ -153,7 +154,7 @@ def report(target: str, store: JobStore | None = None, now: float | None = None,
         folders = [(RunFolder(r.run_dir), r.job_id) for r in records_for(target, store)]
     out = Report(target)
     for run, job in folders:
-        parts, starts = folder_report(run, job, store, now, runner)
+        parts, starts = folder_report(run, job, store, now, runner, state_of)
         out.parts += parts
         if len(folders) == 1 and len(parts) >= 1:
             out.advice = advice(total(parts, target), starts, run_step_time(run), seconds_before_of(run))
