@@ -27,6 +27,10 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, _NUM) and not isinstance(value, bool) else None
 
 
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def job_ids(run: RunFolder) -> list[str]:
     """The jobs that started on this run folder, in the order of their first start."""
     seen: dict[str, None] = {}
@@ -75,7 +79,8 @@ def read_starts(run: RunFolder) -> list[tuple[str, Start]]:
         marks = _slowest(mine)
         if mine:
             begin = min([begin, *(v for r in mine if (v := _num(r.get("launched"))) is not None)])
-        own_saves = tuple(Save(int(s["step"]), float(s["time"]), float(s["blocking_s"]), bool(s.get("background")))
+        own_saves = tuple(Save(int(s["step"]), float(s["time"]), max(0.0, float(s["blocking_s"])),
+                               s.get("background") is True)
                           for s in saves if str(s.get("job_id")) == job and s.get("restart") == restart)
         start = Start(restart, begin, marks, _start_step(mine), saves=own_saves)
         timed = [(float(m["time"]), m.get("step")) for m in metrics
@@ -104,7 +109,7 @@ def _slowest(lines: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def _start_step(lines: Sequence[dict[str, Any]]) -> int | None:
-    steps = [r["start_step"] for r in lines if isinstance(r.get("start_step"), int)]
+    steps = [step for r in lines if (step := _int(r.get("start_step"))) is not None]
     return min(steps) if steps else None
 
 
@@ -112,13 +117,13 @@ def _ending(start: Start, stop: dict[str, Any] | None, final: Any, job: str,
             timed: list[tuple[float, Any]], failed: bool) -> Start:
     """Where and how the start ended: its stop line, the job's final.json, else its newest record."""
     if stop is not None:
-        return replace(start, end=float(stop["time"]), end_step=stop.get("step"), ended="stopped",
+        return replace(start, end=float(stop["time"]), end_step=_int(stop.get("step")), ended="stopped",
                        stop_to_commit_s=_num(stop.get("signal_to_commit_s")))
     if isinstance(final, dict) and str(final.get("job_id")) == job and _num(final.get("time")):
         state = "finished" if final.get("state") == "finished" else "failed"
-        return replace(start, end=float(final["time"]), end_step=final.get("step"), ended=state)
+        return replace(start, end=float(final["time"]), end_step=_int(final.get("step")), ended=state)
     newest = max(timed, key=lambda t: t[0], default=None)
-    steps = [s for _, s in timed if isinstance(s, int)]
+    steps = [step for _, s in timed if (step := _int(s)) is not None]
     return replace(start, end=max(newest[0], start.begin) if newest else start.begin,
                    end_step=max(steps) if steps else None, ended="failed" if failed else "lost")
 

@@ -145,10 +145,11 @@ def report(target: str, store: JobStore | None = None, now: float | None = None,
     store = store or JobStore()
     now = time.time() if now is None else now
     runner = runner or run_command
-    if Path(target).is_dir():
+    if target.strip() and Path(target).is_dir():
         folders: list[tuple[RunFolder, str | None]] = [(RunFolder(target), None)]
-    elif "/" in target or Path(target).exists():
-        raise UsageError(f"{target!r} is not a run folder (no such folder).",
+    elif not target.strip() or "/" in target or Path(target).exists():
+        why = "is a file" if Path(target).exists() and target.strip() else "is no such folder"
+        raise UsageError(f"{target!r} {why}: neither a run folder nor a job id.",
                          "give a run folder (RUN/ holds restarts.jsonl) or a job id from `hpcjobs list`.")
     else:
         folders = [(RunFolder(r.run_dir), r.job_id) for r in records_for(target, store)]

@@ -190,7 +190,10 @@ def test_goodput_cli_json_and_a_bad_target(tmp_path: Path, capsys: pytest.Captur
     assert out["total"]["wall_s"] == 69.0 and [j["job_id"] for j in out["jobs"]] == ["A", "B"]
     assert main(["goodput", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not a run folder" in err and "HINT" in err
+    assert err.count("\n") == 1 and "is no such folder: neither a run folder nor a job id" in err and "HINT" in err
+    (tmp_path / "file").write_text("")
+    for bad, said in ((str(tmp_path / "file"), "is a file"), ("", "is no such folder")):
+        assert main(["goodput", bad]) == 2 and said in capsys.readouterr().err
 
 
 def test_allocation_start_is_the_first_starts_begin() -> None:
@@ -253,3 +256,17 @@ def test_a_local_run_killed_stopped_and_resumed_adds_up_to_its_wall_time(tmp_pat
     assert killed.buckets["rework"] > 0 and stopped.buckets["rework"] == finished.buckets["rework"] == 0
     assert stopped.buckets["checkpoint"] > 0
     print(text(rep))
+
+
+def test_torn_or_foreign_records_are_skipped(tmp_path: Path) -> None:
+    """A killed writer's torn last line, a hand-edited value of the wrong type: the report still adds up."""
+    run = killed_and_resumed(tmp_path / "run")
+    for name in ("restarts.jsonl", "startup.jsonl", "saves.jsonl", "failures.jsonl", "allocations.jsonl"):
+        lines(run / name, [{"job_id": "A", "restart": "0", "time": "x", "step": None, "blocking_s": -5,
+                            "start": [], "end": {}, "first_step": "soon"}])
+        with (run / name).open("a") as f:
+            f.write('{"torn": ')
+    (run / "final.json").write_text(json.dumps({"state": "finished", "step": "80", "time": 2075.0, "job_id": "B"}))
+    (run / "heartbeat.json").write_text("[1, 2]")
+    rep = report(str(run), state_of=lambda _: None)
+    assert rep.total.wall_s == 69.0 == sum(rep.total.buckets.values()) and rep.total.buckets["rework"] == 9.5
