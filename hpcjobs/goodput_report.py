@@ -98,29 +98,38 @@ def scheduler_state(rec: JobRecord) -> JobState:
     return status_of(rec).state
 
 
-def folder_report(run: RunFolder, only: str | None, store: JobStore, now: float,
+def folder_report(run: RunFolder, record: JobRecord | None, store: JobStore, now: float,
                   runner: Callable[[Sequence[str]], Any] | None = None, state_of: StateOf = scheduler_state,
                   ) -> tuple[list[Goodput], list[Start]]:
-    """Each job on the run folder (or only job `only`): its Goodput, and the starts it read. `state_of`: the job's
-    state (whether it still runs), by default status_of's."""
+    """Each job on the run folder (with `record`: only that job's): its Goodput, and the starts it read.
+    `state_of`: the job's state (whether it still runs), by default status_of's."""
     starts = read_starts(run)
     resumed = resumed_after([s for _, s in starts], newest_checkpoint(run))
     out: list[Goodput] = []
     mine: list[Start] = []
-    for job in job_ids(run):
-        if only is not None and job != only:
-            continue
-        rec = store.get(job) if store.path.exists() else None
+    for job, rec in jobs_of(run, record, store):
         state = state_of(rec) if rec is not None else None
         running, waiting = state in RUNNING, state is not None and state in WAITING
         allocs = allocations(run, job)
         if rec is not None and rec.scheduler == "slurm" and runner is not None:
-            allocs = sacct_allocations(job, runner) or allocs
+            allocs = sacct_allocations(rec.job_id, runner) or allocs
         times = job_times(starts, job, gpus_of(run, rec), rec.submitted if rec else None, allocs, running,
                           waiting, run.startup.exists())
-        out.append(compute(times, [r for (j, _), r in zip(starts, resumed, strict=True) if j == job], now))
+        g = compute(times, [r for (j, _), r in zip(starts, resumed, strict=True) if j == job], now)
+        g.job_id = rec.job_id if rec is not None else job
+        out.append(g)
         mine += times.starts
     return out, mine
+
+
+def jobs_of(run: RunFolder, record: JobRecord | None, store: JobStore) -> list[tuple[str, JobRecord | None]]:
+    """The run folder's jobs as its ranks name them, each with its job record. With `record`, that job alone; an
+    array task's ranks name its own Slurm id (SLURM_JOB_ID), not the `ID_N` the store knows, and its run folder is
+    its own: every job in it is the task's."""
+    ids = job_ids(run)
+    if record is not None:
+        return [(record.job_id, record)] if record.job_id in ids else [(j, record) for j in ids]
+    return [(j, store.get(j) if store.path.exists() else None) for j in ids]
 
 
 def run_step_time(run: RunFolder) -> float | None:
@@ -146,13 +155,13 @@ def report(target: str, store: JobStore | None = None, now: float | None = None,
     now = time.time() if now is None else now
     runner = runner or run_command
     if target.strip() and Path(target).is_dir():
-        folders: list[tuple[RunFolder, str | None]] = [(RunFolder(target), None)]
+        folders: list[tuple[RunFolder, JobRecord | None]] = [(RunFolder(target), None)]
     elif not target.strip() or "/" in target or Path(target).exists():
         why = "is a file" if Path(target).exists() and target.strip() else "is no such folder"
         raise UsageError(f"{target!r} {why}: neither a run folder nor a job id.",
                          "give a run folder (RUN/ holds restarts.jsonl) or a job id from `hpcjobs list`.")
     else:
-        folders = [(RunFolder(r.run_dir), r.job_id) for r in records_for(target, store)]
+        folders = [(RunFolder(r.run_dir), r) for r in records_for(target, store)]
     out = Report(target)
     for run, job in folders:
         parts, starts = folder_report(run, job, store, now, runner, state_of)
@@ -209,7 +218,7 @@ def job_goodput(rec: JobRecord, state: JobState | None, store: JobStore | None =
     """One job's Goodput for `status` and `compare` (its state already known: the scheduler is not asked again);
     None before any start. Never raises for what a run folder holds: a line of status must not cost the status."""
     try:
-        parts, _ = folder_report(RunFolder(rec.run_dir), rec.job_id, store or JobStore(), time.time(), None,
+        parts, _ = folder_report(RunFolder(rec.run_dir), rec, store or JobStore(), time.time(), None,
                                  lambda _: state)
     except (OSError, ValueError, TypeError, KeyError):
         return None

@@ -145,14 +145,16 @@ def test_a_sweeps_total_is_the_sum_of_its_tasks(tmp_path: Path) -> None:
         run = killed_and_resumed(tmp_path / f"sweep-{i}")
         JobStore().add(JobRecord(f"9_{i}", "lm", "local", "local", 1, 2 + 2 * i, str(run), {}, {}, 2000.0))
         for name in ("restarts.jsonl", "startup.jsonl", "saves.jsonl", "allocations.jsonl", "failures.jsonl"):
-            path = run / name
-            path.write_text(path.read_text().replace('"A"', f'"9_{i}"'))
+            path = run / name  # job A alone: task 1 as on Slurm, where its ranks name its own SLURM_JOB_ID, not 9_1
+            kept = [line for line in path.read_text().splitlines() if '"B"' not in line]
+            path.write_text("".join(line.replace('"A"', '"9_0"' if i == 0 else '"4251"') + "\n" for line in kept))
     rep = report("9", state_of=lambda _: JobState.COMPLETED)
     assert [p.job_id for p in rep.parts] == ["9_0", "9_1"]
     t = rep.total
     for b in BUCKETS:
         assert t.buckets[b] == sum(p.buckets[b] for p in rep.parts)
-    assert t.gpu_hours()["productive"] == pytest.approx(15.5 * (2 + 4) / 3600)
+    assert rep.parts[0].buckets == rep.parts[1].buckets and rep.parts[0].wall_s == 40.0
+    assert t.gpu_hours()["productive"] == pytest.approx(rep.parts[0].buckets["productive"] * (2 + 4) / 3600)
     assert t.ettr == sum(p.buckets["productive"] for p in rep.parts) / sum(p.allocated_s for p in rep.parts)
 
 
