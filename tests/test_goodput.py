@@ -257,7 +257,7 @@ def test_a_local_run_killed_stopped_and_resumed_adds_up_to_its_wall_time(tmp_pat
     killed, stopped, finished = rep.parts
     assert killed.buckets["rework"] > 0 and stopped.buckets["rework"] == finished.buckets["rework"] == 0
     assert stopped.buckets["checkpoint"] > 0
-    print(text(rep))
+    print(text(rep), "\nmeasured around each submit:", [round(w, 2) for w in measured])
 
 
 def test_torn_or_foreign_records_are_skipped(tmp_path: Path) -> None:
@@ -272,3 +272,18 @@ def test_torn_or_foreign_records_are_skipped(tmp_path: Path) -> None:
     (run / "heartbeat.json").write_text("[1, 2]")
     rep = report(str(run), state_of=lambda _: None)
     assert rep.total.wall_s == 69.0 == sum(rep.total.buckets.values()) and rep.total.buckets["rework"] == 9.5
+
+
+def test_status_has_a_goodput_line_and_compare_an_ettr_column(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcjobs import compare
+
+    run = killed_and_resumed(tmp_path / "run")
+    (run / "spec.json").write_text("{}")
+    assert compare.rows_for([str(run)])[0].ettr == 31.0 / 69.0  # every job of the folder
+    JobStore().add(JobRecord("B", "lm", "local", "local", 1, 2, str(run), {}, {}, 2050.0))
+    assert main(["status", "B"]) == 0
+    out = capsys.readouterr().out
+    assert "goodput:     ETTR 52.5%: 15.5 s productive of 29.5 s allocated (wall 30.0 s); hpcjobs goodput B" in out
+    assert main(["status", "B", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["goodput"]["buckets_s"]["productive"] == 15.5
