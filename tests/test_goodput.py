@@ -287,3 +287,21 @@ def test_status_has_a_goodput_line_and_compare_an_ettr_column(tmp_path: Path,
     assert "goodput:     ETTR 52.5%: 15.5 s productive of 29.5 s allocated (wall 30.0 s); hpcjobs goodput B" in out
     assert main(["status", "B", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["goodput"]["buckets_s"]["productive"] == 15.5
+
+
+def test_compare_plot_draws_each_runs_buckets_below_the_loss(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from hpcjobs import compare
+
+    run = killed_and_resumed(tmp_path / "run")
+    (run / "spec.json").write_text("{}")
+    lines(run / "metrics.jsonl", [{"step": 10, "loss": 2.0}])
+    rows = compare.rows_for([str(run)])
+    assert rows[0].goodput_s["rework"] == 9.5 and "goodput_s" not in rows[0].as_dict()
+    ax = Figure().add_subplot()
+    assert compare.goodput_bars(ax, rows) == 1
+    widths = [p.get_width() for p in ax.patches]
+    assert len(widths) == len(BUCKETS) and abs(sum(widths) - 1) < 1e-9  # shares of one bar add up to its wall
+    assert compare.plot(rows, tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
