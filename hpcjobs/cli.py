@@ -373,6 +373,7 @@ def add_status(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_status(ns: argparse.Namespace) -> int:
+    from hpcjobs.goodput_report import job_goodput, status_line
     from hpcjobs.jobs import records_for, status_of
     from hpcjobs.protocol.runfolder import split_task_id
     from hpcjobs.store import JobStore
@@ -388,7 +389,6 @@ def run_status(ns: argparse.Namespace) -> int:
     if len(records) > 1:
         return array_status(ns.job, [status_of(r) for r in records], [r.spec.get("point") for r in records], ns.json)
     st = status_of(records[0])
-    from hpcjobs.goodput_report import job_goodput, status_line
     goodput = job_goodput(records[0], st.state, store)
     if ns.json:
         _print_json({**st.as_dict(), "goodput": goodput.as_dict() if goodput else None})
@@ -566,7 +566,13 @@ def add_goodput(sub: Any, common: argparse.ArgumentParser) -> None:
                 "checkpoints, rework, requeue hold, recovery) and its ETTR, with advice.")
     p.add_argument("target", metavar="ID|RUN_FOLDER", help="a job id (a sweep's array id: every task) or a run folder")
     p.add_argument("--json", action="store_true", help="print the buckets as JSON")
-    p.set_defaults(run=lambda ns: __import__("hpcjobs.goodput_report").goodput_report.run(ns.target, ns.json))
+    p.set_defaults(run=run_goodput)
+
+
+def run_goodput(ns: argparse.Namespace) -> int:
+    from hpcjobs.goodput_report import run
+
+    return run(ns.target, ns.json)
 
 
 # --- doctor -------------------------------------------------------------------------------------------------------

@@ -253,8 +253,8 @@ class LocalBackend(RunFolderLogs):
 
 
 def record_allocation(sub: Submitted, started: float, code: int) -> None:
-    """What Slurm's accounting says of a Slurm job (its start and end), for `hpcjobs goodput`: when this job's ranks
-    were started and when the last of them ended."""
+    """RUN/allocations.jsonl: when this job's ranks were started and when the last of them ended, what sacct says
+    of a Slurm job; `hpcjobs goodput` reads it."""
     append_jsonl(RunFolder(sub.run_dir).allocations, {"job_id": sub.job_id, "start": started, "end": time.time(),
                                                       "code": code})
 
