@@ -46,6 +46,8 @@ EXAMPLES = {
             "  hpcjobs logs 1234 --rank 5 --restart 0\n  hpcjobs logs 1234 --follow",
     "export": "examples:\n  hpcjobs export 4242 -o model.safetensors\n  hpcjobs export runs/lm-x --step 2000 -o m.pt",
     "cancel": "examples:\n  hpcjobs cancel 1234 1235\n  hpcjobs cancel 1240     # every task of a sweep",
+    "goodput": "examples:\n  hpcjobs goodput 1234\n  hpcjobs goodput 1240 --json   # a sweep: each task and the total\n"
+               "  hpcjobs goodput runs/lm-x     # every job that ran in a run folder",
     "compare": """examples:
   hpcjobs compare RUN_OR_ID... [--plot loss.png] [--json]
   hpcjobs compare 1234 --plot loss.png          # every task of sweep (job array) 1234, and their loss curves
@@ -371,6 +373,7 @@ def add_status(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run_status(ns: argparse.Namespace) -> int:
+    from hpcjobs.goodput_report import job_goodput, status_line
     from hpcjobs.jobs import records_for, status_of
     from hpcjobs.protocol.runfolder import split_task_id
     from hpcjobs.store import JobStore
@@ -386,8 +389,9 @@ def run_status(ns: argparse.Namespace) -> int:
     if len(records) > 1:
         return array_status(ns.job, [status_of(r) for r in records], [r.spec.get("point") for r in records], ns.json)
     st = status_of(records[0])
+    goodput = job_goodput(records[0], st.state, store)
     if ns.json:
-        _print_json(st.as_dict())
+        _print_json({**st.as_dict(), "goodput": goodput.as_dict() if goodput else None})
         return 0
     rows = [("job", f"{st.job_id} ({st.name}, profile {st.profile}, {st.nodes}×{st.gpus_per_node})"),
             ("state", f"{st.state} (from {st.state_source})"), ("restarts", st.restarts),
@@ -398,6 +402,8 @@ def run_status(ns: argparse.Namespace) -> int:
     if st.first_failure:
         rows.insert(3, ("failed first", st.first_failure))
         rows.insert(4, ("its log", "\n".join([str(st.failure_log), *(f"{'':13}| {line}" for line in st.failure_tail)])))
+    if goodput:
+        rows.insert(-2, ("goodput", status_line(goodput)))
     if st.nccl_traces:
         rows.append(("nccl trace", f"{st.nccl_traces} (NCCL's flight recorder: which rank stopped in which "
                                    "collective; torchfrtrace reads it)"))
@@ -555,6 +561,20 @@ def run_compare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def add_goodput(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _parser(sub, "goodput", "Where a job's wall time and GPU-hours went (queue, start-up, productive training, "
+                "checkpoints, rework, requeue hold, recovery) and its ETTR, with advice.")
+    p.add_argument("target", metavar="ID|RUN_FOLDER", help="a job id (a sweep's array id: every task) or a run folder")
+    p.add_argument("--json", action="store_true", help="print the buckets as JSON")
+    p.set_defaults(run=run_goodput)
+
+
+def run_goodput(ns: argparse.Namespace) -> int:
+    from hpcjobs.goodput_report import run
+
+    return run(ns.target, ns.json)
+
+
 # --- doctor -------------------------------------------------------------------------------------------------------
 
 DOCTOR_ENTRY = "trainers.tasks.lm"
@@ -616,7 +636,7 @@ def run_export(ns: argparse.Namespace) -> int:
 
 COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
     add_submit, add_render, add_doctor, add_profiles, add_status, add_list, add_logs, add_cancel, add_compare,
-    add_export]
+    add_goodput, add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:

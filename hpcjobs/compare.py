@@ -51,13 +51,17 @@ class Row:
     best: float | None
     best_metric: str
     best_step: int | None
+    ettr: float | None = None
+    """Productive training time / allocated time (hpcjobs.goodput), when any start is recorded."""
+    goodput_s: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    """Seconds per goodput bucket (what --plot draws; `hpcjobs goodput --json` has them all)."""
     loss_curve: Curve = field(default=(), repr=False, compare=False)
     val_curve: Curve = field(default=(), repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe: no curves (metrics.jsonl has them), non-finite losses as null (JSON has no NaN)."""
         out = asdict(self)
-        del out["loss_curve"], out["val_curve"]
+        del out["loss_curve"], out["val_curve"], out["goodput_s"]
         for key in ("last_loss", "best"):
             out[key] = out[key] if out[key] is None or math.isfinite(out[key]) else None
         return out
@@ -147,7 +151,19 @@ def row_for(path: str | os.PathLike[str], record: JobRecord | None = None) -> Ro
     if step is None and (loss or val):
         step = max(s for s, _ in (*loss, *val))
     return Row(os.path.abspath(path), record.job_id if record else None, point_of(run, record), str(state), source,
-               step, restart_count(run), loss[-1][1] if loss else None, best, metric, at, loss, val)
+               step, restart_count(run), loss[-1][1] if loss else None, best, metric, at,
+               *goodput_of(run, record, state), loss, val)
+
+
+def goodput_of(run: RunFolder, record: JobRecord | None, state: JobState) -> tuple[float | None, dict[str, float]]:
+    """The run's ETTR and goodput buckets over every job that ran in its folder (`record`: the newest, whose state
+    is `state`); no buckets before a start."""
+    from hpcjobs.goodput import total
+    from hpcjobs.goodput_report import folder_goodput
+
+    parts = folder_goodput(run, record, state)
+    whole = total(parts, str(run.path))
+    return whole.ettr, dict(whole.buckets) if parts else {}
 
 
 def records_by_folder(store: JobStore) -> dict[str, JobRecord]:
@@ -224,12 +240,13 @@ def table(rows: Sequence[Row]) -> tuple[list[str], list[tuple[str, ...]]]:
     keys = point_keys(rows)
     metrics = {r.best_metric for r in rows}
     best_header = f"best {metrics.pop()}" if len(metrics) == 1 else "best (metric)"
-    header = [*keys, "run", "job", "state", "steps", "restarts", "last loss", best_header]
+    header = [*keys, "run", "job", "state", "steps", "restarts", "last loss", best_header, "ETTR"]
     cells = []
     for r in rows:
         best = number(r.best) if len(metrics) <= 1 or r.best is None else f"{number(r.best)} ({r.best_metric})"
         cells.append((*(r.point.get(k, "-") for k in keys), shown_path(r.run_dir), r.job_id or "-", r.state,
-                      "-" if r.steps is None else str(r.steps), str(r.restarts), number(r.last_loss), best))
+                      "-" if r.steps is None else str(r.steps), str(r.restarts), number(r.last_loss), best,
+                      "-" if r.ettr is None else f"{r.ettr:.0%}"))
     return header, cells
 
 
@@ -273,8 +290,11 @@ def plot(rows: Sequence[Row], out_path: str | os.PathLike[str], force: bool = Fa
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogFormatter, MaxNLocator
 
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.add_subplot()
+    with_goodput = any(r.goodput_s for r in rows)
+    fig = Figure(figsize=(8, 5 + 0.3 * len(rows) * with_goodput), layout="constrained")
+    ax, *below = fig.subplots(2, 1, height_ratios=[3, 1]) if with_goodput else [fig.add_subplot()]
+    if below:
+        goodput_bars(below[0], rows)
     drawn = 0
     for i, r in enumerate(rows):
         color = f"C{i % 10}"
@@ -297,6 +317,24 @@ def plot(rows: Sequence[Row], out_path: str | os.PathLike[str], force: bool = Fa
     ax.set_ylabel("loss (val_loss dashed)")
     ax.grid(True, alpha=0.3)
     return save_atomic(fig, Path(out_path), fmt)
+
+
+def goodput_bars(ax: Any, rows: Sequence[Row]) -> int:
+    """One bar per run: its wall time split into the goodput buckets (hpcjobs.goodput), as shares; the bars drawn."""
+    from hpcjobs.goodput import BUCKETS
+
+    shown = [r for r in rows if r.goodput_s]
+    left = [0.0] * len(shown)
+    for i, bucket in enumerate(BUCKETS):
+        shares = [r.goodput_s.get(bucket, 0.0) / (sum(r.goodput_s.values()) or 1.0) for r in shown]
+        ax.barh(range(len(shown)), shares, left=left, color=f"C{i}", label=bucket)
+        left = [a + b for a, b in zip(left, shares, strict=True)]
+    ax.set_yticks(range(len(shown)), [r.label for r in shown])  # two runs may share a label (their folders' name)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of wall time (goodput; ETTR = productive / allocated)")
+    ax.legend(fontsize="x-small", ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    return len(shown)
 
 
 def save_atomic(fig: Figure, path: Path, fmt: str) -> Path:

@@ -81,12 +81,12 @@ def test_table_has_a_row_per_point_in_sweep_order(sweep: dict[str, Path], capsys
     code, out, _ = run_cli(capsys, *(str(p) for p in sweep.values()))
     assert code == 0
     header, *rows = table_of(out)
-    assert header == ["lr", "seed", "run", "job", "state", "steps", "restarts", "last loss", "best (metric)"]
+    assert header == ["lr", "seed", "run", "job", "state", "steps", "restarts", "last loss", "best (metric)", "ETTR"]
     # by lr's value (1e-4 < 3e-4 < 1e-3), which text order gets wrong; a key a run lacks is '-'
     assert rows == [
-        ["1e-4", "-", str(sweep["pending"]), "-", "UNKNOWN", "-", "0", "-", "-"],
-        ["3e-4", "1", str(sweep["stopped"]), "-", "STOPPED", "30", "1", "2.0000", "2.0000 (loss)"],
-        ["1e-3", "1", str(sweep["finished"]), "-", "COMPLETED", "40", "1", "5.0000", "4.5000 (val_loss)"],
+        ["1e-4", "-", str(sweep["pending"]), "-", "UNKNOWN", "-", "0", "-", "-", "-"],
+        ["3e-4", "1", str(sweep["stopped"]), "-", "STOPPED", "30", "1", "2.0000", "2.0000 (loss)", "-"],
+        ["1e-3", "1", str(sweep["finished"]), "-", "COMPLETED", "40", "1", "5.0000", "4.5000 (val_loss)", "-"],
     ]
 
 
@@ -106,7 +106,7 @@ def test_json_rows(sweep: dict[str, Path], capsys: pytest.CaptureFixture[str]) -
     last = rows[1]
     assert last == {"run_dir": str(sweep["finished"]), "job_id": None, "point": {"lr": "1e-3", "seed": "1"},
                     "state": "COMPLETED", "state_source": "run folder (final.json)", "steps": 40, "restarts": 1,
-                    "last_loss": 5.0, "best": 4.5, "best_metric": "val_loss", "best_step": 40}
+                    "last_loss": 5.0, "best": 4.5, "best_metric": "val_loss", "best_step": 40, "ettr": None}
 
 
 def test_one_metric_names_the_best_column_and_nan_is_not_json(tmp_path: Path,
@@ -114,7 +114,7 @@ def test_one_metric_names_the_best_column_and_nan_is_not_json(tmp_path: Path,
     run = make_run(tmp_path / "r", None, metrics=[{"step": 1, "loss": 3.0}, {"step": 2, "loss": float("nan")}])
     code, out, _ = run_cli(capsys, str(run))
     header, row = table_of(out)
-    assert code == 0 and header[-1] == "best loss" and row[-2:] == ["nan", "3.0000"] and header[0] == "run"
+    assert code == 0 and header[-2] == "best loss" and row[-3:] == ["nan", "3.0000", "-"] and header[0] == "run"
     code, out, _ = run_cli(capsys, str(run), "--json")
     assert json.loads(out)[0]["last_loss"] is None and "NaN" not in out
 

@@ -552,7 +552,7 @@ def job_argvs(draw: st.DrawFn, command: str) -> list[str]:
 
 
 def other_argvs(command: str) -> st.SearchStrategy[list[str]]:
-    """status/logs/cancel/list/profiles with random ids and values (the job store is empty)."""
+    """status/logs/cancel/list/profiles/goodput with random ids and values (the job store is empty)."""
     job_ids = st.one_of(st.sampled_from(["1234", "local-1", "0", "-1"]), odd_words)
     options: dict[str, st.SearchStrategy[list[str]]] = {
         "status": st.tuples(st.lists(job_ids, max_size=2), st.sampled_from([[], ["--json"]])).map(
@@ -561,6 +561,8 @@ def other_argvs(command: str) -> st.SearchStrategy[list[str]]:
             st.tuples(st.sampled_from(["--rank", "--restart"]), counts).map(list),
             st.sampled_from([["--follow"], ["-f"]])), max_size=3)).map(lambda t: [t[0], *sum(t[1], [])]),
         "cancel": st.lists(job_ids, max_size=3),
+        "goodput": st.tuples(st.one_of(job_ids, st.sampled_from([".", "runs/x", "train.py"])),
+                             st.sampled_from([[], ["--json"]])).map(lambda t: [t[0], *t[1]]),
         "list": st.lists(st.one_of(
             st.tuples(st.just("--state"), st.one_of(st.sampled_from(["RUNNING", "running", "UNKNOWN", "BOGUS"]),
                                                     odd_words)).map(list),
@@ -573,7 +575,8 @@ def other_argvs(command: str) -> st.SearchStrategy[list[str]]:
     return options[command].map(lambda rest: [command, *rest])
 
 
-argvs = st.sampled_from(["submit", "render", "doctor", "status", "logs", "cancel", "list", "profiles"]).flatmap(
+argvs = st.sampled_from(["submit", "render", "doctor", "status", "logs", "cancel", "list", "profiles",
+                         "goodput"]).flatmap(
     lambda c: job_argvs(c) if c in COMMAND_FLAGS else other_argvs(c))
 
 

@@ -138,6 +138,10 @@ def test_local_sweep_runs_each_point_in_its_own_run_folder(tmp_path: Path, hpcjo
     status = hpcjobs("status", sub["job_id"])
     assert status.returncode == 0, status.stderr
     assert "3 tasks: 3 COMPLETED" in status.stdout and "seed=2" in status.stdout
+    goodput = json.loads(hpcjobs("goodput", sub["job_id"], "--json").stdout)  # per task, and the sweep's total
+    assert [j["job_id"] for j in goodput["jobs"]] == [t["job_id"] for t in tasks]
+    total = goodput["total"]
+    assert abs(sum(total["buckets_s"].values()) - total["wall_s"]) < 1e-3 and 0 < total["ettr"] < 1, total
     logs = hpcjobs("logs", sub["job_id"])
     assert logs.returncode == 2 and f"valid: one task, {sub['job_id']}_0" in logs.stderr
     assert hpcjobs("logs", f"{sub['job_id']}_1").returncode == 0

@@ -22,7 +22,7 @@ from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, ResumeError
 from trainers import checkpoint, faults, perf, preemption, startup, strategy
-from trainers.checkpoint import resume
+from trainers.checkpoint import resume, saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_lambda
 from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
 from trainers.checkpoint.state import Position, reseed, rng_state, seed_all, set_rng_state
@@ -336,7 +336,7 @@ class Training:
     def first_step_done(self) -> None:
         """Start-up is over (compilation, loading, a cold node): a hung rank should now end the job quickly."""
         startup.mark("first_step")
-        startup.record(self.folder, self.ctx.env)
+        startup.record(self.folder, self.ctx.env, self.first_step)
         seconds = self.ctx.training_timeout()
         if seconds is not None:
             log(self.ctx, f"first step done: training collectives now time out after {seconds:g} s")
@@ -365,15 +365,18 @@ class Training:
     def save(self, background: bool = False) -> None:
         """Commit a checkpoint of this step, once: a stop or an end right after a periodic save waits for that one
         instead. In the foreground, every rank returns once it is committed."""
+        began = time.time()
         if self.last_saved == self.pos.step:
             if not background:
                 self.checkpointer.wait()
                 self.ctx.barrier()
+                saves.record(self.folder, self.ctx.env, self.pos.step, began, background)
             return
         meta = {"config": self.cfg.as_dict(), "task": self.task.name, "task_config": self.task.config,
                 "lr_anchor": list(self.anchor) if self.anchor else None}  # how a resume re-plans the schedule
         self.checkpointer.save(self.pos.step, self.parts(), meta, background)
         self.last_saved = self.pos.step
+        saves.record(self.folder, self.ctx.env, self.pos.step, began, background)
 
     def stop(self) -> int:
         self.agreement.close()

@@ -25,7 +25,7 @@ from hpcjobs.backends.environment import clean
 from hpcjobs.doctor import Check, Result
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.ports import free_port
-from hpcjobs.protocol.runfolder import RunFolder, array_ids, resolve_run_dir, write_json_atomic
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids, resolve_run_dir, write_json_atomic
 from hpcjobs.protocol.states import JobState
 from hpcjobs.render import launcher_argv
 from hpcjobs.spec import JobSpec
@@ -201,6 +201,7 @@ class LocalBackend(RunFolderLogs):
         at a checkpoint and starts no more (those are left with code 130, never started)."""
         width = spec.max_parallel or 1
         codes: list[int | None] = [None] * len(subs)
+        started: dict[int, float] = {}
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
         stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind)
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -210,6 +211,7 @@ class LocalBackend(RunFolderLogs):
                 while pending and len(running) < width and not stopper.count:
                     i = pending.pop(0)
                     slot = min(set(range(width)) - {s for s, _ in running.values()})
+                    started[i] = time.time()
                     running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr)
                     stopper.procs += running[i][1]
                 if stopper.count and not running:
@@ -218,6 +220,7 @@ class LocalBackend(RunFolderLogs):
                     if (code := group_code(procs)) is not None:
                         codes[i] = code
                         del running[i]
+                        record_allocation(subs[i], started[i], code)
                 time.sleep(0.2)
         finally:
             for s, h in old.items():
@@ -261,6 +264,13 @@ class LocalBackend(RunFolderLogs):
         kind = str((rec.spec.get("entry") or {}).get("kind", "task"))
         return (f"job {rec.job_id} asked to stop: {stop_note(kind)} (resume with the same command and --run-dir "
                 f"{rec.run_dir})")
+
+
+def record_allocation(sub: Submitted, started: float, code: int) -> None:
+    """RUN/allocations.jsonl: when this job's ranks were started and when the last of them ended, what sacct says
+    of a Slurm job; `hpcjobs goodput` reads it."""
+    append_jsonl(RunFolder(sub.run_dir).allocations, {"job_id": sub.job_id, "start": started, "end": time.time(),
+                                                      "code": code})
 
 
 def launcher_alive(run: RunFolder, job_id: str) -> bool | None:

@@ -7,6 +7,9 @@ RUN/restarts.jsonl        one line per (re)start: when, restart count, why the p
 RUN/startup.jsonl         one line per rank and start: launched, torch imported, group joined, first step done
 RUN/final.json            finished | failed, with the reason
 RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error (hpcjobs.diagnosis)
+RUN/saves.jsonl           rank 0, one line per checkpoint save: job, restart, step, when it began, how long the
+                          training loop waited for it (hpcjobs.goodput's checkpoint cost)
+RUN/allocations.jsonl     the local backend, one line per job it ran: when its ranks were started and the last ended
 RUN/local-process.json    a local job's launching process (pid, host), so status and cancel can reach it
 RUN/tracker.json          rank 0: the experiment trackers' run ids (wandb, mlflow), so a requeued or resumed start
                           logs into the same tracker run; also each one's last logged step per metric
@@ -97,6 +100,8 @@ class RunFolder:
     startup = property(lambda self: self.path / "startup.jsonl")
     final = property(lambda self: self.path / "final.json")
     failures = property(lambda self: self.path / "failures.jsonl")
+    saves = property(lambda self: self.path / "saves.jsonl")  # trainers.checkpoint.saves: each save's blocking time
+    allocations = property(lambda self: self.path / "allocations.jsonl")  # the local backend: job start and end
     spec = property(lambda self: self.path / "spec.json")
     logs = property(lambda self: self.path / "logs")
     local_process = property(lambda self: self.path / "local-process.json")  # who runs a local job: pid, host

@@ -181,3 +181,7 @@ def test_sweep_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     assert "4 tasks: 4 COMPLETED" in status and "lr=3e-4 seed=2" in status
     compared = user.run("hpcjobs compare 4242 --plot loss.png").stdout
     assert compared.count("COMPLETED") == 4 and (user.cwd / "loss.png").stat().st_size > 10_000
+    goodput = user.run("hpcjobs goodput 4242").stdout  # docs/how-to/goodput.md
+    assert goodput.count(f"{job}_") == 4 and "sum (= wall time)" in goodput, goodput
+    total = json.loads(user.run("hpcjobs goodput 4242 --json").stdout)["total"]
+    assert abs(sum(total["buckets_s"].values()) - total["wall_s"]) < 1e-3 and 0 < total["ettr"] < 1, total
