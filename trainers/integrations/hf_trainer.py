@@ -3,8 +3,8 @@
 Attached when the script imports `transformers.trainer` (trainers/integrations/__init__.py):
 
 - Every `Trainer` gets one more callback. At each step end the ranks agree whether any of them was asked to stop
-  (StopGuard: the profile's signal, SIGTERM, Ctrl-C; one small all-reduce a step, the same agreement the shared
-  trainer uses). When one was, that step is saved by the Trainer itself (`checkpoint-N`: model, optimizer,
+  (StopGuard: the profile's signal, SIGTERM, Ctrl-C; one small all-reduce a step that overlaps the next step, as
+  the shared trainer's does). When one was, that step is saved by the Trainer itself (`checkpoint-N`: model, optimizer,
   scheduler, scaler, RNG, trainer state) and training stops there: no evaluation, no other work.
 - After every save, periodic or not, each rank fsyncs the folder's files and, once all have, rank 0 writes
   `hpcjobs-complete.json` into it (fsynced): only then is the checkpoint complete. A save that dies halfway leaves
@@ -118,7 +118,7 @@ def stop_callback() -> Any:
             self.stop_step: int | None = None
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
-            if self.guard.should_stop():  # every rank, every step: the agreement is a collective
+            if self.guard.should_stop(pipelined=True):  # every rank, every step: a collective, overlapping a step
                 control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
                 self.stop_step = state.global_step
             if control.should_save and _rank() == 0:
