@@ -229,9 +229,10 @@ def run_submit(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         if ns.json:
             _print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "request": request.text,
-                         "points": [dict(p) for p in spec.points]})
+                         "points": [dict(p) for p in spec.points], "memory_plan": memory_plans(spec)})
         else:
             print(f"# dry run: {spec.world()}; nothing submitted")
+            print(memory_text(spec))
             print(yaml.safe_dump(brief(spec.as_dict()), sort_keys=True).rstrip())
             print(points_text(spec), end="")
             print(f"# --- the request the {spec.profile.scheduler} backend would submit ---")
@@ -254,6 +255,29 @@ def run_submit(ns: argparse.Namespace) -> int:
         for done in sub.tasks or (sub,):
             print(ended_line(done))
     return sub.returncode or 0
+
+
+def _tasks_args(spec: Any) -> list[tuple[str, ...]]:
+    from hpcjobs.sweep import tasks_args
+
+    return tasks_args(spec.entry.args, spec.points) if spec.entry.kind == "task" else []
+
+
+def memory_text(spec: Any) -> str:
+    """The memory plan's line for each task of the job (hpcjobs.memfit), for the dry run."""
+    from hpcjobs.memfit import plan_line
+
+    lines = [plan_line(spec.profile, spec.entry.target, args, spec.ranks) for args in _tasks_args(spec)]
+    known = f"# memory plan: none: a {spec.entry.kind}'s model is known on the node only"
+    return "\n".join(dict.fromkeys(lines)) or known
+
+
+def memory_plans(spec: Any) -> list[dict[str, Any] | None]:
+    """The memory plan of each task of the job in bytes (None: not known on this side), for `--dry-run --json`."""
+    from hpcjobs.memfit import job_plan
+
+    found = [job_plan(spec.entry.target, args, spec.ranks) for args in _tasks_args(spec)]
+    return [None if f is None else {"what": f.what(), **f.plan.as_dict()} for f in found]
 
 
 def brief(recorded: dict[str, Any]) -> dict[str, Any]:
