@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import time
 from typing import Any
 
@@ -323,9 +324,9 @@ class Training:
                 loss = self.task.loss(self.net, batch) / cfg.grad_accum
             self.scaler.scale(loss).backward()
             self.meter.add(loss)
-        if cfg.grad_clip > 0:
+        if cfg.grad_clip > 0 or self.logs_at(self.pos.step + 1):  # the norm: to clip, else only to log it
             self.scaler.unscale_(self.optimizer)
-            self.strategy.clip(cfg.grad_clip)
+            self.meter.grad_norm = self.strategy.clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         self.checkpointer.before_update()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -341,10 +342,13 @@ class Training:
         if seconds is not None:
             log(self.ctx, f"first step done: training collectives now time out after {seconds:g} s")
 
+    def logs_at(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.cfg.steps
+
     def after_step(self) -> None:
         self.checkpointer.check()
         cfg, step = self.cfg, self.pos.step
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if self.logs_at(step):
             self.meter.flush(step, float(self.scheduler.get_last_lr()[0]))
         self.meter.tick(step)
         if self.val_set is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
