@@ -43,15 +43,16 @@ CUDA_ONLY = ("7b",)
 BASE_DEFAULTS: dict[str, Any] = {"lr": 1e-3}
 """Every size's trainer settings unless PRESETS says otherwise (flags given win over both)."""
 PRESETS: dict[str, dict[str, Any]] = {
-    # Per-GPU peak under hpcjobs.protocol.memplan at batch 8 × 2048 in bf16 under DDP: 19.4 GB of fp32 weights,
-    # gradients and AdamW state + 30.6 GB of activations (38 bytes per token and width a block) + working copies:
-    # ≈ 53 GiB of 80. The LR of GPT-3's 1.3B (2e-4) scaled up for the smaller batch, with a warmup: 1e-3 without
-    # one spikes the loss at this size.
+    # Per-GPU peak under hpcjobs.protocol.memplan at batch 8 × 2048 in bf16 under DDP: 13.5 GiB of fp32 weights and
+    # AdamW state + 28.7 GiB of activations (38 bytes per token and width a block) + 2.3 GiB of autocast's weight
+    # copies: 44.6 GiB of tensors, 50.5 GiB with the headroom, of 80. The LR of GPT-3's 1.3B (2e-4) raised a little
+    # for this smaller model, with a warmup: 1e-3 without one spikes the loss at this size.
     "1b": {"lr": 3e-4, "warmup_steps": 100},
     # 103 GB of state does not fit one GPU: FSDP shards it (6.4 GB a rank on 2×8 GPUs, 12.9 on 8). Without
     # activation checkpointing batch 8 × 2048 keeps 73 GB of activations a GPU (34 bytes per token and width a
-    # block in bf16 × 32 blocks): with it, 4.3 GB of block inputs + one block recomputed (2.3 GB). LLaMA-7B's LR
-    # was 3e-4 at a 4M-token batch; this batch is 16× smaller (2×8 GPUs × 8 × 2048), so half that, warmed up.
+    # block in bf16 × 32 blocks): with it, 4.3 GB of block inputs + one block recomputed (2.3 GB): 12.8 GiB of
+    # tensors a GPU on 2×8 (12.6 measured under fake tensors, bench/results/memplan.json), 17.3 on 8. LLaMA-7B's
+    # LR was 3e-4 at a 4M-token batch; this batch is 16× smaller (2×8 GPUs × 8 × 2048), so half that, warmed up.
     "7b": {"strategy": "fsdp", "activation_checkpointing": True, "batch_size": 8, "lr": 1.5e-4,
            "warmup_steps": 200},
 }
