@@ -37,6 +37,8 @@ CONTEXT_BYTES = int(1.5 * GIB)
 """CUDA context, cuBLAS workspaces and NCCL's buffers: memory a GPU has that the caching allocator never gets."""
 FRAGMENTATION = 0.10
 """The caching allocator's reserved-but-unallocated share at the peak (a rule of thumb for transformer training)."""
+MAX_GPU_GIB = 1024 * 1024
+"""The largest gpu_memory taken (1 PB: well past any GPU, and a finite number)."""
 _GPU_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*(G|GB|GiB|T|TB|TiB)$", re.IGNORECASE)
 
 
@@ -45,9 +47,10 @@ def parse_gpu_memory(text: object, what: str = "gpu_memory") -> int:
     H100 reports 81559 MiB). Raises ValueError saying what is valid (`what`: the profile key, for its parsers'
     signature)."""
     m = _GPU_MEMORY.match(str(text).strip()) if isinstance(text, (str, int, float)) else None
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError("a positive size in GB or TB, e.g. 80GB")
-    return int(float(m.group(1)) * (GIB if m.group(2)[0].upper() == "G" else 1024 * GIB))
+    gib = float(m.group(1)) * (1 if m.group(2)[0].upper() == "G" else 1024) if m else 0.0
+    if not 0 < gib <= MAX_GPU_GIB:  # also a number too long for a float (inf)
+        raise ValueError(f"a positive size in GB or TB of at most {MAX_GPU_GIB // 1024} TB, e.g. 80GB")
+    return int(gib * GIB)
 
 
 @dataclass(frozen=True)
