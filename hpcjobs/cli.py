@@ -606,6 +606,10 @@ def run_doctor(ns: argparse.Namespace) -> int:
     spec = _spec(ns, snapshot=False)  # as submit builds it, but checked against the working tree: nothing copied
     refuse_array_patterns(spec, "doctor")
     checks = backend_for(spec.profile.scheduler).doctor(spec, ns.probe_wait if ns.probe else None)
+    if spec.entry.kind == "task":
+        from hpcjobs.memfit import doctor_check
+
+        checks.append(doctor_check(spec.profile, spec.entry.target, _tasks_args(spec), spec.ranks))
     if ns.json:
         _print_json({"world": spec.world(), "profile": spec.profile.name, "checks": [c.as_dict() for c in checks],
                      "ok": exit_code(checks) == 0})

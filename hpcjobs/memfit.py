@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hpcjobs.doctor import Check, Result
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.lmsizes import LM_TASK, SIZES, GPTConfig, n_params, size_defaults
@@ -97,3 +98,19 @@ def check_fits(profile: ClusterProfile, target: str, args: tuple[str, ...], node
     raise UsageError(f"{found.what()} needs about {found.plan.total / GIB:.1f} GiB a GPU ({found.plan.text()}); "
                      f"valid: at most {room / GIB:.0f} GiB (gpu_memory of profile {profile.name}); nothing was "
                      "submitted.", hint)
+
+
+def doctor_check(profile: ClusterProfile, target: str, tasks_args: list[tuple[str, ...]], ranks: int) -> Check:
+    """`hpcjobs doctor`'s row: the largest task's plan against gpu_memory (a job that does not fit never gets here:
+    building its spec refused it)."""
+    found = [p for p in (job_plan(target, args, ranks) for args in tasks_args) if p is not None]
+    if not found:
+        return Check("memory plan", Result.SKIP, f"{target}'s model is known on the node only (the plan covers "
+                     f"{LM_TASK})")
+    worst = max(found, key=lambda p: p.plan.total)
+    need = f"{worst.plan.total / GIB:.1f} GiB a GPU for {worst.what()}"
+    if profile.gpu_memory is None:
+        return Check("memory plan", Result.SKIP, f"{need}; not checked: profile {profile.name} declares no "
+                     "gpu_memory", "add e.g. gpu_memory: 80GB to the profile")
+    return Check("memory plan", Result.PASS,
+                 f"{need}, of {parse_gpu_memory(profile.gpu_memory) / GIB:.0f} GiB (gpu_memory)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,7 +95,7 @@ def test_a_users_own_task_or_a_profile_without_gpu_memory_is_not_refused() -> No
     check_fits(local, "trainers.tasks.lm", ("--size", "7b", "--strategy", "ddp"), 1, 8, 64)
 
 
-def test_submit_refuses_before_anything_is_queued_in_one_line(tmp_path: object) -> None:
+def test_submit_refuses_before_anything_is_queued_in_one_line() -> None:
     out = hpcjobs("submit", "--profile", H100, "--nodes", "1", "--gpus", "8", "--no-snapshot", "trainers.tasks.lm",
                   "--size", "7b", "--strategy", "ddp", cwd=REPO)
     assert out.returncode == 2 and out.stdout == "", out
@@ -128,3 +129,14 @@ def test_gpu_memory_profile_key() -> None:
     assert parse_profile({"gpu_memory": "80GB"}, "x", "test").gpu_memory == "80GB"
     with pytest.raises(ProfileError, match="gpu_memory is 'eighty'; valid: a positive size in GB or TB"):
         parse_profile({"gpu_memory": "eighty"}, "x", "test")
+
+
+def test_doctor_shows_the_plan_as_a_row(tmp_path: Path) -> None:
+    profile = tmp_path / "gpus.yaml"
+    profile.write_text("scheduler: local\ngpus_per_node: 8\ngpu_memory: 80GB\n")
+    out = hpcjobs("doctor", "--profile", str(profile), "--json", "trainers.tasks.lm", "--size", "1b", cwd=tmp_path)
+    row = json.loads(out.stdout)["checks"][-1]
+    assert row["name"] == "memory plan" and row["result"] == "pass" and "of 80 GiB" in row["found"], row
+    refused = hpcjobs("doctor", "--profile", str(profile), "trainers.tasks.lm", "--size", "7b", "--strategy", "ddp",
+                      cwd=tmp_path)
+    assert refused.returncode == 2 and "HINT: --strategy fsdp" in refused.stderr, refused
