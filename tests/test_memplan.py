@@ -140,3 +140,20 @@ def test_doctor_shows_the_plan_as_a_row(tmp_path: Path) -> None:
     refused = hpcjobs("doctor", "--profile", str(profile), "trainers.tasks.lm", "--size", "7b", "--strategy", "ddp",
                       cwd=tmp_path)
     assert refused.returncode == 2 and "HINT: --strategy fsdp" in refused.stderr, refused
+
+
+def test_the_start_line_states_the_same_plan_as_the_submit_side() -> None:
+    import torch
+
+    from hpcjobs.protocol.trainconfig import TrainConfig
+    from trainers.memory import plan_words
+    from trainers.tasks.classifier import make_task as classifier
+    from trainers.tasks.lm import make_task
+
+    task = make_task(["--size", "1b"])
+    cfg, _ = parse_trainer_args([], task.defaults)
+    submit_side = job_plan("trainers.tasks.lm", ["--size", "1b"], 8)
+    assert submit_side is not None
+    said = plan_words(task, cfg, 8, 8, "bf16", torch.device("cuda", 0))
+    assert said == f"memory plan {submit_side.plan.total / GIB:.1f} GiB a GPU", said
+    assert plan_words(classifier([]), TrainConfig(), 8, 8, "bf16", torch.device("cuda", 0)) == ""

@@ -22,7 +22,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, ResumeError
-from trainers import checkpoint, faults, perf, preemption, startup, strategy
+from trainers import checkpoint, faults, memory, perf, preemption, startup, strategy
 from trainers.checkpoint import resume
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_lambda
 from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
@@ -145,7 +145,8 @@ class Training:
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
         extras = (self.math, "compiled" * cfg.compile, "activation checkpointing" * cfg.activation_checkpointing,
                   "model built on rank 0" * strategy.from_rank0(cfg, world),
-                  "CPU offload" * cfg.cpu_offload)
+                  "CPU offload" * cfg.cpu_offload,
+                  memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))
         return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "
                 f"{threads} thread{'s' * (threads != 1)} per rank | batch {self.micro}×{cfg.grad_accum} per rank, "
                 f"{self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × {cfg.lr_factor(world):g} "

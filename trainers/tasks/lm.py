@@ -12,6 +12,7 @@ trainers.tasks.lora fine-tunes this model with low-rank adapters and imports its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -31,6 +32,7 @@ from hpcjobs.protocol.lmsizes import (  # re-exported: trainers.tasks.lora and u
     size_defaults,
     train_flops_per_token,
 )
+from hpcjobs.protocol.memplan import plan
 from trainers.task import Task, TaskArgError, TaskArgParser
 
 
@@ -155,4 +157,5 @@ def make_task(args: list[str]) -> Task:
     return Task(name=f"lm-{ns.size}", model=lambda: GPT(c), train_data=lambda: split(0),
                 val_data=lambda: split(1), loss=lm_loss,
                 config={**asdict(c), "data": source}, tokens_per_sample=c.seq_len,
-                flops_per_sample=train_flops_per_token(c) * c.seq_len, defaults=size_defaults(ns.size))
+                flops_per_sample=train_flops_per_token(c) * c.seq_len, defaults=size_defaults(ns.size),
+                memory_plan=lambda setup: plan(c, dataclasses.replace(setup, seq_len=c.seq_len)))
