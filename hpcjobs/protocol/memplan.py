@@ -14,14 +14,16 @@ Torch-free arithmetic over the model's shapes and the trainer's settings. What a
                at a time. Plus the head: ln_f's input and output and the fp32 log-softmax over the 256 bytes.
   working      ddp with autocast: the bf16 copies of the weights autocast makes, alive until the backward used them;
                fsdp: two gathered blocks (the last one again for its backward, the next prefetched) and the
-               root's gathered embeddings, in the compute dtype. A block's unsharded gradient and reduce-scatter
-               input come later, once its saved activations (10-20× larger) are freed.
+               root's gathered embeddings, in the compute dtype; while a block's gradients are made, also its
+               unsharded gradient and fp32 reduce-scatter input (at the end of the backward, and with activation
+               checkpointing, where the block's own recomputed activations are what is saved)
   transient    the logits' gradient in bf16 beside the fp32 one at the start of the backward
   headroom     on a GPU: 1.5 GiB for the CUDA context, cuBLAS workspaces and NCCL buffers, and 10% for the caching
-               allocator's fragmentation
-The peak is the larger of the start of the backward (everything saved, no gradient yet) and the end of it (every
-gradient, nothing saved): gradients grow as saved activations are freed. Measured against real ranks on the CPU
-(bench/memplan.py: bench/results/memplan.json) and on 7b shapes with fake tensors.
+               allocator's fragmentation (not yet measured on a GPU)
+The peak is the larger of the start of the backward (everything saved, no gradient yet) and its end (every gradient,
+the first block's activations): gradients grow as saved activations are freed. bench/memplan.py measured the tensors'
+part within 5% on real CPU ranks (small and medium, ddp and fsdp, fp32 and bf16, with and without activation
+checkpointing) and on 7b's shapes under fake tensors (bench/results/memplan.json).
 """
 
 from __future__ import annotations
