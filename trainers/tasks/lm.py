@@ -42,7 +42,7 @@ def refuse_without_cuda(prog: str, size: str, need: str) -> None:
         valid = ", ".join(s for s in SIZES if s not in CUDA_ONLY)
         raise TaskArgError(f"{prog}: --size {size} needs GPUs ({need}) and this machine has no CUDA; valid here: "
                            f"{valid}. HINT: submit it to a GPU profile, e.g. "
-                           "--nodes 2 --gpus 8 (it trains with --strategy fsdp by default)")
+                           "--nodes 2 --gpus 8 (`hpcjobs submit --dry-run` shows whether it fits)")
 
 
 class Block(nn.Module):
