@@ -231,9 +231,10 @@ def run_submit(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         if ns.json:
             _print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "request": request.text,
-                         "points": [dict(p) for p in spec.points]})
+                         "points": [dict(p) for p in spec.points], "memory_plan": memory_plans(spec)})
         else:
             print(f"# dry run: {spec.world()}; nothing submitted")
+            print(memory_text(spec))
             print(yaml.safe_dump(brief(spec.as_dict()), sort_keys=True).rstrip())
             print(points_text(spec), end="")
             print(f"# --- the request the {spec.profile.scheduler} backend would submit ---")
@@ -256,6 +257,29 @@ def run_submit(ns: argparse.Namespace) -> int:
         for done in sub.tasks or (sub,):
             print(ended_line(done))
     return sub.returncode or 0
+
+
+def _tasks_args(spec: Any) -> list[tuple[str, ...]]:
+    from hpcjobs.sweep import tasks_args
+
+    return tasks_args(spec.entry.args, spec.points) if spec.entry.kind == "task" else []
+
+
+def memory_text(spec: Any) -> str:
+    """The memory plan's line for each task of the job (hpcjobs.memfit), for the dry run."""
+    from hpcjobs.memfit import plan_line
+
+    lines = [plan_line(spec.profile, spec.entry.target, args, spec.ranks) for args in _tasks_args(spec)]
+    known = f"# memory plan: none: a {spec.entry.kind}'s model is known on the node only"
+    return "\n".join(dict.fromkeys(lines)) or known
+
+
+def memory_plans(spec: Any) -> list[dict[str, Any] | None]:
+    """The memory plan of each task of the job in bytes (None: not known on this side), for `--dry-run --json`."""
+    from hpcjobs.memfit import job_plan
+
+    found = [job_plan(spec.entry.target, args, spec.ranks) for args in _tasks_args(spec)]
+    return [None if f is None else {"what": f.what(), **f.plan.as_dict()} for f in found]
 
 
 def brief(recorded: dict[str, Any]) -> dict[str, Any]:
@@ -602,6 +626,10 @@ def run_doctor(ns: argparse.Namespace) -> int:
     spec = _spec(ns, snapshot=False)  # as submit builds it, but checked against the working tree: nothing copied
     refuse_array_patterns(spec, "doctor")
     checks = backend_for(spec.profile.scheduler).doctor(spec, ns.probe_wait if ns.probe else None)
+    if spec.entry.kind == "task":
+        from hpcjobs.memfit import doctor_check
+
+        checks.append(doctor_check(spec.profile, spec.entry.target, _tasks_args(spec), spec.ranks))
     if ns.json:
         _print_json({"world": spec.world(), "profile": spec.profile.name, "checks": [c.as_dict() for c in checks],
                      "ok": exit_code(checks) == 0})

@@ -42,6 +42,7 @@ from hpcjobs.backends import SCHEDULERS
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.protocol.contract import Preemption
 from hpcjobs.protocol.errors import ProfileError, UsageError, shown
+from hpcjobs.protocol.memplan import parse_gpu_memory
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
@@ -89,6 +90,10 @@ class ClusterProfile:
     mem_per_gpu: str | None = field(default=None, metadata={"parse": parse_mem_mb})
     """Memory per GPU (Slurm notation, e.g. `64G`): `--mem-per-gpu`, or `--mem` per node when gpu_request is
     `none`."""
+    gpu_memory: str | None = field(default=None, metadata={"parse": parse_gpu_memory})
+    """Memory of one GPU as its maker states it: `80GB` (H100, A100 80GB), `141GB` (H200), `192GB` (B200). A job
+    of the bundled LM task that the memory plan says will not fit is refused before it is queued (none: not
+    checked); `submit --dry-run` shows the plan."""
     max_nodes: int | None = field(default=None, metadata={"min": 1, "max": MAX_NODES})
     """The most nodes one job may ask for (none: no limit known)."""
     default_time: str = field(default="1:00:00", metadata={"parse": parse_time})

@@ -13,6 +13,7 @@ from pathlib import Path
 from hpcjobs.backends import backend_for
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.entry import Entry, resolve_entry
+from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
 from hpcjobs.protocol.errors import UsageError, shown
 from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
@@ -288,6 +289,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if entry.kind == "task":
         for args in tasks_args(entry.args, points):
             check_trainer_args(args, req.nodes * gpus)
+            check_fits(profile, entry.target, args, req.nodes, gpus, most_nodes(profile))
     name = req.name or default_name(entry)
     if not _NAME.fullmatch(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "

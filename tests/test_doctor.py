@@ -179,7 +179,8 @@ def test_bad_requests_are_refused_before_any_check(args: list[str], said: str) -
 def test_local_doctor() -> None:
     out = hpcjobs("doctor", "--profile", "local", "--gpus", "2", "--json", cwd=REPO)
     said = json.loads(out.stdout)
-    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder"]
+    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder", "memory plan"]
+    assert said["checks"][-1]["result"] == "skip" and "declares no gpu_memory" in said["checks"][-1]["found"]
 
 
 # --- --probe: the job's script and what its report says (tests/cluster/test_doctor_cluster.py runs it) -----------

@@ -214,3 +214,17 @@ def test_reducing_each_micro_batch_trains_the_same_model_up_to_rounding(tmp_path
                   "--reduce-each-micro-batch", cwd=REPO, timeout=300)
     log = (tmp_path / "ddp" / "logs" / "restart-0" / "rank-0.log").read_text()
     assert out.returncode == 2 and "--reduce-each-micro-batch with --strategy ddp; valid:" in log
+
+
+def test_the_gradient_norm_is_in_the_metrics_at_each_log_step(tmp_path: Path) -> None:
+    """Issue 28: the norm before clipping, reduced over the shards at log steps only; with --grad-clip 0 it is
+    computed at those steps alone (nothing else needs it)."""
+    import json
+    import math
+
+    for name, extra in (("clipped", ()), ("unclipped", ("--grad-clip", "0"))):
+        train(tmp_path / name, *extra)
+        recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        norms = {r["step"]: r.get("grad_norm") for r in recs if "loss" in r}
+        assert list(norms) == [2, 4, 6] and all(n is not None and math.isfinite(n) and n > 0 for n in norms.values()), \
+            (name, norms)

@@ -299,6 +299,8 @@ GOOD: dict[str, st.SearchStrategy[Any]] = {
     "gpu_request": st.sampled_from(GPU_REQUEST_FORMS),
     "cpus_per_gpu": st.integers(1, 1024),
     "mem_per_gpu": mem_sizes,
+    "gpu_memory": st.builds(lambda n, u: f"{n}{u}", st.one_of(st.integers(1, 10**4), st.integers(0, 10**500)),
+                            st.sampled_from(["GB", "G", "GiB", "TB", "gb", ""])),
     "max_nodes": st.integers(1, 100_000),
     "default_time": st.sampled_from(["30", "1:00:00", "4:00:00", "0-12"]),
     "max_time": st.sampled_from(["1-00:00:00", "3-00", "7-00:00:00"]),
@@ -317,7 +319,7 @@ KEYS = [f.name for f in dataclasses.fields(ClusterProfile) if f.metadata.get("ke
 assert sorted(GOOD) == sorted(KEYS), "a profile key was added or removed: give it good values here"
 PREEMPTION_KEYS = ["signal", "seconds_before", "max_restarts"]
 STRING_KEYS = ["name", "partition", "account", "qos", "gpu_type", "constraint", "runs_dir", "python", "mem_per_gpu",
-               "default_time", "max_time", "scheduler", "gpu_request"]
+               "gpu_memory", "default_time", "max_time", "scheduler", "gpu_request"]
 YAML_CHARS = st.sampled_from(list(":-[]{}'\"&*!|>%@#,?\n\t ") + ["a", "1", "partition", "env", "é", "\\"])
 
 

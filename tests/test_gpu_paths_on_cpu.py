@@ -83,6 +83,24 @@ def test_gpu_peaks_for_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert peak_flops(cuda, "bf16", tf32=False) is None
 
 
+@pytest.mark.parametrize(("name", "bf16", "tf32"), [
+    ("NVIDIA H100 80GB HBM3", 989.4, 494.7), ("NVIDIA H100 PCIe", 756.5, 378.0), ("NVIDIA H100 NVL", 835.5, 417.5),
+    ("NVIDIA H200", 989.4, 494.7), ("NVIDIA H200 NVL", 835.5, 417.5), ("NVIDIA GH200 480GB", 989.4, 494.7),
+    ("NVIDIA A100-SXM4-80GB", 312.0, 156.0), ("NVIDIA A100 80GB PCIe", 312.0, 156.0), ("NVIDIA B200", 2250.0, 1100.0),
+])
+def test_each_gpu_variant_gets_its_own_peak(monkeypatch: pytest.MonkeyPatch, name: str, bf16: float,
+                                            tf32: float) -> None:
+    """A PCIe or NVL H100 has a lower peak than the SXM part: its MFU was computed against the SXM's (issue 28)."""
+    import torch
+
+    from trainers.perf import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    assert peak_flops(cuda, "bf16", tf32=False) == pytest.approx(bf16 * 1e12)
+    assert peak_flops(cuda, "fp32", tf32=True) == pytest.approx(tf32 * 1e12)
+
+
 MATH = """
 import os, torch
 from trainers.perf import configure_math

@@ -25,6 +25,9 @@ class Meter:
         self.tokens_per_sample = task.tokens_per_sample
         self.flops_per_sample, self.peak_flops = task.flops_per_sample, peak_flops  # peak: all ranks together
         self.loss_sum = torch.zeros((), device=ctx.device)
+        self.grad_norm: torch.Tensor | None = None
+        """The last step's gradient norm before clipping, as the strategy computed it (under fsdp a DTensor that
+        one all-reduce turns into the number): read, and reduced, only in flush(), at log steps."""
         self.steps, self.total_steps = start_step, cfg.steps
         self.restart = ctx.env.restart
         self.bar: Bar | None = None
@@ -52,11 +55,15 @@ class Meter:
         dt = time.perf_counter() - self.t0
         samples_s = n * self.samples_per_step / dt if dt > 0 else 0.0
         self.loss_sum.zero_()
+        norm, self.grad_norm = self.grad_norm, None
+        grad_norm = None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.steps, self.t0 = step, time.perf_counter()
         if not self.ctx.is_main:
             return
         rec = {"step": step, "loss": loss, "lr": lr, "samples_per_s": samples_s, "time": time.time(),
                "restart": self.restart}
+        if grad_norm is not None:
+            rec["grad_norm"] = grad_norm
         if self.tokens_per_sample:
             rec["tokens_per_s"] = samples_s * self.tokens_per_sample
         if self.peak_flops:

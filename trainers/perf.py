@@ -13,12 +13,22 @@ import torch
 CUBLAS_WORKSPACE = ":4096:8"
 """cuBLAS's workspace setting that makes its reductions run in a fixed order (CUDA's reproducibility notes)."""
 
-# Dense peak TFLOP/s per GPU (the vendor's figures without sparsity), by a substring of the device name. TF32 is what
-# an fp32 matmul runs as when TF32 is on; with it off, fp32 is the plain FMA figure.
+# Dense peak TFLOP/s per GPU (the vendors' datasheet figures without sparsity), by a substring of the device name
+# (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+# "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA B200"). The first key found in the name wins, so a variant comes
+# before its family: an H100 PCIe or NVL runs at lower clocks and power than the SXM part (756 and 835 bf16 TFLOP/s
+# against 989), and taking the SXM peak for them understated their MFU by up to a quarter. TF32 is what an fp32
+# matmul runs as when TF32 is on; with it off, fp32 is the plain FMA figure.
+_HOPPER_SXM = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}
+_HOPPER_NVL = {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    "H100 NVL": _HOPPER_NVL,
+    "H200 NVL": _HOPPER_NVL,
+    "H100": _HOPPER_SXM,  # SXM5 (and the GH200's H100)
+    "H200": _HOPPER_SXM,  # SXM (and GH200): the H100 SXM's compute with more and faster memory
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},  # SXM4 and PCIe alike
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},  # HGX B200 / 8 (TF32: 2.2 sparse)
 }
 
 

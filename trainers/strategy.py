@@ -33,7 +33,8 @@ class Strategy(Protocol):
         """Around one micro-batch's forward and backward: gradients are reduced on the last one only."""
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm (over all ranks' shards) to max_norm; returns the norm before clipping."""
+        """Clip the global gradient norm (over all ranks' shards) to max_norm; returns the norm before clipping, as
+        computed (under fsdp a DTensor: its full_tensor() is the number)."""
 
 
 def units(model: nn.Module) -> list[nn.Module]:
@@ -120,8 +121,9 @@ class Fsdp:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         # The parameters are DTensors: the norm is computed over every rank's shard, then the same scale applies.
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        # Returned as computed (a DTensor): reducing it to a number costs an all-reduce, which the Meter does only
+        # at log steps (it had been one more all-reduce every step).
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
 
 def from_rank0(cfg: TrainConfig, world_size: int) -> bool:

@@ -1,13 +1,13 @@
 """The shared trainer. Reads top to bottom: build the model under its strategy (ddp | fsdp), resume from the newest
 readable finished checkpoint, loop, stop (at the end, or at a checkpoint when asked to). What each part holds lives
-in its own module: the strategy (trainers.strategy), the saved parts and how they are written
-(trainers.checkpoint.sharded), the position and RNG streams (trainers.checkpoint.state), the data order
-(trainers.data), the logging (trainers.meter)."""
+in its own module: the strategy (trainers.strategy), the saved parts and how they are written, the position and
+RNG streams (trainers.checkpoint), the data order (trainers.data), the logging (trainers.meter)."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import time
 from typing import Any
 
@@ -21,7 +21,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, ResumeError
-from trainers import checkpoint, faults, perf, preemption, startup, strategy
+from trainers import checkpoint, faults, memory, perf, preemption, startup, strategy
 from trainers.checkpoint import resume, saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_lambda
 from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
@@ -39,8 +39,7 @@ __all__ = ["Meter", "ResumeError", "Training", "check_compatible", "default_opti
 
 WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 SETTLE_S = 60.0
-"""How long a failing start waits for its save in flight to commit before it ends
-(trainers.checkpoint.sharded.settle)."""
+"""How long a failing start waits for its save in flight to commit before it ends (Checkpointer.settle)."""
 
 
 def log(ctx: DistContext, msg: str) -> None:
@@ -144,7 +143,8 @@ class Training:
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
         extras = (self.math, "compiled" * cfg.compile, "activation checkpointing" * cfg.activation_checkpointing,
                   "model built on rank 0" * strategy.from_rank0(cfg, world),
-                  "CPU offload" * cfg.cpu_offload)
+                  "CPU offload" * cfg.cpu_offload,
+                  memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))
         return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "
                 f"{threads} thread{'s' * (threads != 1)} per rank | batch {self.micro}×{cfg.grad_accum} per rank, "
                 f"{self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × {cfg.lr_factor(world):g} "
@@ -323,9 +323,9 @@ class Training:
                 loss = self.task.loss(self.net, batch) / cfg.grad_accum
             self.scaler.scale(loss).backward()
             self.meter.add(loss)
-        if cfg.grad_clip > 0:
+        if cfg.grad_clip > 0 or self.logs_at(self.pos.step + 1):  # the norm: to clip, else only to log it
             self.scaler.unscale_(self.optimizer)
-            self.strategy.clip(cfg.grad_clip)
+            self.meter.grad_norm = self.strategy.clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         self.checkpointer.before_update()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -341,10 +341,13 @@ class Training:
         if seconds is not None:
             log(self.ctx, f"first step done: training collectives now time out after {seconds:g} s")
 
+    def logs_at(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.cfg.steps
+
     def after_step(self) -> None:
         self.checkpointer.check()
         cfg, step = self.cfg, self.pos.step
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if self.logs_at(step):
             self.meter.flush(step, float(self.scheduler.get_last_lr()[0]))
         self.meter.tick(step)
         if self.val_set is not None and (step % cfg.eval_every == 0 or step == cfg.steps):

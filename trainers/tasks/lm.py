@@ -2,16 +2,20 @@
 
     hpcjobs submit --profile local trainers.tasks.lm --size tiny --steps 200
     ... trainers.tasks.lm --size small --text data/shakespeare.txt --seq-len 256
-    ... --gpus 8 trainers.tasks.lm --size 7b --strategy fsdp      (7b needs GPUs: it is refused without CUDA)
+    ... --nodes 2 --gpus 8 trainers.tasks.lm --size 7b      (7b needs GPUs: it is refused without CUDA)
+
+1b and 7b start from presets that fit 80 GB GPUs (hpcjobs.protocol.lmsizes.PRESETS: 7b is FSDP with activation
+checkpointing) and an LR and warmup for their size; `hpcjobs submit --dry-run` shows the memory plan.
 
 trainers.tasks.lora fine-tunes this model with low-rank adapters and imports its pieces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -19,45 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from hpcjobs.protocol.lmsizes import (  # re-exported: trainers.tasks.lora and users' scripts import them from here
+    CUDA_ONLY,
+    SIZES,
+    VOCAB,
+    GPTConfig,
+    n_params,
+    size_defaults,
+    train_flops_per_token,
+)
+from hpcjobs.protocol.memplan import plan
 from trainers.task import Task, TaskArgError, TaskArgParser
-
-VOCAB = 256  # bytes: any text file works without a tokenizer
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    n_layer: int
-    """Transformer blocks."""
-    n_head: int
-    """Attention heads per block."""
-    d_model: int
-    """Width of the residual stream."""
-    seq_len: int
-    """Context length in tokens."""
-    dropout: float = 0.0
-    """Dropout on attention output and MLP (0 for speed; > 0 exercises the RNG state on resume)."""
-
-
-SIZES = {
-    "tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=64),
-    "small": GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128),
-    "medium": GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=256),
-    "large": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=512),
-    # ≈1.21B parameters (n_params): 24 blocks × 12·2048² = 1.208B, + 2048·2048 positions, 256·2048 byte embeddings,
-    # biases and norms. Runs on the CPU too (slowly: fp32 weights, gradients and AdamW state are ~19 GB).
-    "1b": GPTConfig(n_layer=24, n_head=16, d_model=2048, seq_len=2048),
-    # ≈6.45B parameters: LLaMA-7B's shape (32 blocks, width 4096, 32 heads, context 2048) with this GPT's GELU MLP
-    # and a 256-byte vocabulary: 32 × 12·4096² = 6.442B, + 4096·2048 positions + 256·4096 byte embeddings + biases.
-    "7b": GPTConfig(n_layer=32, n_head=32, d_model=4096, seq_len=2048),
-}
-CUDA_ONLY = ("7b",)
-"""Sizes refused on a machine without CUDA (make_task says so in one line, before anything is built)."""
-
-
-def n_params(c: GPTConfig) -> int:
-    """The model's parameter count (the output head is tied to the byte embedding: counted once)."""
-    d = c.d_model
-    return VOCAB * d + c.seq_len * d + c.n_layer * (12 * d * d + 13 * d) + 2 * d
 
 
 def refuse_without_cuda(prog: str, size: str, need: str) -> None:
@@ -65,15 +41,8 @@ def refuse_without_cuda(prog: str, size: str, need: str) -> None:
     if size in CUDA_ONLY and not torch.cuda.is_available():
         valid = ", ".join(s for s in SIZES if s not in CUDA_ONLY)
         raise TaskArgError(f"{prog}: --size {size} needs GPUs ({need}) and this machine has no CUDA; valid here: "
-                           f"{valid}. HINT: submit it to a GPU profile with --strategy fsdp")
-
-
-def train_flops_per_token(c: GPTConfig) -> float:
-    """Forward + backward FLOPs per token: 6 per weight (the tied embedding counts once, as the output head's
-    matmul) plus attention's score and value matmuls, 12·layers·width·context (PaLM's appendix B estimate)."""
-    d = c.d_model
-    weights = VOCAB * d + c.n_layer * (12 * d * d + 13 * d) + 2 * d
-    return 6 * weights + 12 * c.n_layer * d * c.seq_len
+                           f"{valid}. HINT: submit it to a GPU profile, e.g. "
+                           "--nodes 2 --gpus 8 (`hpcjobs submit --dry-run` shows whether it fits)")
 
 
 class Block(nn.Module):
@@ -188,4 +157,5 @@ def make_task(args: list[str]) -> Task:
     return Task(name=f"lm-{ns.size}", model=lambda: GPT(c), train_data=lambda: split(0),
                 val_data=lambda: split(1), loss=lm_loss,
                 config={**asdict(c), "data": source}, tokens_per_sample=c.seq_len,
-                flops_per_sample=train_flops_per_token(c) * c.seq_len, defaults={"lr": 1e-3})
+                flops_per_sample=train_flops_per_token(c) * c.seq_len, defaults=size_defaults(ns.size),
+                memory_plan=lambda setup: plan(c, dataclasses.replace(setup, seq_len=c.seq_len)))
