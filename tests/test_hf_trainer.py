@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import BIN, REPO, hpcjobs
+from hpcjobs.protocol.contract import ENV_VAR, LaunchContract
 from trainers.integrations import hf_trainer
 
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_script.py"
@@ -32,9 +33,22 @@ def losses(out: Path) -> list[tuple[int, float]]:
     return [(h["step"], h["loss"]) for h in state["log_history"] if "loss" in h]
 
 
-def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tmp_path: Path) -> None:
-    twin = hpcjobs(*command(tmp_path, "twin"), cwd=tmp_path, timeout=600)
-    assert twin.returncode == 0 and "AFTER TRAIN" in twin.stdout, twin.stdout[-3000:] + twin.stderr[-3000:]
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run every interrupted one is compared with."""
+    folder = tmp_path_factory.mktemp("hf")
+    done = hpcjobs(*command(folder, "twin"), cwd=folder, timeout=600)
+    assert done.returncode == 0 and "AFTER TRAIN" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder / "twin"
+
+
+def same_as(out: Path, twin: Path) -> None:
+    assert losses(out) == losses(twin)
+    mine, theirs = load_file(out / "final" / "model.safetensors"), load_file(twin / "final" / "model.safetensors")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tmp_path: Path, twin: Path) -> None:
 
     proc = subprocess.Popen([str(BIN / "hpcjobs"), *command(tmp_path, "out")], cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -61,10 +75,23 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     assert len(resumed) == STEPS - stop  # the second start trained only the steps after the stop
     assert (out / "after-train.txt").read_text() == "ran\n"  # once, after the training that finished
 
-    assert losses(out) == losses(tmp_path / "twin")
-    mine, theirs = load_file(out / "final" / "model.safetensors"), load_file(tmp_path / "twin" / "final" /
-                                                                              "model.safetensors")
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    same_as(out, twin)
+
+
+def test_a_rank_killed_inside_a_save_leaves_a_checkpoint_never_resumed(tmp_path: Path, twin: Path) -> None:
+    """Rank 1 SIGKILLed after writing checkpoint-20's files, before every rank's were durable: the job fails, the
+    next start moves checkpoint-20 aside, resumes checkpoint-10, and still ends with the uninterrupted weights."""
+    killed = hpcjobs(*command(tmp_path, "out"), cwd=tmp_path, timeout=600,
+                     env={"HPCJOBS_FAULT_INJECT": "save-written@20:1"})
+    assert killed.returncode != 0 and "AFTER TRAIN" not in killed.stdout
+    out = tmp_path / "out"
+    assert hf_trainer.incomplete(out / "checkpoint-20") and (out / "checkpoint-10" / hf_trainer.COMPLETE).is_file()
+    again = hpcjobs(*command(tmp_path, "out"), cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "checkpoint-20 was left incomplete" in again.stdout and f"resuming from {out / 'checkpoint-10'}" in \
+        again.stdout
+    assert (out / hf_trainer.ASIDE / "checkpoint-20").is_dir()
+    same_as(out, twin)
 
 
 def test_an_incomplete_checkpoint_is_moved_aside_and_the_one_before_is_resumed(tmp_path: Path,
@@ -87,3 +114,27 @@ def test_an_incomplete_checkpoint_is_moved_aside_and_the_one_before_is_resumed(t
     with pytest.raises(SystemExit) as e:
         hf_trainer.resume_point(str(out), str(tmp_path / "nowhere"))
     assert e.value.code == 2 and "is not a folder" in capsys.readouterr().out
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        hf_trainer.resume_point(str(tmp_path / "file" / "out"), None)
+    said = capsys.readouterr().out.strip().splitlines()
+    assert e.value.code == 2 and len(said) == 1 and "cannot hold checkpoints" in said[0] and "HINT:" in said[0]
+
+
+def test_an_output_folder_renamed_at_each_start_resumes_the_previous_starts_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A requeued start whose --output_dir holds a new timestamp finds no checkpoint of its own: it resumes the one
+    the job's previous start recorded in the run folder, and says why."""
+    run = tmp_path / "run"
+    monkeypatch.setenv(ENV_VAR, LaunchContract(str(run)).to_json())
+    before = tmp_path / "out-1200" / "checkpoint-30"
+    before.mkdir(parents=True)
+    monkeypatch.setenv("RANK", "0")
+    hf_trainer.mark_complete(before, 30)
+    assert hf_trainer.resume_point(str(tmp_path / "out-1300"), None) == str(before)
+    assert "its name changes every start" in capsys.readouterr().out
+    assert hf_trainer.resume_point(str(tmp_path / "out-1200"), None) == str(before)  # its own: no word

@@ -106,6 +106,9 @@ class RunFolder:
     logs = property(lambda self: self.path / "logs")
     local_process = property(lambda self: self.path / "local-process.json")  # who runs a local job: pid, host
     tracker = property(lambda self: self.path / "tracker.json")  # trainers.tracking: tracker run ids, logged steps
+    script_checkpoint = property(lambda self: self.path / "script-checkpoint.json")  # trainers.integrations: the
+    # newest complete checkpoint a user's Trainer wrote, {"path", "step"}, found again by a start whose output folder
+    # has another name
     nccl_traces = property(lambda self: self.path / "nccl-trace")  # NCCL flight recorder dumps, rank-R each
     lock = property(lambda self: self.path / ".lock")  # flock of the running job's rank 0; holds who holds it
 
