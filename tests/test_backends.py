@@ -179,6 +179,11 @@ def test_a_job_slurm_could_not_be_asked_about_is_not_called_unknown(tmp_path: Pa
     assert found is not None and found.run_dir == str(tmp_path / "run")
     assert SlurmBackend(Recorded(squeue=SQUEUE["forgotten"], sacct=SACCT["no-accounting"])).lookup("42") is None
     assert SlurmBackend(Recorded()).lookup("42") is None  # no Slurm here at all: nothing to ask, nothing known
+    unconfigured = (1, "", "squeue: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n"
+                           "squeue: error: fetch_config: DNS SRV lookup failed\n"
+                           "squeue: error: _establish_config_source: failed to fetch config\n"
+                           "squeue: fatal: Could not establish a configuration source\n")
+    assert SlurmBackend(Recorded(squeue=unconfigured, sacct=unconfigured)).lookup("42") is None  # client tools only
     down = Recorded(squeue=SQUEUE["unreachable"])
     assert SlurmBackend(down).lookup("local-20261125-1") is None and down.calls == []  # not an id Slurm gives
 

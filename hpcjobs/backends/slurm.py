@@ -69,6 +69,11 @@ FORGOTTEN = "Invalid job id specified"
 """squeue's answer for an id Slurm does not know: never given, or forgotten after MinJobAge."""
 
 
+NOT_CONFIGURED = "Could not establish a configuration source"
+"""squeue's last words on a machine with Slurm's client tools but no slurm.conf (nor a configless DNS record): no
+Slurm here, as when there is no squeue at all, so a local-only user's `status ID` is not told about Slurm."""
+
+
 SLURM_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?", re.ASCII)
 """A job's id as Slurm gives it: a number, or an array task's ARRAY_INDEX."""
 
@@ -84,7 +89,7 @@ def squeue_job(job_id: str, run: Runner) -> SlurmJob | None:
     """squeue's word for the job, finished ones included (`-t all`), while Slurm still remembers it; None when it
     knows no such job, or there is no squeue here. Raises SlurmUnreachable when squeue could not answer."""
     out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%k"])
-    if out.returncode not in (0, 127) and FORGOTTEN not in out.stderr:
+    if out.returncode not in (0, 127) and FORGOTTEN not in out.stderr and NOT_CONFIGURED not in out.stderr:
         raise SlurmUnreachable(f"squeue could not answer for job {job_id}: {last_words(out)}", f"{CONTROLLER_HINT}; "
                                "the run folder still answers for a job hpcjobs recorded here")
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
