@@ -118,3 +118,30 @@ def test_rendezvous_timeout_names_the_rank_and_address(tmp_path: Path) -> None:
     assert time.time() - t < 60
     final = json.loads((tmp_path / "r" / "final.json").read_text())
     assert final["state"] == "failed" and "RendezvousError" in final["reason"]
+
+
+def test_a_refused_second_job_leaves_the_running_ones_records_alone(tmp_path: Path) -> None:
+    """Issue 26: a second `submit --run-dir` on a folder a job trains in was refused only by its rank 0, after it
+    had rewritten local-process.json (its own, soon dead, pid), spec.json and specs/: the running job then read
+    UNKNOWN and `hpcjobs cancel` said there was nothing to cancel."""
+    run = tmp_path / "run"
+    args = ["submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), "trainers.tasks.classifier",
+            "--steps", "100000", "--log-every", "5", "--ckpt-every", "0"]
+    first = subprocess.Popen([str(BIN / "hpcjobs"), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    deadline = time.time() + 120
+    while not (run / "heartbeat.json").exists():
+        assert time.time() < deadline and first.poll() is None
+        time.sleep(0.2)
+    records = {p.relative_to(run): p.read_bytes() for p in (run / "local-process.json", run / "spec.json")}
+    specs = sorted(p.name for p in (run / "specs").iterdir())
+    second = hpcjobs(*args, "--lr", "0.5", cwd=tmp_path)
+    assert second.returncode == 2 and "is in use by job local-" in second.stderr, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+    assert {p: (run / p).read_bytes() for p in records} == records
+    assert sorted(p.name for p in (run / "specs").iterdir()) == specs
+    rows = json.loads(hpcjobs("list", "--json").stdout)
+    assert [r["state"] for r in rows] == ["RUNNING"], rows
+    cancelled = hpcjobs("cancel", rows[0]["job_id"])
+    assert cancelled.returncode == 0 and "asked to stop" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    first.communicate(timeout=120)

@@ -101,6 +101,25 @@ def take(run: RunFolder, env: DistEnv) -> RunLock:
     return RunLock(fd)
 
 
+def in_use(run: RunFolder) -> str | None:
+    """The one line `take` would refuse with, asked before anything is written (the submit side of a job that
+    starts now: a refused start must not rewrite the running job's spec.json or local-process.json); None when the
+    folder is free, or its filesystem cannot lock. Holds the lock only for the instant it asks."""
+    try:
+        fd = os.open(run.lock, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # no lock file: no job ever ran here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return busy_message(run)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
 def busy_message(run: RunFolder) -> str:
     holder = None
     for _ in range(10):  # the holder may be rewriting its description this instant

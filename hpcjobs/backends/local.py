@@ -165,12 +165,18 @@ class LocalBackend(RunFolderLogs):
     def submit(self, request: SubmitRequest, on_id: Callable[[Submitted], None]) -> Submitted:
         """Run every rank here and wait (recorded first, so status/list see the job while it runs). A sweep's
         points run one after another, or `max_parallel` at once, each a job `ID_N` with its own run folder."""
+        from trainers.runlock import in_use
+
         spec = request.spec
         job_id = local_job_id()
         tasks = [(f"{job_id}_{i}", i) for i in range(len(spec.points))] if spec.array else [(job_id, None)]
+        run_dirs = [resolve_run_dir(spec.run_dir, array_ids(task_id)) for task_id, _ in tasks]
+        for run_dir in run_dirs:  # a start its rank 0 would refuse writes nothing, here either
+            if (busy := in_use(RunFolder(run_dir))) is not None:
+                message, _, hint = busy.partition(" HINT: ")
+                raise UsageError(message, hint or None)
         subs = []
-        for task_id, index in tasks:
-            run_dir = resolve_run_dir(spec.run_dir, array_ids(task_id))
+        for (task_id, index), run_dir in zip(tasks, run_dirs, strict=True):
             prepare_run_folder(spec, run_dir, index)
             run = RunFolder(run_dir)
             write_json_atomic(run.local_process, {"pid": os.getpid(), "host": socket.gethostname(),
