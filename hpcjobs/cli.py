@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -641,12 +643,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(ns, "own_flags", None):
             refuse_own_flags_after_entry(argv, ns)
-        return int(ns.run(ns))
+        code = int(ns.run(ns))
+        sys.stdout.flush()  # here, not at exit: a reader that left (`| head -1`) is then caught below
+        return code
     except HpcjobsError as e:
         print(f"hpcjobs {ns.command}: error: {e.one_line()}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of stdout is gone: stop quietly, as a command killed by SIGPIPE does. stdout goes to
+        # /dev/null so the interpreter's own flush at exit has nothing left to fail on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
