@@ -265,7 +265,8 @@ class CorruptCheckpoint(Exception):
     """A finished checkpoint that cannot be read; the message says which file and why, on one line."""
 
 
-def _why(name: str, e: BaseException) -> CorruptCheckpoint:
+def why_unreadable(name: str, e: BaseException) -> CorruptCheckpoint:
+    """`name` (a file of the checkpoint) and the first sentence of what reading it raised, on one line."""
     text = " ".join(str(e).split())
     text = text.split(". ")[0][:200]  # torch's first sentence says it; the rest is advice about other causes
     return CorruptCheckpoint(f"{name}: {type(e).__name__}: {text}" if text else f"{name}: {type(e).__name__}")
@@ -276,7 +277,7 @@ def read_meta(ref: CheckpointRef) -> dict[str, Any]:
     try:
         meta = ref.meta()
     except (OSError, ValueError) as e:
-        raise _why("meta.json", e) from None
+        raise why_unreadable("meta.json", e) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         raise CorruptCheckpoint(f"meta.json holds no step: {str(meta)[:100]!r}")
     return meta
@@ -296,7 +297,7 @@ def read_states(ref: CheckpointRef, rank: int, shared_keys: tuple[str, ...] = ()
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - torch raises many types for a torn or foreign file
-            raise _why(name, e) from None
+            raise why_unreadable(name, e) from None
         missing = [k for k in keys if not isinstance(state, dict) or k not in state]
         if missing:
             raise CorruptCheckpoint(f"{name} lacks {', '.join(missing)}")

@@ -31,6 +31,7 @@ import dataclasses
 import pickle
 import shutil
 import sys
+import textwrap
 import threading
 import warnings
 from dataclasses import dataclass
@@ -250,6 +251,20 @@ class SafeReader(dcp.FileSystemReader):
         metadata.storage_meta = storage
         return metadata
 
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's read, one file at a time, so that a torn file is named: torch's own error says only that some zip
+        archive has no central directory, in five sentences of advice."""
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        done = None
+        for name, items in per_file.items():
+            try:
+                done = super().read_data(dataclasses.replace(plan, items=items), planner)
+            except Exception as e:  # noqa: BLE001 - torch raises many types for a torn or foreign file
+                raise checkpoint.why_unreadable(name, e) from None
+        return done if done is not None else super().read_data(plan, planner)
+
 
 def flat(tensors: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """(DCP's key, tensor) of a nested state dict: keys joined with dots, as DCP flattens them."""
@@ -350,10 +365,12 @@ def unreadable(e: BaseException) -> checkpoint.CorruptCheckpoint:
     """One line: what each rank's read raised (DCP's own message holds every rank's traceback), else `e`."""
     failures = checkpoint.dcp_failures(e)
     what = "; ".join(f"rank {rank}: {_named(x)}" for rank, x in failures) or _named(e)
-    return checkpoint.CorruptCheckpoint(f"sharded tensors: {' '.join(what.split())[:300]}")
+    return checkpoint.CorruptCheckpoint(f"sharded tensors: {textwrap.shorten(what, 300, placeholder=' …')}")
 
 
 def _named(e: BaseException) -> str:
+    if isinstance(e, checkpoint.CorruptCheckpoint):
+        return str(e)  # names its file already (SafeReader.read_data)
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
