@@ -54,6 +54,12 @@ from trainers.faults import maybe_die
 METADATA = ".metadata"
 """DCP's index of a step folder: present in the shared trainer's checkpoints, absent in save_checkpoint's."""
 
+# One rank has no process group, and DCP then warns at every save and load (even told no_dist=True) that it assumes
+# "the intent is to save in a single process": it is, so the warning only cluttered each 1-rank run's log. By its
+# words, not by category: DCP's other warnings still show. A filter, not catch_warnings: saves run in a thread.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized, assuming "
+                        "the intent is to", category=UserWarning)
+
 
 @dataclass
 class Parts:
@@ -383,7 +389,7 @@ def offline_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
               for fqn, m in meta.state_dict_metadata.items()
               if fqn.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", UserWarning)  # (the filter above is undone where warnings are caught: pytest)
         dcp.load(wanted, storage_reader=reader, no_dist=True)
     return {fqn.removeprefix(prefix): t for fqn, t in wanted.items()}
 
