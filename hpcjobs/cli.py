@@ -65,7 +65,8 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         message = " ".join(message.split())  # argparse quotes unrecognized arguments as typed, newlines and all
-        self.exit(2, f"{self.prog}: error: {message}. HINT: {self.prog} --help shows the flags and examples.\n")
+        stop = "" if message.endswith(("?", ".")) else "."
+        self.exit(2, f"{self.prog}: error: {message}{stop} HINT: {self.prog} --help shows the flags and examples.\n")
 
 
 def _parser(sub: Any, name: str, help_: str, **kw: Any) -> argparse.ArgumentParser:
@@ -127,7 +128,8 @@ def _job_flags(entry_optional: bool = False) -> argparse.ArgumentParser:
     p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=DOCTOR_ENTRY,
                    help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
                         + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))
-    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")
+    rest = p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")
+    rest.required = False  # argparse counts a REMAINDER as required: a missing entry said "required: ENTRY, ARGS"
     return p
 
 
@@ -633,10 +635,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def unrecognized(parser: argparse.ArgumentParser, ns: argparse.Namespace, extras: list[str]) -> NoReturn:
+    """Arguments no parser took, refused by the subcommand's parser (its name and help in the line) with the
+    nearest of its flags: `--gpu 2` means --gpus."""
+    import difflib
+
+    subs = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    p: argparse.ArgumentParser = subs.choices.get(ns.command, parser) if subs is not None and ns.command else parser
+    known = sorted(_option_strings(p))
+    close = [m for w in extras if w.startswith("--")
+             for m in difflib.get_close_matches(w.split("=", 1)[0], known, n=1)]
+    p.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extras = parser.parse_known_args(argv)
+    if extras:
+        unrecognized(parser, ns, extras)
     if not getattr(ns, "run", None):
         parser.print_help()
         return 2
