@@ -6,7 +6,9 @@ ask Slurm themselves (requeue, EndTime, PreemptTime) is in hpcjobs/backends/slur
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import re
 import shutil
 import subprocess
@@ -143,10 +145,11 @@ def srun_failures(text: str) -> list[Failure]:
 
 
 def sbatch_refusal(error: BaseException) -> str:
-    """The line of sbatch's complaint that says why (submitit wraps it in its own words)."""
+    """The lines of sbatch's complaint that say why (submitit wraps them in its own words), as one: the first
+    names what was wrong (`invalid partition specified: nosuch`), the last that nothing was queued."""
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
     said = [ln for ln in lines if "sbatch" in ln.lower()] or lines
-    return said[-1] if said else type(error).__name__
+    return "; ".join(dict.fromkeys(said)) if said else type(error).__name__
 
 
 class SlurmBackend(RunFolderLogs):
@@ -189,7 +192,9 @@ class SlurmBackend(RunFolderLogs):
         executor.update_parameters(**request.params["submitit"])
         entry = SubmititEntry(launcher_args(spec))  # one for every task: each picks its point on the node
         try:
-            with cleaned_os_environ():  # sbatch would hand this shell's job identity to the new job
+            # sbatch would hand this shell's job identity to the new job. submitit prints a refusing sbatch's
+            # stderr before it raises: the one line below says it, once.
+            with cleaned_os_environ(), contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array([entry] * len(spec.points)) if spec.array else [executor.submit(entry)]
         except (FailedJobError, subprocess.CalledProcessError, OSError) as e:
             if created:
