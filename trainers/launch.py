@@ -23,6 +23,7 @@ import contextlib
 import gc
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -277,6 +278,9 @@ class SubmititEntry:
         self.argv = list(argv)
 
     def __call__(self) -> int:
+        # submitit's runner handles SIGCONT only to log "Bypassing signal SIGCONT" into the rank's log, twice a stop
+        # (measured: `scancel --signal=USR2`); its default action, continuing, is all a rank needs.
+        signal.signal(signal.SIGCONT, signal.SIG_DFL)
         rc = main(self.argv)
         if rc:
             raise RuntimeError(f"hpcjobs rank exited with code {rc}; see the run folder's logs")
