@@ -281,11 +281,13 @@ def points_text(spec: Any) -> str:
 
 
 def ended_line(sub: Any) -> str:
-    """How a foreground (local) job ended, in one line: its run folder's final word when it failed."""
+    """How a foreground (local) job ended, in one line: its run folder's final word when it failed, if this job
+    wrote it (a refused resume ends with an earlier job's final.json in place)."""
+    from hpcjobs.jobs import folder_state
     from hpcjobs.runfolder import RunFolder
 
-    final = RunFolder(sub.run_dir).read("final") or {}
-    why = f": {final['reason']}" if sub.returncode and isinstance(final, dict) and final.get("reason") else ""
+    _, reason = folder_state(RunFolder(sub.run_dir), sub.job_id)
+    why = f": {reason}" if sub.returncode and reason else ""
     return f"Job {sub.job_id} ended with code {sub.returncode}{why}; run folder {sub.run_dir}"
 
 

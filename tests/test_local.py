@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 from conftest import BIN, hpcjobs
-from hpcjobs.profiles import load_profile
 from trainers import checkpoint
 
 
@@ -75,10 +74,11 @@ def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_pa
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 130, out  # as an interrupted command: `hpcjobs submit ... && next` stops there
+    assert out.strip().splitlines()[-1].startswith("Job local-") and "ended with code 130; run folder" in out
     stop = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in x][-1]
-    # The local launcher passes Ctrl-C on to the ranks as the profile's signal.
-    assert stop["stopped"] == "interrupt" and stop["signal"] == f"SIG{load_profile('local').preemption.signal}"
+    # The local launcher passes Ctrl-C on to the ranks as it came, and the run folder says so (it said SIGUSR2).
+    assert stop["stopped"] == "interrupt" and stop["signal"] == "SIGINT"
     assert checkpoint.latest(run / "checkpoints").step == stop["step"]
     assert not (run / "final.json").exists()
     assert json.loads(hpcjobs("status", "--json").stdout)["state"] == "STOPPED"
@@ -145,3 +145,16 @@ def test_a_refused_second_job_leaves_the_running_ones_records_alone(tmp_path: Pa
     cancelled = hpcjobs("cancel", rows[0]["job_id"])
     assert cancelled.returncode == 0 and "asked to stop" in cancelled.stdout, cancelled.stdout + cancelled.stderr
     first.communicate(timeout=120)
+
+
+def test_a_refused_resume_ends_with_its_own_words_not_the_last_jobs(tmp_path: Path) -> None:
+    """Issue 26: after a resume refused for other settings, the end line said "ended with code 2: reached step 6",
+    the finished job's final.json."""
+    run = tmp_path / "run"
+    args = ["submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), "trainers.tasks.classifier",
+            "--steps", "6", "--log-every", "3"]
+    assert hpcjobs(*args, cwd=tmp_path).returncode == 0
+    again = hpcjobs(*args, "--lr", "0.5", cwd=tmp_path)
+    assert again.returncode == 2 and "was written with other settings" in again.stdout, again.stdout
+    end = again.stdout.strip().splitlines()[-1]
+    assert "ended with code 2; run folder" in end and "reached step" not in end, end

@@ -1,7 +1,9 @@
 """The local backend: every rank a process on this machine, in the foreground (CPU + gloo without GPUs).
 
-Ctrl-C (or SIGTERM) is forwarded to the ranks as the profile's stop signal, so they stop at a step boundary after a
-checkpoint, as on a cluster; running the same command with the same --run-dir resumes.
+Ctrl-C (or SIGTERM) is forwarded to the ranks as it came, so they stop at a step boundary after a checkpoint (the
+stop protocol handles SIGINT and SIGTERM as well as the profile's signal) and restarts.jsonl says which it was; the
+job then exits as an interrupted command does (130 for Ctrl-C). Running the same command with the same --run-dir
+resumes.
 """
 
 from __future__ import annotations
@@ -95,13 +97,22 @@ class Stopper:
     """Ctrl-C (or SIGTERM, `hpcjobs cancel`) asks every rank to stop at the next step boundary after a checkpoint;
     a second one says that is under way; a third kills the ranks at once (the last checkpoint stays)."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int) -> None:
-        self.procs, self.stop_signal, self.count = procs, stop_signal, 0
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.procs, self.count = procs, 0
+        self.signum: int | None = None
+        """The signal that asked to stop first."""
+
+    def exit_code(self, code: int) -> int:
+        """A job's code once its ranks ended: a stop asked for by a signal is not a success, even when every rank
+        exited 0 at its checkpoint (`hpcjobs submit ... && next` must not go on): 128 + the signal, as a shell
+        reports a command it interrupted."""
+        return 128 + self.signum if code == 0 and self.signum is not None else code
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count == 1:
-            self._send(self.stop_signal)
+            self.signum = signum
+            self._send(signum)
             note = "stopping: every rank commits a checkpoint at the next step, then exits"
         elif self.count == 2:
             note = "still stopping (saving a checkpoint); press Ctrl-C once more to kill the ranks now"
@@ -195,7 +206,7 @@ class LocalBackend(RunFolderLogs):
         width = spec.max_parallel or 1
         codes: list[int | None] = [None] * len(subs)
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
-        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"))
+        stopper = Stopper([])
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             pending = list(range(len(subs)))
@@ -209,7 +220,7 @@ class LocalBackend(RunFolderLogs):
                     break
                 for i, (_, procs) in list(running.items()):
                     if (code := group_code(procs)) is not None:
-                        codes[i] = code
+                        codes[i] = stopper.exit_code(code)
                         del running[i]
                 time.sleep(0.2)
         finally:
