@@ -8,6 +8,7 @@ training run ended.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -132,17 +133,45 @@ def find(job_id: str, store: JobStore) -> JobRecord:
         if rec is None:
             raise  # the store's own error says what is wrong with it
         return rec
-    rec = rec or lookup(job_id)
+    if rec is None and (rec := lookup(job_id)) is not None:
+        store.add(rec)  # remembered: once the scheduler forgets the job (MinJobAge), the record still finds it
     if rec is None:
         recent = ", ".join(r.job_id for r in store.recent(5)) or "none yet"
         raise UsageError(f"no job {job_id!r} was submitted with hpcjobs here (recent: {recent}), and the scheduler "
                          "knows no hpcjobs job of that id.",
-                         "`hpcjobs list` shows the jobs hpcjobs knows; HPCJOBS_HOME selects another record.")
+                         "`hpcjobs list` shows the jobs hpcjobs knows; HPCJOBS_HOME selects another record; a job's "
+                         "run folder stands for it too (`hpcjobs status RUN_FOLDER`).")
     return rec
 
 
+def folder_record(path: str) -> JobRecord | None:
+    """A run folder given where a job id goes (status, logs, cancel): the record of the newest job that started
+    there, from what the folder holds (spec.json, written by `hpcjobs submit`; restarts.jsonl, by every rank,
+    a rendered script's too). None when it is no run folder."""
+    run = RunFolder(path)
+    spec = run.read("spec")
+    spec = spec if isinstance(spec, dict) else {}
+    final = run.read("final")
+    starts = [str(r["job_id"]) for r in run.read_restarts() if "stopped" not in r and r.get("job_id")]
+    job_id = starts[-1] if starts else final.get("job_id") if isinstance(final, dict) else None
+    if job_id is None or not (spec or run.restarts.exists()):
+        return None
+    scheduler = spec.get("scheduler") or ("local" if job_id.startswith("local-") else "slurm")
+    return JobRecord(job_id, str(spec.get("name") or run.path.name), str(spec.get("profile") or "?"), scheduler,
+                     int(spec.get("nodes") or 0), int(spec.get("gpus_per_node") or 0), str(run.path.resolve()), {},
+                     spec, run.path.stat().st_mtime)
+
+
 def records_for(job_id: str, store: JobStore) -> list[JobRecord]:
-    """The record of a job or of one array task (`ID_N`), or every task of an array's `ID`."""
+    """The record of a job or of one array task (`ID_N`), or every task of an array's `ID`; or of the newest job
+    of a run folder given instead (a path, or a folder here that holds a run)."""
+    if os.sep in job_id or Path(job_id).is_dir():
+        found = folder_record(job_id)
+        if found is not None:
+            return [found]
+        if os.sep in job_id:
+            raise UsageError(f"{job_id} is not a run folder: it holds neither spec.json nor restarts.jsonl with a "
+                             "job's start.", "give a job id or a run folder (runs/NAME-...).")
     try:
         if store.get(job_id) is None and (tasks := store.tasks(job_id)):
             return tasks

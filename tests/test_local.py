@@ -48,6 +48,11 @@ def test_evaluation_keeps_the_best_checkpoint(tmp_path: Path) -> None:
     kept = [r.step for r in checkpoint.finished(run / "checkpoints")]
     assert best["step"] in kept and kept[-2:] == [35, 40] and len(kept) <= 3, kept
     assert "val_loss" in out.stdout + out.stderr
+    # A run folder stands for its job where an id goes (issue 26), whatever the job store knows.
+    elsewhere = {"HPCJOBS_HOME": str(tmp_path / "another-home")}
+    st = hpcjobs("status", str(run), "--json", env=elsewhere)
+    assert st.returncode == 0 and json.loads(st.stdout)["state"] == "COMPLETED", st.stdout + st.stderr
+    assert "step 40 " in hpcjobs("logs", str(run), env=elsewhere).stdout
 
 
 def test_task_without_a_validation_set_refuses_eval_every(tmp_path: Path) -> None:
