@@ -115,9 +115,8 @@ def last_step(run: RunFolder) -> tuple[int | None, float | None]:
     """The newest step the run reached and when: a stop's committed checkpoint or the final step, when either is
     newer than the last heartbeat (logged only every --log-every steps)."""
     marks = [run.read("heartbeat") or {}, run.read("final") or {}]
-    history = run.read_restarts()
-    if history and "stopped" in history[-1]:
-        marks.append(history[-1])
+    stops = [r for r in run.read_restarts() if "stopped" in r]
+    marks += stops[-1:]  # also once the next start began: until it logs, the step must not go back to a heartbeat
     known = [m for m in marks if isinstance(m, dict) and isinstance(m.get("step"), int) and m["step"] >= 0]
     newest = max(known, key=lambda m: (m.get("time", 0), m["step"]), default=None)
     return (newest["step"], newest.get("time")) if newest else (None, None)

@@ -33,7 +33,7 @@ from hpcjobs.backends.slurm_render import (
 )
 from hpcjobs.contract import LaunchContract, Preemption
 from hpcjobs.errors import RuntimeFailure, UsageError
-from hpcjobs.jobs import cancel, status_of
+from hpcjobs.jobs import cancel, last_step, status_of
 from hpcjobs.profiles import load_profile
 from hpcjobs.runfolder import RunDirPatternError, RunFolder, resolve_run_dir
 from hpcjobs.spec import Request, build_spec
@@ -458,3 +458,17 @@ def test_local_backend_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no sbatch script"):
         backend_for("local").script(spec)
     assert "RANK=1 LOCAL_RANK=1 WORLD_SIZE=2" in backend_for("local").dry_run(spec).text
+
+
+def test_the_last_step_does_not_go_back_when_the_next_start_begins(tmp_path: Path) -> None:
+    """Issue 26: a stop at step 63 (last heartbeat 60) read "last step 63", then 60 once the job started again."""
+    run = RunFolder(tmp_path / "run")
+    run.record_start(0, "42", 2)
+    run.write_heartbeat(60)
+    run.record_stop("preemption", 63, 0)
+    assert last_step(run)[0] == 63
+    run.record_start(1, "42", 2)
+    assert last_step(run)[0] == 63
+    time.sleep(0.01)
+    run.write_heartbeat(65)
+    assert last_step(run)[0] == 65

@@ -85,6 +85,10 @@ def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_pa
     # The local launcher passes Ctrl-C on to the ranks as it came, and the run folder says so (it said SIGUSR2).
     assert stop["stopped"] == "interrupt" and stop["signal"] == "SIGINT"
     assert checkpoint.latest(run / "checkpoints").step == stop["step"]
+    # The losses of the steps since the last logged one are logged at the stop (the resume starts after them).
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["step"] == stop["step"] and json.loads((run / "heartbeat.json").read_text())["step"] == \
+        stop["step"], (logged[-3:], stop)
     assert not (run / "final.json").exists()
     assert json.loads(hpcjobs("status", "--json").stdout)["state"] == "STOPPED"
     # Fewer steps than planned: a changed --steps re-plans the LR schedule, so it takes --extend (issue 10).

@@ -375,6 +375,8 @@ class Training:
         self.agreement.close()
         self.save()
         log(self.ctx, f"stop requested: checkpoint step-{self.pos.step} committed")
+        if self.pos.step > self.meter.steps:  # the losses since the last logged step: the resume starts after them
+            self.meter.flush(self.pos.step, float(self.scheduler.get_last_lr()[0]))
         self.meter.close()
         outcome = preemption.finish_stop(self.pos.step, self.contract, group=self.ctx.control_group)
         return 1 if outcome == StopOutcome.CAP else 0
