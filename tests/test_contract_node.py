@@ -178,7 +178,9 @@ def test_install_arms_the_deadline_from_the_contract(clean_preemption: None) -> 
     nums = preemption.install(contract, {"SLURM_JOB_ID": "9"})
     assert nums == sorted({signal.SIGUSR1, signal.SIGTERM, signal.SIGINT})
     assert preemption._deadline == [(1000.0 + 600 - 30, "9", 30)]
-    preemption.install(contract, {})  # not under Slurm: no deadline
+    preemption.install(contract, {})  # not under Slurm (a local --time): the same deadline, no job to ask
+    assert preemption._deadline == [(1000.0 + 600 - 30, "", 30)]
+    preemption.install(dataclasses.replace(contract, time_limit_s=0), {})  # no time limit: no deadline
     assert preemption._deadline == []
 
 

@@ -167,3 +167,28 @@ def test_a_refused_resume_ends_with_its_own_words_not_the_last_jobs(tmp_path: Pa
     assert again.returncode == 2 and "was written with other settings" in again.stdout, again.stdout
     end = again.stdout.strip().splitlines()[-1]
     assert "ended with code 2; run folder" in end and "reached step" not in end, end
+
+
+def test_time_is_honoured_locally_and_what_is_not_run_is_said(tmp_path: Path) -> None:
+    """Issue 26: `--time` was recorded and ignored (the job trained on), and the profile's setup lines were
+    skipped without a word. The profile's signal comes `seconds_before` the end, as on Slurm: a timeout stop."""
+    import yaml
+
+    from conftest import REPO
+
+    data = yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text())
+    data["preemption"]["seconds_before"] = 105  # --time 2:00: the signal 15 s in
+    data["setup"] = ["module load cuda"]
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump(data))
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    out = hpcjobs("submit", "--profile", str(profile), "--gpus", "1", "--time", "2:00", "--run-dir", str(run),
+                  "trainers.tasks.classifier", "--steps", "1000000", "--log-every", "50", "--ckpt-every", "0",
+                  cwd=tmp_path, timeout=120)
+    assert time.monotonic() - t0 < 90, "the job ran past its warning"
+    assert "setup lines are for Slurm jobs and are not run here" in out.stderr, out.stderr
+    stop = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in x][-1]
+    # the signal, or (on a loaded machine, sent while the rank still started and ignored it) the ranks' own deadline
+    assert stop["stopped"] == "timeout" and stop["signal"] in ("SIGUSR2", "deadline"), stop
+    assert checkpoint.latest(run / "checkpoints").step == stop["step"]

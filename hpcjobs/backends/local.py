@@ -48,10 +48,30 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str]) -> li
     return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
 
 
+def time_limit(spec: JobSpec) -> int | None:
+    """The seconds a local job may run: its --time, enforced as Slurm does (the profile's signal `seconds_before`
+    the end, so the time-limit path can be rehearsed here; killed at the end). A profile's default_time is not:
+    a local run goes on for as long as it trains."""
+    return spec.time_seconds if spec.time_from == "--time" else None
+
+
+def ranks_argv(spec: JobSpec) -> list[str]:
+    """What each rank runs; its contract has no time limit unless one is enforced (time_limit)."""
+    return launcher_argv(spec if time_limit(spec) else replace(spec, time_seconds=0))
+
+
+def ignored(spec: JobSpec) -> list[str]:
+    """What of the profile the local backend does not do, said at the start rather than silently skipped."""
+    if spec.profile.setup:
+        return [f"profile {spec.profile.name}'s setup lines are for Slurm jobs and are not run here: the ranks get "
+                "this shell's environment"]
+    return []
+
+
 def describe(spec: JobSpec, job_id: str) -> str:
     """The request as text: what each rank would run, with the variables hpcjobs sets for it."""
-    argv = " ".join(shlex.quote(w) for w in launcher_argv(spec))
-    lines = [f"# local: {spec.world()} on this machine, from {spec.workdir}"]
+    argv = " ".join(shlex.quote(w) for w in ranks_argv(spec))
+    lines = [f"# local: {spec.world()} on this machine, from {spec.workdir}", *(f"# {x}" for x in ignored(spec))]
     lines += [f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
     for r in range(spec.ranks):
         lines.append(f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={spec.ranks} MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> "
@@ -208,6 +228,10 @@ class LocalBackend(RunFolderLogs):
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
         stopper = Stopper([])
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        for said in ignored(spec):
+            print(f"hpcjobs: {said}", file=sys.stderr, flush=True)
+        limit, started, warned = time_limit(spec), {}, set()
+        warn_signal = getattr(signal, f"SIG{spec.profile.preemption.signal}")
         try:
             pending = list(range(len(subs)))
             while pending or running:
@@ -216,9 +240,21 @@ class LocalBackend(RunFolderLogs):
                     slot = min(set(range(width)) - {s for s, _ in running.values()})
                     running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr)
                     stopper.procs += running[i][1]
+                    started[i] = time.monotonic()
                 if stopper.count and not running:
                     break
                 for i, (_, procs) in list(running.items()):
+                    age = time.monotonic() - started[i]
+                    if limit is not None and age >= limit:  # as Slurm at the time limit
+                        for p in procs:
+                            if p.poll() is None:
+                                p.kill()
+                    elif limit is not None and age >= limit - spec.profile.preemption.seconds_before and \
+                            i not in warned:  # as Slurm's --signal: the ranks stop at a checkpoint
+                        warned.add(i)
+                        for p in procs:
+                            if p.poll() is None:
+                                p.send_signal(warn_signal)
                     if (code := group_code(procs)) is not None:
                         codes[i] = stopper.exit_code(code)
                         del running[i]
@@ -238,7 +274,7 @@ class LocalBackend(RunFolderLogs):
         envs = rank_envs(spec, sub.job_id, free_port(), base)
         # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
         # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
-        return [subprocess.Popen(launcher_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
+        return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
                                  stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
 
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
