@@ -192,3 +192,23 @@ def test_time_is_honoured_locally_and_what_is_not_run_is_said(tmp_path: Path) ->
     # the signal, or (on a loaded machine, sent while the rank still started and ignored it) the ranks' own deadline
     assert stop["stopped"] == "timeout" and stop["signal"] in ("SIGUSR2", "deadline"), stop
     assert checkpoint.latest(run / "checkpoints").step == stop["step"]
+
+
+def test_a_profile_python_without_the_dependencies_is_one_line(tmp_path: Path) -> None:
+    """Issue 26: locally each rank printed its ModuleNotFoundError traceback; the Slurm job script says one line."""
+    import yaml
+
+    from conftest import REPO
+
+    python = tmp_path / "python"  # stands for a Python without torch, whatever this machine has
+    python.write_text("#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+                      "echo \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    python.chmod(0o755)
+    data = {**yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text()), "python": str(python)}
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump(data))
+    out = hpcjobs("submit", "--profile", str(profile), "--gpus", "2", "--run-dir", str(tmp_path / "run"),
+                  "trainers.tasks.classifier", "--steps", "5", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stdout + out.stderr
+    assert f"python {python} cannot start the ranks (ModuleNotFoundError: No module named 'torch')" in out.stderr
+    assert not (tmp_path / "run").exists()

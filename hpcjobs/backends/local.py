@@ -26,11 +26,13 @@ from hpcjobs.backends.environment import clean
 from hpcjobs.doctor import Check, Result
 from hpcjobs.errors import UsageError
 from hpcjobs.ports import free_port
-from hpcjobs.render import launcher_argv
+from hpcjobs.render import LAUNCHER_MODULE, launcher_argv
 from hpcjobs.runfolder import RunFolder, array_ids, resolve_run_dir, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.states import JobState
 from hpcjobs.store import JobRecord
+from trainers.versions import CHECK as TORCH_CHECK
+from trainers.versions import FLOOR_TEXT
 
 JOB_ID_PLACEHOLDER = "local-<id>"
 """How a dry run names the job id that only a real run gets."""
@@ -66,6 +68,25 @@ def ignored(spec: JobSpec) -> list[str]:
         return [f"profile {spec.profile.name}'s setup lines are for Slurm jobs and are not run here: the ranks get "
                 "this shell's environment"]
     return []
+
+
+def check_python(spec: JobSpec) -> None:
+    """A profile's `python:` that cannot start the ranks (no torch at the floor, no hpcjobs) is one line before
+    anything is written, as the Slurm job script says it (slurm_render.python_lines); each rank would otherwise
+    print its own ModuleNotFoundError traceback. The Python hpcjobs runs from is not asked: it imported hpcjobs."""
+    if spec.python == sys.executable:
+        return
+    try:
+        out = subprocess.run([spec.python, "-c", f"{TORCH_CHECK}; import {LAUNCHER_MODULE}"], cwd=spec.workdir,
+                             env=clean(dict(os.environ)), capture_output=True, text=True, timeout=60)
+        said = [ln.strip() for ln in (out.stderr + out.stdout).splitlines() if ln.strip()]
+        why = None if out.returncode == 0 else said[-1] if said else f"exit code {out.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        raise UsageError(f"profile {spec.profile.name}'s python {spec.python} cannot start the ranks ({why}); valid: "
+                         f"a Python with torch >= {FLOOR_TEXT} and hpcjobs installed.",
+                         "set python: in the profile to such a Python, or leave it out to use this one.")
 
 
 def describe(spec: JobSpec, job_id: str) -> str:
@@ -199,6 +220,7 @@ class LocalBackend(RunFolderLogs):
         from trainers.runlock import in_use
 
         spec = request.spec
+        check_python(spec)
         job_id = local_job_id()
         tasks = [(f"{job_id}_{i}", i) for i in range(len(spec.points))] if spec.array else [(job_id, None)]
         run_dirs = [resolve_run_dir(spec.run_dir, array_ids(task_id)) for task_id, _ in tasks]
