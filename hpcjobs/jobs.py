@@ -55,9 +55,7 @@ class JobStatus:
 def folder_state(run: RunFolder, job_id: str) -> tuple[JobState | None, str | None]:
     """The run's own final word (final.json), if this job wrote it: a later job on the same folder (a resume, or a
     start that was refused) must not inherit an earlier job's ending, nor the earlier job the later one's."""
-    final = run.read("final")
-    if isinstance(final, dict) and final.get("job_id") not in (None, job_id):
-        return None, None
+    final = run.final_of(job_id)
     if isinstance(final, dict):
         return FOLDER_STATES.get(str(final.get("state")), JobState.FAILED), final.get("reason")
     return None, None

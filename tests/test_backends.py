@@ -148,6 +148,7 @@ def test_a_job_of_the_same_id_that_is_not_the_records_is_never_joined_with_it(sq
     st = status_of(rec, SlurmBackend(runner))  # the run folder's own word, saying why Slurm's was not taken
     assert st.state == JobState.COMPLETED and st.state_source.startswith("run folder (squeue's job 42 is another")
     RunFolder(rec.run_dir).final.unlink()
+    (RunFolder(rec.run_dir).path / "finals" / "42.json").unlink()  # no final word of this job at all
     store = JobStore(tmp_path / "jobs.sqlite")
     with pytest.raises(RuntimeFailure, match="job 42 was not cancelled: squeue's job 42 is another job"):
         cancel(rec, store, SlurmBackend(runner))

@@ -163,6 +163,9 @@ def test_a_refused_resume_ends_with_its_own_words_not_the_last_jobs(tmp_path: Pa
     args = ["submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), "trainers.tasks.classifier",
             "--steps", "6", "--log-every", "3"]
     assert hpcjobs(*args, cwd=tmp_path).returncode == 0
+    assert hpcjobs(*args, cwd=tmp_path).returncode == 0  # the README's "run it again": nothing left to train
+    rows = json.loads(hpcjobs("list", "--json").stdout)  # the first job read UNKNOWN once the second ended
+    assert [(r["state"], r["state_source"]) for r in rows] == [("COMPLETED", "run folder")] * 2, rows
     again = hpcjobs(*args, "--lr", "0.5", cwd=tmp_path)
     assert again.returncode == 2 and "was written with other settings" in again.stdout, again.stdout
     end = again.stdout.strip().splitlines()[-1]
