@@ -75,9 +75,12 @@ def stopped_for_good(history: list[dict[str, Any]], job_id: str) -> bool:
     return bool(after) and after[-1].get("stopped") == StopReason.TERMINATED
 
 
-def restart_count(run: RunFolder) -> int:
-    starts = [r.get("restart", 0) for r in run.read_restarts() if "stopped" not in r]
-    return max(starts, default=0)
+def restart_count(run: RunFolder, job_id: str | None = None) -> int:
+    """The newest restart number of the job's starts (of the folder's, when none is the job's): a resume on the
+    same run folder numbers on, and an earlier job keeps its own."""
+    starts = [r for r in run.read_restarts() if "stopped" not in r]
+    own = [r for r in starts if str(r.get("job_id")) == job_id] or starts
+    return max((r.get("restart", 0) for r in own), default=0)
 
 
 def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
@@ -104,7 +107,7 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     found = diagnose(run, rec.job_id, backend.reported_failures(rec)) if ended_badly else None
     first = found.first if found else None
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
-                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces,
+                     restart_count(run, rec.job_id), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces,
                      first.describe() if first else None, first.log if first else None,
                      found.tail if found else ())
 

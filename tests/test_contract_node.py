@@ -324,7 +324,7 @@ def test_the_launcher_wants_exactly_one_contract_source(tmp_path: Path, args: li
 def test_the_launcher_enforces_the_contracts_restart_cap(tmp_path: Path) -> None:
     given = LaunchContract(run_dir=str(tmp_path / "r"), preemption=Preemption(max_restarts=2))
     out = launch(["--contract", given.to_json(), "--kind", "module", "--", "this_is_never_run"], tmp_path,
-                 HPCJOBS_RESTART="3")
+                 SLURM_RESTART_COUNT="3")
     assert out.returncode == 1
     final = json.loads((tmp_path / "r" / "final.json").read_text())
     assert final["state"] == "failed" and "past the cap of 2 restarts" in final["reason"]

@@ -166,6 +166,10 @@ def test_a_refused_resume_ends_with_its_own_words_not_the_last_jobs(tmp_path: Pa
     assert hpcjobs(*args, cwd=tmp_path).returncode == 0  # the README's "run it again": nothing left to train
     rows = json.loads(hpcjobs("list", "--json").stdout)  # the first job read UNKNOWN once the second ended
     assert [(r["state"], r["state_source"]) for r in rows] == [("COMPLETED", "run folder")] * 2, rows
+    # Each job its own restart number and logs: `logs` of the second printed the first's output first.
+    assert [r["restarts"] for r in rows] == [1, 0], rows
+    second = hpcjobs("logs", rows[0]["job_id"]).stdout
+    assert "resumed from" in second and "starting at step 0" not in second, second
     again = hpcjobs(*args, "--lr", "0.5", cwd=tmp_path)
     assert again.returncode == 2 and "was written with other settings" in again.stdout, again.stdout
     end = again.stdout.strip().splitlines()[-1]

@@ -57,9 +57,14 @@ class DistEnv:
     master_port: int
     job_id: str
     restart: int
+    """This start's number in the run folder's logs and records: Slurm's requeue count, or for a local job the
+    next after the folder's earlier starts (HPCJOBS_RESTART, set by the local backend)."""
     source: str
     """Where the layout came from: `torchrun`, `slurm` or `single`."""
     nccl: dict[str, str] = field(default_factory=dict)
+    requeues: int = 0
+    """How often Slurm requeued this job (SLURM_RESTART_COUNT): what the restart cap counts. A local job's
+    resume is a new job, never a requeue."""
 
     def as_env(self) -> dict[str, str]:
         """The variables torch.distributed (env://) and user scripts expect."""
@@ -122,4 +127,5 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
         digits = "".join(c for c in own if c.isdigit())
         port = port_for_job(int(digits) if digits else 0)
     nccl = {k: v for k, v in env.items() if k.startswith(NCCL_PREFIXES)}
-    return DistEnv(rank, local_rank, world, local_world, addr, port, job_id, restart, source, nccl)
+    requeues = int(env.get("SLURM_RESTART_COUNT") or 0)
+    return DistEnv(rank, local_rank, world, local_world, addr, port, job_id, restart, source, nccl, requeues)

@@ -42,11 +42,20 @@ def local_job_id() -> str:
     return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
 
 
-def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str]) -> list[dict[str, str]]:
+def next_restart(run: RunFolder) -> int:
+    """A local job on a run folder that ran before continues its numbering (restart-N logs, `status`'s restarts):
+    each resume its own logs, as a requeue on Slurm gets."""
+    starts = [r.get("restart", 0) for r in run.read_restarts() if "stopped" not in r]
+    return max(starts) + 1 if starts else 0
+
+
+def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str], restart: int = 0,
+              ) -> list[dict[str, str]]:
     """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
     ids = {f"HPCJOBS_{k.removeprefix('SLURM_')}": v for k, v in array_ids(job_id).items() if "ARRAY" in k}
     common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id, **ids}
+              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id,
+              "HPCJOBS_RESTART": str(restart), **ids}
     return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
 
 
@@ -293,7 +302,7 @@ class LocalBackend(RunFolderLogs):
         base = dict(os.environ)
         if slot is not None:
             base.update(device_slice(slot, spec.ranks, base))
-        envs = rank_envs(spec, sub.job_id, free_port(), base)
+        envs = rank_envs(spec, sub.job_id, free_port(), base, next_restart(RunFolder(sub.run_dir)))
         # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
         # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
         return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
