@@ -95,7 +95,7 @@ def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_pa
     again = hpcjobs(*[a if a != "100000" else str(stop["step"] + 5) for a in args], "--extend", cwd=tmp_path,
                     timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"(step {stop['step']}," in (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert f"(step {stop['step']}," in (run / "logs" / "restart-1" / "rank-0.log").read_text()  # its own logs
 
 
 def test_same_trainer_under_torchrun_and_as_a_plain_process(tmp_path: Path) -> None:

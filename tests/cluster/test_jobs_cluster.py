@@ -261,6 +261,7 @@ def test_forgotten_sweep_tasks_and_a_plain_sbatch_job_keep_their_state(
             break
         assert time.time() < deadline, (tasks, known)
         time.sleep(2)
+    tasks = json.loads(hpcjobs("status", array, "--json", env=home).stdout)["tasks"]  # asked once all are forgotten
     assert [(t["state"], t["state_source"]) for t in tasks] == [("COMPLETED", "run folder")] * 2, tasks
     one = hpcjobs("status", f"{array}_1", env=home).stdout
     assert "COMPLETED" in one and "never started" not in one, one
