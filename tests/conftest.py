@@ -116,6 +116,12 @@ def sbatch_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> P
     return folder
 
 
+def newest_log(run: Path, rank: int = 0) -> str:
+    """A rank's log of the newest start in a run folder (a resume, local or requeued, has logs of its own)."""
+    newest = max((run / "logs").glob("restart-*"), key=lambda p: int(p.name.split("-", 1)[1]))
+    return (newest / f"rank-{rank}.log").read_text()
+
+
 def hpcjobs(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the installed `hpcjobs` console script as a user would."""
