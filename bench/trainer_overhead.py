@@ -40,7 +40,9 @@ def bare_ddp(task: Any, steps: int, log_every: int, out: Path | None, batch_size
     from torch.utils.data import DataLoader, DistributedSampler
 
     from hpcjobs.protocol.trainconfig import TrainConfig
-    from trainers.trainer import default_optimizer, lr_lambda, seed_all
+    from trainers.checkpoint.resume import lr_lambda
+    from trainers.checkpoint.state import seed_all
+    from trainers.trainer import default_optimizer
 
     cfg = TrainConfig(steps=steps, lr=LR, seed=SEED)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -65,7 +67,8 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         message = " ".join(message.split())  # argparse quotes unrecognized arguments as typed, newlines and all
-        self.exit(2, f"{self.prog}: error: {message}. HINT: {self.prog} --help shows the flags and examples.\n")
+        stop = "" if message.endswith(("?", ".")) else "."
+        self.exit(2, f"{self.prog}: error: {message}{stop} HINT: {self.prog} --help shows the flags and examples.\n")
 
 
 def _parser(sub: Any, name: str, help_: str, **kw: Any) -> argparse.ArgumentParser:
@@ -127,7 +130,8 @@ def _job_flags(entry_optional: bool = False) -> argparse.ArgumentParser:
     p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=DOCTOR_ENTRY,
                    help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
                         + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))
-    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")
+    rest = p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")
+    rest.required = False  # argparse counts a REMAINDER as required: a missing entry said "required: ENTRY, ARGS"
     return p
 
 
@@ -303,11 +307,13 @@ def points_text(spec: Any) -> str:
 
 
 def ended_line(sub: Any) -> str:
-    """How a foreground (local) job ended, in one line: its run folder's final word when it failed."""
+    """How a foreground (local) job ended, in one line: its run folder's final word when it failed, if this job
+    wrote it (a refused resume ends with an earlier job's final.json in place)."""
+    from hpcjobs.jobs import folder_state
     from hpcjobs.protocol.runfolder import RunFolder
 
-    final = RunFolder(sub.run_dir).read("final") or {}
-    why = f": {final['reason']}" if sub.returncode and isinstance(final, dict) and final.get("reason") else ""
+    _, reason = folder_state(RunFolder(sub.run_dir), sub.job_id)
+    why = f": {reason}" if sub.returncode and reason else ""
     return f"Job {sub.job_id} ended with code {sub.returncode}{why}; run folder {sub.run_dir}"
 
 
@@ -679,22 +685,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def unrecognized(parser: argparse.ArgumentParser, ns: argparse.Namespace, extras: list[str]) -> NoReturn:
+    """Arguments no parser took, refused by the subcommand's parser (its name and help in the line) with the
+    nearest of its flags: `--gpu 2` means --gpus."""
+    import difflib
+
+    subs = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    p: argparse.ArgumentParser = subs.choices.get(ns.command, parser) if subs is not None and ns.command else parser
+    known = sorted(_option_strings(p))
+    close = [m for w in extras if w.startswith("--")
+             for m in difflib.get_close_matches(w.split("=", 1)[0], known, n=1)]
+    p.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extras = parser.parse_known_args(argv)
+    if extras:
+        unrecognized(parser, ns, extras)
     if not getattr(ns, "run", None):
         parser.print_help()
         return 2
     try:
         if getattr(ns, "own_flags", None):
             refuse_own_flags_after_entry(argv, ns)
-        return int(ns.run(ns))
+        code = int(ns.run(ns))
+        sys.stdout.flush()  # here, not at exit: a reader that left (`| head -1`) is then caught below
+        return code
     except HpcjobsError as e:
         print(f"hpcjobs {ns.command}: error: {e.one_line()}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of stdout is gone: stop quietly, as a command killed by SIGPIPE does. stdout goes to
+        # /dev/null so the interpreter's own flush at exit has nothing left to fail on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path
         raise UsageError(f"entry {entry!r} is not an entry point; valid: a task module, a .py script or -m MODULE.",
                          hint)
     if module:
-        _require_module(entry, "module", hint, workdir)
+        _require_module(entry, "-m", hint, workdir)
         return Entry("module", entry, args)
     if entry.endswith(".py") or os.sep in entry:
         path = resolved(workdir / entry, "script", hint)

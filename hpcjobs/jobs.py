@@ -8,6 +8,7 @@ training run ended.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -54,9 +55,7 @@ class JobStatus:
 def folder_state(run: RunFolder, job_id: str) -> tuple[JobState | None, str | None]:
     """The run's own final word (final.json), if this job wrote it: a later job on the same folder (a resume, or a
     start that was refused) must not inherit an earlier job's ending, nor the earlier job the later one's."""
-    final = run.read("final")
-    if isinstance(final, dict) and final.get("job_id") not in (None, job_id):
-        return None, None
+    final = run.final_of(job_id)
     if isinstance(final, dict):
         return FOLDER_STATES.get(str(final.get("state")), JobState.FAILED), final.get("reason")
     return None, None
@@ -76,9 +75,12 @@ def stopped_for_good(history: list[dict[str, Any]], job_id: str) -> bool:
     return bool(after) and after[-1].get("stopped") == StopReason.TERMINATED
 
 
-def restart_count(run: RunFolder) -> int:
-    starts = [r.get("restart", 0) for r in run.read_restarts() if "stopped" not in r]
-    return max(starts, default=0)
+def restart_count(run: RunFolder, job_id: str | None = None) -> int:
+    """The newest restart number of the job's starts (of the folder's, when none is the job's): a resume on the
+    same run folder numbers on, and an earlier job keeps its own."""
+    starts = [r for r in run.read_restarts() if "stopped" not in r]
+    own = [r for r in starts if str(r.get("job_id")) == job_id] or starts
+    return max((r.get("restart", 0) for r in own), default=0)
 
 
 def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
@@ -105,7 +107,7 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     found = diagnose(run, rec.job_id, backend.reported_failures(rec)) if ended_badly else None
     first = found.first if found else None
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
-                     restart_count(run), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces,
+                     restart_count(run, rec.job_id), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces,
                      first.describe() if first else None, first.log if first else None,
                      found.tail if found else ())
 
@@ -114,9 +116,8 @@ def last_step(run: RunFolder) -> tuple[int | None, float | None]:
     """The newest step the run reached and when: a stop's committed checkpoint or the final step, when either is
     newer than the last heartbeat (logged only every --log-every steps)."""
     marks = [run.read("heartbeat") or {}, run.read("final") or {}]
-    history = run.read_restarts()
-    if history and "stopped" in history[-1]:
-        marks.append(history[-1])
+    stops = [r for r in run.read_restarts() if "stopped" in r]
+    marks += stops[-1:]  # also once the next start began: until it logs, the step must not go back to a heartbeat
     known = [m for m in marks if isinstance(m, dict) and isinstance(m.get("step"), int) and m["step"] >= 0]
     newest = max(known, key=lambda m: (m.get("time", 0), m["step"]), default=None)
     return (newest["step"], newest.get("time")) if newest else (None, None)
@@ -132,17 +133,45 @@ def find(job_id: str, store: JobStore) -> JobRecord:
         if rec is None:
             raise  # the store's own error says what is wrong with it
         return rec
-    rec = rec or lookup(job_id)
+    if rec is None and (rec := lookup(job_id)) is not None:
+        store.add(rec)  # remembered: once the scheduler forgets the job (MinJobAge), the record still finds it
     if rec is None:
         recent = ", ".join(r.job_id for r in store.recent(5)) or "none yet"
         raise UsageError(f"no job {job_id!r} was submitted with hpcjobs here (recent: {recent}), and the scheduler "
                          "knows no hpcjobs job of that id.",
-                         "`hpcjobs list` shows the jobs hpcjobs knows; HPCJOBS_HOME selects another record.")
+                         "`hpcjobs list` shows the jobs hpcjobs knows; HPCJOBS_HOME selects another record; a job's "
+                         "run folder stands for it too (`hpcjobs status RUN_FOLDER`).")
     return rec
 
 
+def folder_record(path: str) -> JobRecord | None:
+    """A run folder given where a job id goes (status, logs, cancel): the record of the newest job that started
+    there, from what the folder holds (spec.json, written by `hpcjobs submit`; restarts.jsonl, by every rank,
+    a rendered script's too). None when it is no run folder."""
+    run = RunFolder(path)
+    spec = run.read("spec")
+    spec = spec if isinstance(spec, dict) else {}
+    final = run.read("final")
+    starts = [str(r["job_id"]) for r in run.read_restarts() if "stopped" not in r and r.get("job_id")]
+    job_id = starts[-1] if starts else final.get("job_id") if isinstance(final, dict) else None
+    if job_id is None or not (spec or run.restarts.exists()):
+        return None
+    scheduler = spec.get("scheduler") or ("local" if job_id.startswith("local-") else "slurm")
+    return JobRecord(job_id, str(spec.get("name") or run.path.name), str(spec.get("profile") or "?"), scheduler,
+                     int(spec.get("nodes") or 0), int(spec.get("gpus_per_node") or 0), str(run.path.resolve()), {},
+                     spec, run.path.stat().st_mtime)
+
+
 def records_for(job_id: str, store: JobStore) -> list[JobRecord]:
-    """The record of a job or of one array task (`ID_N`), or every task of an array's `ID`."""
+    """The record of a job or of one array task (`ID_N`), or every task of an array's `ID`; or of the newest job
+    of a run folder given instead (a path, or a folder here that holds a run)."""
+    if os.sep in job_id or Path(job_id).is_dir():
+        found = folder_record(job_id)
+        if found is not None:
+            return [found]
+        if os.sep in job_id:
+            raise UsageError(f"{job_id} is not a run folder: it holds neither spec.json nor restarts.jsonl with a "
+                             "job's start.", "give a job id or a run folder (runs/NAME-...).")
     try:
         if store.get(job_id) is None and (tasks := store.tasks(job_id)):
             return tasks

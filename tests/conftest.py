@@ -64,6 +64,27 @@ def hpcjobs_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+SLURM_COMMANDS = ("sbatch", "squeue", "sacct", "sacctmgr", "scancel", "scontrol", "sinfo", "srun", "salloc")
+
+
+@pytest.fixture(scope="session")
+def no_slurm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("no-slurm")
+    for name in SLURM_COMMANDS:
+        (folder / name).write_text(f'#!/bin/sh\necho "{name}: command not found" >&2\nexit 127\n')
+        (folder / name).chmod(0o755)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def no_slurm_on_path(request: pytest.FixtureRequest, no_slurm_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the cluster tests, Slurm's commands answer "command not found" whatever this machine has: a machine
+    with Slurm's client tools but no reachable controller (or the test cluster's login namespace, where job 4242 may
+    exist) must not change a test's answer. `sbatch_shim` puts its fake in front of these."""
+    if "cluster" not in request.keywords:
+        monkeypatch.setenv("PATH", f"{no_slurm_folder}:{os.environ['PATH']}")
+
+
 @pytest.fixture
 def shared_tmp() -> Any:
     """A fresh folder every node sees (the nodes share this machine's filesystem; pytest's tmp is 0700)."""
@@ -95,6 +116,12 @@ def sbatch_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> P
         (folder / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
     return folder
+
+
+def newest_log(run: Path, rank: int = 0) -> str:
+    """A rank's log of the newest start in a run folder (a resume, local or requeued, has logs of its own)."""
+    newest = max((run / "logs").glob("restart-*"), key=lambda p: int(p.name.split("-", 1)[1]))
+    return (newest / f"rank-{rank}.log").read_text()
 
 
 def hpcjobs(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -31,7 +31,7 @@ from hpcjobs.backends.slurm_render import (
     run_dir_of_comment,
     submitit_parameters,
 )
-from hpcjobs.jobs import cancel, status_of
+from hpcjobs.jobs import cancel, last_step, status_of
 from hpcjobs.profiles import load_profile
 from hpcjobs.protocol.contract import LaunchContract, Preemption
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
@@ -148,6 +148,7 @@ def test_a_job_of_the_same_id_that_is_not_the_records_is_never_joined_with_it(sq
     st = status_of(rec, SlurmBackend(runner))  # the run folder's own word, saying why Slurm's was not taken
     assert st.state == JobState.COMPLETED and st.state_source.startswith("run folder (squeue's job 42 is another")
     RunFolder(rec.run_dir).final.unlink()
+    (RunFolder(rec.run_dir).path / "finals" / "42.json").unlink()  # no final word of this job at all
     store = JobStore(tmp_path / "jobs.sqlite")
     with pytest.raises(RuntimeFailure, match="job 42 was not cancelled: squeue's job 42 is another job"):
         cancel(rec, store, SlurmBackend(runner))
@@ -179,6 +180,11 @@ def test_a_job_slurm_could_not_be_asked_about_is_not_called_unknown(tmp_path: Pa
     assert found is not None and found.run_dir == str(tmp_path / "run")
     assert SlurmBackend(Recorded(squeue=SQUEUE["forgotten"], sacct=SACCT["no-accounting"])).lookup("42") is None
     assert SlurmBackend(Recorded()).lookup("42") is None  # no Slurm here at all: nothing to ask, nothing known
+    unconfigured = (1, "", "squeue: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n"
+                           "squeue: error: fetch_config: DNS SRV lookup failed\n"
+                           "squeue: error: _establish_config_source: failed to fetch config\n"
+                           "squeue: fatal: Could not establish a configuration source\n")
+    assert SlurmBackend(Recorded(squeue=unconfigured, sacct=unconfigured)).lookup("42") is None  # client tools only
     down = Recorded(squeue=SQUEUE["unreachable"])
     assert SlurmBackend(down).lookup("local-20261125-1") is None and down.calls == []  # not an id Slurm gives
 
@@ -453,3 +459,17 @@ def test_local_backend_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no sbatch script"):
         backend_for("local").script(spec)
     assert "RANK=1 LOCAL_RANK=1 WORLD_SIZE=2" in backend_for("local").dry_run(spec).text
+
+
+def test_the_last_step_does_not_go_back_when_the_next_start_begins(tmp_path: Path) -> None:
+    """Issue 26: a stop at step 63 (last heartbeat 60) read "last step 63", then 60 once the job started again."""
+    run = RunFolder(tmp_path / "run")
+    run.record_start(0, "42", 2)
+    run.write_heartbeat(60)
+    run.record_stop("preemption", 63, 0)
+    assert last_step(run)[0] == 63
+    run.record_start(1, "42", 2)
+    assert last_step(run)[0] == 63
+    time.sleep(0.01)
+    run.write_heartbeat(65)
+    assert last_step(run)[0] == 65

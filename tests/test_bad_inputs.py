@@ -155,15 +155,18 @@ def test_top_level_list(tmp_path: Path, sbatch_log: Path) -> None:
 @pytest.mark.parametrize("argv,fragment", [
     (["--profile", "testcluster", "nope.py"], "script 'nope.py' does not exist"),
     (["--profile", "testcluster", "no.such.module"], "task module 'no.such.module' cannot be found"),
-    (["--profile", "testcluster", "-m", "no_such_pkg.train"], "module module 'no_such_pkg.train' cannot be found"),
+    (["--profile", "testcluster", "-m", "no_such_pkg.train"], "-m module 'no_such_pkg.train' cannot be found"),
+    (["--profile", "testcluster", "--gpu", "2", "trainers.tasks.lm"],
+     "hpcjobs submit: error: unrecognized arguments: --gpu; did you mean --gpus? HINT"),
+    (["--profile", "testcluster"], "the following arguments are required: ENTRY. HINT"),
     (["--profile", "testclustr", "trainers.tasks.lm"], "Did you mean 'testcluster'"),
     (["--profile", "/nowhere/x.yaml", "trainers.tasks.lm"], "does not exist"),
     (["--profile", "local", "--nodes", "2", "trainers.tasks.lm"], "with profile local (local): valid: 1"),
     (["--profile", "testcluster", "trainers.tasks.lm:nosuch"], "lm.py defines no nosuch at its top level"),
     (["--profile", "testcluster", "trainers.tasks.lm:1bad"], "'1bad' is not a Python name"),
     (["--profile", "testcluster", "trainers.task"], "task.py defines no make_task or task at its top level"),
-], ids=["script", "task", "module", "profile-name", "profile-path", "local-nodes", "callable", "not-a-name",
-        "no-make-task"])
+], ids=["script", "task", "module", "flag-typo", "no-entry", "profile-name", "profile-path", "local-nodes",
+        "callable", "not-a-name", "no-make-task"])
 def test_bad_entry_or_profile_name(argv: list[str], fragment: str, sbatch_log: Path) -> None:
     out = hpcjobs("submit", *argv, cwd=REPO)
     assert_refused(out, fragment, sbatch_log)
@@ -262,6 +265,18 @@ def test_submit_where_slurm_is_not_says_so_in_one_line(tmp_path: Path, monkeypat
     runs = tmp_path / "runs"
     assert not runs.exists() or [p.name for p in runs.iterdir()] in ([], [".snapshots"])
     assert hpcjobs("list", "--json").stdout.strip() == "[]"
+
+
+def test_sbatch_refusal_is_said_once_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm's two lines for `--partition nosuch` were printed (by submitit) before hpcjobs's own, which repeated
+    the second: now hpcjobs's line alone, with both."""
+    sbatch_shim(tmp_path, monkeypatch, 'echo "sbatch: error: invalid partition specified: nosuch" >&2\n'
+                'echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2\nexit 1\n')
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({**GOOD, "runs_dir": str(tmp_path / "runs")}))
+    out = hpcjobs("submit", "--profile", str(prof), "--partition", "nosuch", "trainers.tasks.lm", cwd=REPO)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "invalid partition specified: nosuch; sbatch: error: Batch job submission failed" in out.stderr
 
 
 def test_usage_error_is_one_line() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, hpcjobs
+from conftest import BIN, REPO, hpcjobs
 
 NO_TORCH = """
 import sys, contextlib, io
@@ -85,6 +86,18 @@ def test_profiles_show_resolves_every_key() -> None:
     out = hpcjobs("profiles", "show", "h100", cwd=REPO)
     assert out.returncode == 0
     assert "gpu_type: h100" in out.stdout and "max_restarts: 50" in out.stdout and "srun_args: []" in out.stdout
+
+
+def test_a_reader_that_left_ends_the_command_quietly() -> None:
+    """`hpcjobs list | head -1` raised BrokenPipeError (issue 26): here the reader left before the first line."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([str(BIN / "hpcjobs"), "list"], stdout=write, stderr=subprocess.PIPE, text=True,
+                             timeout=60)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == "", out.stderr
 
 
 def test_list_refuses_an_unknown_state() -> None:

@@ -203,6 +203,22 @@ def test_bad_arguments_fail_in_one_line(sweep: dict[str, Path], tmp_path: Path,
     assert "does not exist" in err
 
 
+def test_answers_do_not_depend_on_the_slurm_tools_on_path(tmp_path: Path) -> None:
+    """On a machine whose squeue cannot reach a controller, the test above still passes: no test asks this
+    machine's Slurm (conftest's `no_slurm_on_path`)."""
+    broken = tmp_path / "broken-slurm"
+    broken.mkdir()
+    for name in ("squeue", "sacct", "scontrol"):
+        (broken / name).write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\n"
+                                   "exit 1\n")
+        (broken / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{broken}:{os.environ['PATH']}"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                          f"{__file__}::test_bad_arguments_fail_in_one_line"], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:]
+
+
 NO_TORCH = """
 import sys
 from hpcjobs.cli import main

@@ -180,7 +180,9 @@ def test_install_arms_the_deadline_from_the_contract(clean_preemption: None) -> 
     nums = preemption.install(contract, {"SLURM_JOB_ID": "9"})
     assert nums == sorted({signal.SIGUSR1, signal.SIGTERM, signal.SIGINT})
     assert preemption._deadline == [(1000.0 + 600 - 30, "9", 30)]
-    preemption.install(contract, {})  # not under Slurm: no deadline
+    preemption.install(contract, {})  # not under Slurm (a local --time): the same deadline, no job to ask
+    assert preemption._deadline == [(1000.0 + 600 - 30, "", 30)]
+    preemption.install(dataclasses.replace(contract, time_limit_s=0), {})  # no time limit: no deadline
     assert preemption._deadline == []
 
 
@@ -326,7 +328,7 @@ def test_the_launcher_wants_exactly_one_contract_source(tmp_path: Path, args: li
 def test_the_launcher_enforces_the_contracts_restart_cap(tmp_path: Path) -> None:
     given = LaunchContract(run_dir=str(tmp_path / "r"), preemption=Preemption(max_restarts=2))
     out = launch(["--contract", given.to_json(), "--kind", "module", "--", "this_is_never_run"], tmp_path,
-                 HPCJOBS_RESTART="3")
+                 SLURM_RESTART_COUNT="3")
     assert out.returncode == 1
     final = json.loads((tmp_path / "r" / "final.json").read_text())
     assert final["state"] == "failed" and "past the cap of 2 restarts" in final["reason"]

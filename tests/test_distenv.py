@@ -42,6 +42,14 @@ def test_slurm_layout() -> None:
     assert env.as_env()["RANK"] == "9" and env.as_env()["NCCL_DEBUG"] == "WARN" and "UNRELATED" not in env.as_env()
 
 
+def test_an_array_task_is_named_as_the_login_node_knows_it() -> None:
+    """Issue 26: the ranks of array task 57_1 (its own Slurm id 59) recorded "59", the job store "57_1": once Slurm
+    forgot the task nothing joined them and status said UNKNOWN. The port stays the task's own."""
+    env = from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "59", "SLURM_ARRAY_JOB_ID": "57",
+                        "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_NODELIST": "node1"})
+    assert (env.job_id, env.master_port, env.as_env()["HPCJOBS_JOB_ID"]) == ("57_1", port_for_job(59), "57_1")
+
+
 def test_torchrun_variables_win_over_slurm() -> None:
     env = from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1234",
                         "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, hpcjobs
+from conftest import REPO, hpcjobs, newest_log
 from trainers import checkpoint
 from trainers.checkpoint.sharded import model_weights
 
@@ -91,7 +91,7 @@ def test_kill_and_resume_is_exact(strategy: str, ranks: int, fault: str, straigh
     if fault.startswith(("save-shards", "save-written")):  # the kill came inside the (background) save of step 9
         assert (run / "checkpoints" / ".step-9.tmp").is_dir() and checkpoint.latest(run / "checkpoints").step < 9
     assert train(run, ranks, strategy=strategy) == 0
-    log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    log = newest_log(run)
     assert "resumed from" in log and f"{ranks} rank(s), {strategy}," in log
     assert_same_run(straight(ranks, strategy), run)
 
@@ -111,7 +111,7 @@ def test_fp16_under_fsdp_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> 
     assert train(straight, 2, None, "fsdp", *fp16) == 0
     assert train(run, 2, "step@7", "fsdp", *fp16) != 0  # its newest finished checkpoint: step 6 (--ckpt-every 3)
     assert train(run, 2, None, "fsdp", *fp16) == 0
-    log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    log = newest_log(run)
     assert "resumed from" in log and "step-6" in log and "precision fp16" in log, log
     scalers = {}
     for name, folder in (("straight", straight), ("resumed", run)):
@@ -159,7 +159,7 @@ def test_random_augmentation_in_workers_resumes_exactly_whatever_the_worker_coun
     assert code == 0
     assert run("killed", 2, "step@5")[0] != 0  # 8 steps per epoch: the resume starts at micro-batch 3 of epoch 0
     code, killed = run("killed", 2)
-    assert code == 0 and "resumed from" in (killed / "logs" / "restart-0" / "rank-0.log").read_text()
+    assert code == 0 and "resumed from" in newest_log(killed)
     code, one_worker = run("one-worker", 1)
     assert code == 0
     a, b, c = (model_weights(checkpoint.latest(r / "checkpoints"))  # type: ignore[arg-type]

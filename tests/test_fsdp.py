@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import REPO, hpcjobs
+from conftest import REPO, hpcjobs, newest_log
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError
 from trainers import checkpoint, strategy
@@ -29,7 +29,7 @@ def train(run: Path, *extra: str, env: dict[str, str] | None = None) -> str:
     out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run), *ARGS, "--strategy", "fsdp",
                   *extra, cwd=REPO, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    return (run / "logs" / "restart-0" / "rank-0.log").read_text()
+    return newest_log(run)
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:

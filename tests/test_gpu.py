@@ -109,7 +109,7 @@ def test_default_optimizer_is_fused_on_cuda() -> None:
 
 
 def test_only_the_current_devices_rng_state_is_saved_and_restored() -> None:
-    from trainers.trainer import rng_state, set_rng_state
+    from trainers.checkpoint.state import rng_state, set_rng_state
 
     torch.cuda.manual_seed(5)
     state = rng_state(torch.device("cuda", 0))

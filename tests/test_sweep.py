@@ -309,7 +309,7 @@ def test_ctrl_c_stops_a_local_sweep_at_a_checkpoint_and_starts_no_more(tmp_path:
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     tasks = json.loads(out)["tasks"]
-    assert [t["returncode"] for t in tasks] == [0, 130, 130]
+    assert [t["returncode"] for t in tasks] == [130, 130, 130]  # stopped at a checkpoint, or never started
     first, *rest = (Path(t["run_dir"]) for t in tasks)
     stop = [json.loads(x) for x in (first / "restarts.jsonl").read_text().splitlines() if "stopped" in x][-1]
     assert stop["stopped"] == "interrupt" and (first / "checkpoints" / f"step-{stop['step']}" / "FINISHED").exists()

@@ -50,9 +50,14 @@ class DistEnv:
     master_port: int
     job_id: str
     restart: int
+    """This start's number in the run folder's logs and records: Slurm's requeue count, or for a local job the
+    next after the folder's earlier starts (HPCJOBS_RESTART, set by the local backend)."""
     source: str
     """Where the layout came from: `torchrun`, `slurm` or `single`."""
     nccl: dict[str, str] = field(default_factory=dict)
+    requeues: int = 0
+    """How often Slurm requeued this job (SLURM_RESTART_COUNT): what the restart cap counts. A local job's
+    resume is a new job, never a requeue."""
 
     def as_env(self) -> dict[str, str]:
         """The variables torch.distributed (env://) and user scripts expect."""
@@ -80,7 +85,11 @@ def _int(env: Mapping[str, str], key: str) -> int:
 
 
 def from_environ(env: Mapping[str, str]) -> DistEnv:
-    job_id = env.get("SLURM_JOB_ID") or env.get("HPCJOBS_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "0"
+    own = env.get("SLURM_JOB_ID") or env.get("HPCJOBS_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "0"
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    # An array task's records name it as the login node knows it (the job store, `status 57_1`): its own number
+    # (SLURM_JOB_ID, 59) is known only here, and once Slurm forgot the job nothing could join the two.
+    job_id = f"{array}_{task}" if env.get("SLURM_JOB_ID") and array and task else own
     restart = int(env.get("SLURM_RESTART_COUNT") or env.get("HPCJOBS_RESTART") or 0)
     if "RANK" in env and "WORLD_SIZE" in env:
         source = "torchrun"
@@ -108,7 +117,8 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT")
     else:
-        digits = "".join(c for c in job_id if c.isdigit())
+        digits = "".join(c for c in own if c.isdigit())
         port = port_for_job(int(digits) if digits else 0)
     nccl = {k: v for k, v in env.items() if k.startswith(NCCL_PREFIXES)}
-    return DistEnv(rank, local_rank, world, local_world, addr, port, job_id, restart, source, nccl)
+    requeues = int(env.get("SLURM_RESTART_COUNT") or 0)
+    return DistEnv(rank, local_rank, world, local_world, addr, port, job_id, restart, source, nccl, requeues)

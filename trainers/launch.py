@@ -258,8 +258,8 @@ def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: Lau
           f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
           f"run folder {run.path}", flush=True)
     cap = contract.preemption.max_restarts
-    if env.restart > cap:
-        msg = f"restart {env.restart} is past the cap of {cap} restarts: not training again"
+    if env.requeues > cap:
+        msg = f"restart {env.requeues} is past the cap of {cap} restarts: not training again"
         print(f"hpcjobs: {msg}. The job ends failed.", flush=True)
         if env.rank == 0:
             run.write_final(FinalState.FAILED, msg, job_id=env.job_id)

@@ -46,6 +46,11 @@ class Meter:
         if self.bar is not None:
             self.bar.update(step)
 
+    def flush_rest(self, step: int, lr: float) -> None:
+        """At a stop: the losses since the last logged step, which the resumed start will not log again."""
+        if step > self.steps:
+            self.flush(step, lr)
+
     def flush(self, step: int, lr: float) -> None:
         if self.ctx.world_size > 1:
             torch.distributed.all_reduce(self.loss_sum)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hpcjobs.protocol.folderlock import busy_message, read_holder
 from hpcjobs.protocol.runfolder import RunFolder
 from trainers.distenv import DistEnv
 
@@ -61,21 +62,6 @@ def same_start(holder: Any, env: DistEnv) -> bool:
     return isinstance(holder, dict) and all(holder.get(k) == mine[k] for k in ("job_id", "restart", "rendezvous"))
 
 
-def read_holder(run: RunFolder) -> dict[str, Any] | None:
-    try:
-        holder = json.loads(run.lock.read_text())
-    except (OSError, ValueError):
-        return None  # none yet, or being rewritten right now
-    return holder if isinstance(holder, dict) else None
-
-
-def describe(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "another job (it has not said which yet)"
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("time", 0))))
-    return f"job {holder.get('job_id')} (pid {holder.get('pid')} on {holder.get('host')}, since {since})"
-
-
 def take(run: RunFolder, env: DistEnv) -> RunLock:
     """Rank 0: lock the run folder and say who holds it. Raises RunFolderBusy or RunFolderUnwritable."""
     try:
@@ -99,19 +85,6 @@ def take(run: RunFolder, env: DistEnv) -> RunLock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, text, 0)
     return RunLock(fd)
-
-
-def busy_message(run: RunFolder) -> str:
-    holder = None
-    for _ in range(10):  # the holder may be rewriting its description this instant
-        holder = read_holder(run)
-        if holder:
-            break
-        time.sleep(0.05)
-    job = holder.get("job_id") if holder else None
-    stop = f"`hpcjobs cancel {job}`" if job else "stop it"
-    return (f"run folder {run.path} is in use by {describe(holder)}; a second job there would mix its checkpoints "
-            f"and logs with that one's. HINT: wait for it to end, {stop}, or pick another --run-dir.")
 
 
 def wait_for_rank0(run: RunFolder, env: DistEnv, timeout_s: float, stop_requested: Callable[[], bool],

@@ -22,8 +22,8 @@ from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, ResumeError
 from trainers import checkpoint, faults, memory, perf, preemption, startup, strategy
-from trainers.checkpoint import resume, saves
-from trainers.checkpoint.resume import Resumed, check_compatible, lr_lambda
+from trainers.checkpoint import saves
+from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
 from trainers.checkpoint.state import Position, reseed, rng_state, seed_all, set_rng_state
 from trainers.data import micro_batches, to_device
@@ -33,8 +33,7 @@ from trainers.meter import Meter
 from trainers.progress import summary
 from trainers.task import Task
 
-__all__ = ["Meter", "ResumeError", "Training", "check_compatible", "default_optimizer", "lr_lambda", "rng_state",
-           "seed_all", "set_rng_state", "train"]  # also trainers.trainer's names
+__all__ = ["Training", "default_optimizer", "train"]
 
 
 WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
@@ -189,10 +188,10 @@ class Training:
         def check(meta: dict[str, Any], where: str) -> bool:
             return check_compatible(meta, cfg, self.task, ctx.world_size, where)
 
-        found = resume.newest_readable(self.folder, ctx, check, self.load)
+        found = newest_readable(self.folder, ctx, check, self.load)
         if found is None and self.dirty:
             self.rebuild()
-        self.anchor, note = resume.lr_anchor(found.meta, cfg, self.lr) if found else (None, "")
+        self.anchor, note = lr_anchor(found.meta, cfg, self.lr) if found else (None, "")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.anchor))
         if found is None:
             log(ctx, f"no finished checkpoint in {self.folder.checkpoints}: starting at step 0")
@@ -275,7 +274,7 @@ class Training:
         an earlier end no longer holds while the run trains again."""
         if not self.ctx.is_main:
             return
-        dropped = resume.trim_metrics(self.folder.metrics, self.pos.step)
+        dropped = trim_metrics(self.folder.metrics, self.pos.step)
         if dropped:
             log(self.ctx, f"metrics.jsonl: dropped {dropped} line(s) past step {self.pos.step}, logged after the "
                           "checkpoint this start resumes from (it logs those steps again)")
@@ -385,6 +384,7 @@ class Training:
         self.agreement.close()
         self.save()
         log(self.ctx, f"stop requested: checkpoint step-{self.pos.step} committed")
+        self.meter.flush_rest(self.pos.step, float(self.scheduler.get_last_lr()[0]))
         self.meter.close()
         outcome = preemption.finish_stop(self.pos.step, self.contract, group=self.ctx.control_group)
         return 1 if outcome == StopOutcome.CAP else 0

@@ -1,8 +1,10 @@
 """The local backend: every rank a process on this machine, in the foreground (CPU + gloo without GPUs).
 
-Ctrl-C (or SIGTERM) is forwarded to the ranks as the profile's stop signal, so a task for the shared trainer or a
-script with a StopGuard stops at a step boundary after a checkpoint, as on a cluster (running the same command with
-the same --run-dir resumes); any other script is stopped at once (KeyboardInterrupt), as Ctrl-C stops it anywhere.
+Ctrl-C (or SIGTERM, `hpcjobs cancel`) is passed on to the ranks: to the shared trainer's as it came, so they stop at a
+step boundary after a checkpoint and restarts.jsonl says which it was; to a user's script as the profile's signal,
+so a script with a StopGuard stops after its checkpoint too and any other script at once (KeyboardInterrupt, see
+trainers.standby), as Ctrl-C stops it anywhere. The job then exits as an interrupted command does (130 for Ctrl-C,
+143 for SIGTERM). Running the same command with the same --run-dir resumes.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run
 from hpcjobs.backends.environment import clean
 from hpcjobs.doctor import Check, Result
 from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.folderlock import in_use
+from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids, resolve_run_dir, write_json_atomic
 from hpcjobs.protocol.states import JobState
+from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
+from hpcjobs.protocol.versions import FLOOR_TEXT
 from hpcjobs.render import launcher_argv
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord
@@ -39,18 +45,66 @@ def local_job_id() -> str:
     return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
 
 
-def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str]) -> list[dict[str, str]]:
+def next_restart(run: RunFolder) -> int:
+    """A local job on a run folder that ran before continues its numbering (restart-N logs, `status`'s restarts):
+    each resume its own logs, as a requeue on Slurm gets."""
+    starts = [r.get("restart", 0) for r in run.read_restarts() if "stopped" not in r]
+    return max(starts) + 1 if starts else 0
+
+
+def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str], restart: int = 0,
+              ) -> list[dict[str, str]]:
     """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
     ids = {f"HPCJOBS_{k.removeprefix('SLURM_')}": v for k, v in array_ids(job_id).items() if "ARRAY" in k}
     common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id, **ids}
+              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id,
+              "HPCJOBS_RESTART": str(restart), **ids}
     return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
+
+
+def time_limit(spec: JobSpec) -> int | None:
+    """The seconds a local job may run: its --time, enforced as Slurm does (the profile's signal `seconds_before`
+    the end, so the time-limit path can be rehearsed here; killed at the end). A profile's default_time is not:
+    a local run goes on for as long as it trains."""
+    return spec.time_seconds if spec.time_from == "--time" else None
+
+
+def ranks_argv(spec: JobSpec) -> list[str]:
+    """What each rank runs; its contract has no time limit unless one is enforced (time_limit)."""
+    return launcher_argv(spec if time_limit(spec) else replace(spec, time_seconds=0))
+
+
+def ignored(spec: JobSpec) -> list[str]:
+    """What of the profile the local backend does not do, said at the start rather than silently skipped."""
+    if spec.profile.setup:
+        return [f"profile {spec.profile.name}'s setup lines are for Slurm jobs and are not run here: the ranks get "
+                "this shell's environment"]
+    return []
+
+
+def check_python(spec: JobSpec) -> None:
+    """A profile's `python:` that cannot start the ranks (no torch at the floor, no hpcjobs) is one line before
+    anything is written, as the Slurm job script says it (slurm_render.python_lines); each rank would otherwise
+    print its own ModuleNotFoundError traceback. The Python hpcjobs runs from is not asked: it imported hpcjobs."""
+    if spec.python == sys.executable:
+        return
+    try:
+        out = subprocess.run([spec.python, "-c", f"{TORCH_CHECK}; import {LAUNCHER_MODULE}"], cwd=spec.workdir,
+                             env=clean(dict(os.environ)), capture_output=True, text=True, timeout=60)
+        said = [ln.strip() for ln in (out.stderr + out.stdout).splitlines() if ln.strip()]
+        why = None if out.returncode == 0 else said[-1] if said else f"exit code {out.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        raise UsageError(f"profile {spec.profile.name}'s python {spec.python} cannot start the ranks ({why}); valid: "
+                         f"a Python with torch >= {FLOOR_TEXT} and hpcjobs installed.",
+                         "set python: in the profile to such a Python, or leave it out to use this one.")
 
 
 def describe(spec: JobSpec, job_id: str) -> str:
     """The request as text: what each rank would run, with the variables hpcjobs sets for it."""
-    argv = " ".join(shlex.quote(w) for w in launcher_argv(spec))
-    lines = [f"# local: {spec.world()} on this machine, from {spec.workdir}"]
+    argv = " ".join(shlex.quote(w) for w in ranks_argv(spec))
+    lines = [f"# local: {spec.world()} on this machine, from {spec.workdir}", *(f"# {x}" for x in ignored(spec))]
     lines += [f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
     for r in range(spec.ranks):
         lines.append(f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={spec.ranks} MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> "
@@ -101,18 +155,28 @@ def stop_note(kind: str) -> str:
             "stopped now (KeyboardInterrupt; hpcjobs saves nothing for it)")
 
 
+
 class Stopper:
-    """Ctrl-C (or SIGTERM, `hpcjobs cancel`) passes the profile's signal to every rank: a task (or a StopGuard
-    script) stops at the next step boundary after a checkpoint, any other script at once (`stop_note`); a second
-    one says a stop is under way; a third kills the ranks at once (the last checkpoint stays)."""
+    """Ctrl-C (or SIGTERM, `hpcjobs cancel`) is passed on to every rank (see the module's docstring): a task (or a
+    StopGuard script) stops at the next step boundary after a checkpoint, any other script at once (`stop_note`); a
+    second one says a stop is under way; a third kills the ranks at once (the last checkpoint stays)."""
 
     def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int, kind: str = "task") -> None:
         self.procs, self.stop_signal, self.kind, self.count = procs, stop_signal, kind, 0
+        self.signum: int | None = None
+        """The signal that asked to stop first."""
+
+    def exit_code(self, code: int) -> int:
+        """A job's code once its ranks ended: a stop asked for by a signal is not a success, even when every rank
+        exited 0 at its checkpoint (`hpcjobs submit ... && next` must not go on): 128 + the signal, as a shell
+        reports a command it interrupted."""
+        return 128 + self.signum if code == 0 and self.signum is not None else code
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count == 1:
-            self._send(self.stop_signal)
+            self.signum = signum
+            self._send(signum if self.kind == "task" else self.stop_signal)
             note = f"stopping: {stop_note(self.kind)}"
         elif self.count == 2:
             saving = "saving a checkpoint" if self.kind == "task" else "a script with a StopGuard saves first"
@@ -179,11 +243,16 @@ class LocalBackend(RunFolderLogs):
         """Run every rank here and wait (recorded first, so status/list see the job while it runs). A sweep's
         points run one after another, or `max_parallel` at once, each a job `ID_N` with its own run folder."""
         spec = request.spec
+        check_python(spec)
         job_id = local_job_id()
         tasks = [(f"{job_id}_{i}", i) for i in range(len(spec.points))] if spec.array else [(job_id, None)]
+        run_dirs = [resolve_run_dir(spec.run_dir, array_ids(task_id)) for task_id, _ in tasks]
+        for run_dir in run_dirs:  # a start its rank 0 would refuse writes nothing, here either
+            if (busy := in_use(RunFolder(run_dir))) is not None:
+                message, _, hint = busy.partition(" HINT: ")
+                raise UsageError(message, hint or None)
         subs = []
-        for task_id, index in tasks:
-            run_dir = resolve_run_dir(spec.run_dir, array_ids(task_id))
+        for (task_id, index), run_dir in zip(tasks, run_dirs, strict=True):
             prepare_run_folder(spec, run_dir, index)
             run = RunFolder(run_dir)
             write_json_atomic(run.local_process, {"pid": os.getpid(), "host": socket.gethostname(),
@@ -205,6 +274,10 @@ class LocalBackend(RunFolderLogs):
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
         stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind)
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        for said in ignored(spec):
+            print(f"hpcjobs: {said}", file=sys.stderr, flush=True)
+        limit, began, warned = time_limit(spec), {}, set()  # began: monotonic, for the time limit
+        warn_signal = getattr(signal, f"SIG{spec.profile.preemption.signal}")
         try:
             pending = list(range(len(subs)))
             while pending or running:
@@ -214,11 +287,23 @@ class LocalBackend(RunFolderLogs):
                     started[i] = time.time()
                     running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr)
                     stopper.procs += running[i][1]
+                    began[i] = time.monotonic()
                 if stopper.count and not running:
                     break
                 for i, (_, procs) in list(running.items()):
+                    age = time.monotonic() - began[i]
+                    if limit is not None and age >= limit:  # as Slurm at the time limit
+                        for p in procs:
+                            if p.poll() is None:
+                                p.kill()
+                    elif limit is not None and age >= limit - spec.profile.preemption.seconds_before and \
+                            i not in warned:  # as Slurm's --signal: the ranks stop at a checkpoint
+                        warned.add(i)
+                        for p in procs:
+                            if p.poll() is None:
+                                p.send_signal(warn_signal)
                     if (code := group_code(procs)) is not None:
-                        codes[i] = code
+                        codes[i] = stopper.exit_code(code)
                         del running[i]
                         record_allocation(subs[i], started[i], code)
                 time.sleep(0.2)
@@ -234,10 +319,10 @@ class LocalBackend(RunFolderLogs):
         base = dict(os.environ)
         if slot is not None:
             base.update(device_slice(slot, spec.ranks, base))
-        envs = rank_envs(spec, sub.job_id, free_port(), base)
+        envs = rank_envs(spec, sub.job_id, free_port(), base, next_restart(RunFolder(sub.run_dir)))
         # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
         # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
-        return [subprocess.Popen(launcher_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
+        return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
                                  stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
 
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:

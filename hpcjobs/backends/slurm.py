@@ -6,7 +6,9 @@ ask Slurm themselves (requeue, EndTime, PreemptTime) is in trainers/jobenv/slurm
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import re
 import shutil
 import subprocess
@@ -70,6 +72,11 @@ FORGOTTEN = "Invalid job id specified"
 """squeue's answer for an id Slurm does not know: never given, or forgotten after MinJobAge."""
 
 
+NOT_CONFIGURED = "Could not establish a configuration source"
+"""squeue's last words on a machine with Slurm's client tools but no slurm.conf (nor a configless DNS record): no
+Slurm here, as when there is no squeue at all, so a local-only user's `status ID` is not told about Slurm."""
+
+
 SLURM_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?", re.ASCII)
 """A job's id as Slurm gives it: a number, or an array task's ARRAY_INDEX."""
 
@@ -82,7 +89,7 @@ def squeue_job(job_id: str, run: Runner) -> SlurmJob | None:
     """squeue's word for the job, finished ones included (`-t all`), while Slurm still remembers it; None when it
     knows no such job, or there is no squeue here. Raises SlurmUnreachable when squeue could not answer."""
     out = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%k"])
-    if out.returncode not in (0, 127) and FORGOTTEN not in out.stderr:
+    if out.returncode not in (0, 127) and FORGOTTEN not in out.stderr and NOT_CONFIGURED not in out.stderr:
         raise SlurmUnreachable(f"squeue could not answer for job {job_id}: {last_words(out)}", f"{CONTROLLER_HINT}; "
                                "the run folder still answers for a job hpcjobs recorded here")
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
@@ -136,10 +143,11 @@ def srun_failures(text: str) -> list[Failure]:
 
 
 def sbatch_refusal(error: BaseException) -> str:
-    """The line of sbatch's complaint that says why (submitit wraps it in its own words)."""
+    """The lines of sbatch's complaint that say why (submitit wraps them in its own words), as one: the first
+    names what was wrong (`invalid partition specified: nosuch`), the last that nothing was queued."""
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
     said = [ln for ln in lines if "sbatch" in ln.lower()] or lines
-    return said[-1] if said else type(error).__name__
+    return "; ".join(dict.fromkeys(said)) if said else type(error).__name__
 
 
 class SlurmBackend(RunFolderLogs):
@@ -187,7 +195,9 @@ class SlurmBackend(RunFolderLogs):
         executor.update_parameters(**request.params["submitit"])
         entry = NodeEntry(launcher_args(spec))  # one for every task: each picks its point on the node
         try:
-            with cleaned_os_environ():  # sbatch would hand this shell's job identity to the new job
+            # sbatch would hand this shell's job identity to the new job. submitit prints a refusing sbatch's
+            # stderr before it raises: the one line below says it, once.
+            with cleaned_os_environ(), contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array([entry] * len(spec.points)) if spec.array else [executor.submit(entry)]
         except (FailedJobError, subprocess.CalledProcessError, OSError) as e:
             if created:

@@ -115,7 +115,7 @@ class LaunchContract:
         end = env.get("SLURM_JOB_END_TIME", "")
         if end.isdigit():
             return int(end)
-        if self.start_time and self.time_limit_s > 0 and "SLURM_JOB_ID" in env:
+        if self.start_time and self.time_limit_s > 0:  # local runs too: their --time is enforced as Slurm does
             return int(self.start_time) + self.time_limit_s
         return None
 

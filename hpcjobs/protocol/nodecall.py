@@ -9,6 +9,7 @@ class whose module the login node already has.
 from __future__ import annotations
 
 import importlib
+import signal
 from collections.abc import Sequence
 
 LAUNCHER_MODULE = "trainers.launch"
@@ -22,6 +23,9 @@ class NodeEntry:
         self.argv = list(argv)
 
     def __call__(self) -> int:
+        # submitit's runner handles SIGCONT only to log "Bypassing signal SIGCONT" into the rank's log, twice a stop
+        # (measured: `scancel --signal=USR2`); its default action, continuing, is all a rank needs.
+        signal.signal(signal.SIGCONT, signal.SIG_DFL)
         rc: int = importlib.import_module(LAUNCHER_MODULE).main(self.argv)
         if rc:
             raise RuntimeError(f"hpcjobs rank exited with code {rc}; see the run folder's logs")

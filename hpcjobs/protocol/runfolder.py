@@ -136,9 +136,20 @@ class RunFolder:
 
     def write_final(self, state: FinalState, reason: str, step: int | None = None, job_id: str | None = None,
                     ) -> None:
-        """`job_id`: the job that ended (two jobs may share a run folder one after the other)."""
-        write_json_atomic(self.final, {"state": str(state), "reason": reason, "step": step, "time": time.time(),
-                                       "job_id": job_id})
+        """`job_id`: the job that ended (two jobs may share a run folder one after the other). final.json is the
+        run's last word; finals/JOB.json keeps each job's own, which the next job's final.json replaces (a finished
+        run started again with the same --run-dir: the first job still ended COMPLETED)."""
+        final = {"state": str(state), "reason": reason, "step": step, "time": time.time(), "job_id": job_id}
+        if job_id and re.fullmatch(r"[\w.-]+", job_id):
+            write_json_atomic(self.path / "finals" / f"{job_id}.json", final)
+        write_json_atomic(self.final, final)
+
+    def final_of(self, job_id: str) -> Any:
+        """The final word `job_id` wrote: final.json if it is that job's (or names none), else finals/JOB.json."""
+        final = self.read("final")
+        if isinstance(final, dict) and final.get("job_id") in (None, job_id):
+            return final
+        return read_json(self.path / "finals" / f"{job_id}.json") if re.fullmatch(r"[\w.-]+", job_id) else None
 
     def read(self, which: str) -> Any:
         return read_json(getattr(self, which))

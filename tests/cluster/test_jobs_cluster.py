@@ -21,8 +21,10 @@ pytestmark = pytest.mark.cluster
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
-def restart_cluster(accounting: bool) -> None:
+def restart_cluster(accounting: bool, min_job_age: int | None = None) -> None:
     env = {**os.environ, "HPCJOBS_CLUSTER_ACCOUNTING": "1" if accounting else "0"}
+    if min_job_age is not None:
+        env["HPCJOBS_CLUSTER_MIN_JOB_AGE"] = str(min_job_age)
     subprocess.run([str(TESTCLUSTER), "restart"], check=True, env=env, capture_output=True)
 
 
@@ -223,3 +225,52 @@ def test_restart_cap_ends_the_job_failed(shared_tmp: Path) -> None:
     last = (run / "logs" / "restart-1" / "rank-0.log").read_text().strip().splitlines()
     assert any("restart cap 1 reached, not requeuing. The job ends failed." in ln for ln in last[-3:]), last[-3:]
     assert json.loads((run / "final.json").read_text())["state"] == "failed"
+
+
+def test_forgotten_sweep_tasks_and_a_plain_sbatch_job_keep_their_state(
+        accounting: bool, cluster_profile: Path, shared_tmp: Path, request: pytest.FixtureRequest) -> None:
+    """Issue 26, items 1 and 2, on a site without sacct once squeue forgot the jobs (MinJobAge 2 s here): a
+    sweep's completed tasks read COMPLETED (they read UNKNOWN: the ranks recorded the task's own Slurm id, the
+    store `ARRAY_N`), and a rendered script run with plain sbatch is followed by its id, once hpcjobs has seen it,
+    and by its run folder."""
+    if accounting:
+        pytest.skip("the case of a site without sacct")
+    request.addfinalizer(lambda: restart_cluster(False))
+    restart_cluster(False, min_job_age=2)
+    home = {"HPCJOBS_HOME": str(shared_tmp / "home")}
+    train = ("trainers.tasks.classifier", "--steps", "20", "--log-every", "5")
+    out = hpcjobs("submit", "--profile", str(cluster_profile), "--gpus", "1", "--json", "--sweep", "seed=1,2",
+                  *train, cwd=REPO, env=home)
+    assert out.returncode == 0, out.stderr
+    array = json.loads(out.stdout)["job_id"]
+    script = shared_tmp / "plain.sbatch"
+    out = hpcjobs("render", "--profile", str(cluster_profile), "--gpus", "1", "-o", str(script), *train, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    plain = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert wait_for_state(plain, DONE) == "COMPLETED"
+    seen = hpcjobs("status", plain, "--json", env=home)  # while Slurm knows it: found by its comment
+    assert seen.returncode == 0 and json.loads(seen.stdout)["state"] == "COMPLETED", seen.stdout + seen.stderr
+    (run,) = shared_tmp.glob(f"runs/*-{plain}")
+    deadline = time.time() + 240  # all ended, then forgotten (slurmctld purges old jobs once a minute or so)
+    while True:
+        tasks = json.loads(hpcjobs("status", array, "--json", env=home).stdout)["tasks"]
+        known = [j for j in (plain, f"{array}_0", f"{array}_1") if subprocess.run(
+            ["squeue", "-h", "-t", "all", "-j", j], capture_output=True, text=True).stdout.strip()]
+        if all(t["state"] in DONE for t in tasks) and not known:
+            break
+        assert time.time() < deadline, (tasks, known)
+        time.sleep(2)
+    tasks = json.loads(hpcjobs("status", array, "--json", env=home).stdout)["tasks"]  # asked once all are forgotten
+    assert [(t["state"], t["state_source"]) for t in tasks] == [("COMPLETED", "run folder")] * 2, tasks
+    one = hpcjobs("status", f"{array}_1", env=home).stdout
+    assert "COMPLETED" in one and "never started" not in one, one
+    rows = json.loads(hpcjobs("list", "--json", env=home).stdout)
+    assert {r["job_id"]: r["state"] for r in rows if r["job_id"].startswith(array)} == {
+        f"{array}_0": "COMPLETED", f"{array}_1": "COMPLETED"}, rows
+    assert hpcjobs("compare", array, env=home).stdout.count("COMPLETED") == 2
+    for target, env in ((plain, home), (str(run), {"HPCJOBS_HOME": str(shared_tmp / "fresh")})):
+        st = hpcjobs("status", target, "--json", env=env)
+        assert st.returncode == 0 and json.loads(st.stdout)["state"] == "COMPLETED", (target, st.stdout, st.stderr)
+        logs = hpcjobs("logs", target, env=env)
+        assert logs.returncode == 0 and "finished at step 20" in logs.stdout, (target, logs.stderr)

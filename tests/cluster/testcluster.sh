@@ -21,6 +21,8 @@
 #   HPCJOBS_CLUSTER_NODES=2                      compute nodes `up` starts (1-64), node1..nodeN at 10.233.77.11...;
 #                                                the other commands keep the count the cluster was started with
 #   HPCJOBS_CLUSTER_ACCOUNTING=1                 0: no slurmdbd/MariaDB, sacct fails as on sites without accounting
+#   HPCJOBS_CLUSTER_MIN_JOB_AGE=300              seconds squeue keeps a finished job (Slurm's MinJobAge; it forgets
+#                                                it at its next purge, up to a minute later)
 #   HPCJOBS_CLUSTER_USER_SIGNAL=1                1: preemption sends the job's own --signal (preempt_send_user_signal)
 #                                                0: preemption sends SIGTERM, then SIGKILL after GraceTime
 set -euo pipefail
@@ -118,7 +120,7 @@ ReturnToService=2
 SchedulerParameters=sched_interval=2,bf_interval=2,batch_sched_delay=0,sched_min_interval=0
 JobRequeue=1
 KillWait=10
-MinJobAge=300
+MinJobAge=${HPCJOBS_CLUSTER_MIN_JOB_AGE:-300}
 InactiveLimit=0
 SlurmdTimeout=60
 GresTypes=gpu

@@ -31,6 +31,7 @@ class CorruptCheckpoint(Exception):
     """A finished checkpoint that cannot be read; the message says which file and why, on one line."""
 
 def corrupt(name: str, e: BaseException) -> CorruptCheckpoint:
+    """`name` (a file of the checkpoint) and the first sentence of what reading it raised, on one line."""
     text = " ".join(str(e).split())
     text = text.split(". ")[0][:200]  # torch's first sentence says it; the rest is advice about other causes
     return CorruptCheckpoint(f"{name}: {type(e).__name__}: {text}" if text else f"{name}: {type(e).__name__}")

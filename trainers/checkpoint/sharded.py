@@ -31,6 +31,7 @@ import dataclasses
 import pickle
 import shutil
 import sys
+import textwrap
 import threading
 import warnings
 from dataclasses import dataclass
@@ -47,11 +48,18 @@ from torch.distributed.tensor import DTensor
 
 from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
+from trainers.checkpoint.errors import corrupt
 from trainers.dist import DistContext
 from trainers.faults import maybe_die
 
 METADATA = ".metadata"
 """DCP's index of a step folder: present in the shared trainer's checkpoints, absent in save_checkpoint's."""
+
+# One rank has no process group, and DCP then warns at every save and load (even told no_dist=True) that it assumes
+# "the intent is to save in a single process": it is, so the warning only cluttered each 1-rank run's log. By its
+# words, not by category: DCP's other warnings still show. A filter, not catch_warnings: saves run in a thread.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized, assuming "
+                        "the intent is to", category=UserWarning)
 
 
 @dataclass
@@ -250,6 +258,20 @@ class SafeReader(dcp.FileSystemReader):
         metadata.storage_meta = storage
         return metadata
 
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's read, one file at a time, so that a torn file is named: torch's own error says only that some zip
+        archive has no central directory, in five sentences of advice."""
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        done = None
+        for name, items in per_file.items():
+            try:
+                done = super().read_data(dataclasses.replace(plan, items=items), planner)
+            except Exception as e:  # noqa: BLE001 - torch raises many types for a torn or foreign file
+                raise corrupt(name, e) from None
+        return done if done is not None else super().read_data(plan, planner)
+
 
 def flat(tensors: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """(DCP's key, tensor) of a nested state dict: keys joined with dots, as DCP flattens them."""
@@ -350,10 +372,12 @@ def unreadable(e: BaseException) -> checkpoint.CorruptCheckpoint:
     """One line: what each rank's read raised (DCP's own message holds every rank's traceback), else `e`."""
     failures = checkpoint.dcp_failures(e)
     what = "; ".join(f"rank {rank}: {_named(x)}" for rank, x in failures) or _named(e)
-    return checkpoint.CorruptCheckpoint(f"sharded tensors: {' '.join(what.split())[:300]}")
+    return checkpoint.CorruptCheckpoint(f"sharded tensors: {textwrap.shorten(what, 300, placeholder=' …')}")
 
 
 def _named(e: BaseException) -> str:
+    if isinstance(e, checkpoint.CorruptCheckpoint):
+        return str(e)  # names its file already (SafeReader.read_data)
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
@@ -366,7 +390,7 @@ def offline_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
               for fqn, m in meta.state_dict_metadata.items()
               if fqn.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", UserWarning)  # (the filter above is undone where warnings are caught: pytest)
         dcp.load(wanted, storage_reader=reader, no_dist=True)
     return {fqn.removeprefix(prefix): t for fqn, t in wanted.items()}
 
