@@ -6,7 +6,6 @@ scheduler its allocations (Slurm: sacct, where accounting answers; local: the la
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcjobs.backends import backend_for
 from hpcjobs.goodput import BUCKETS, STARTUP_PARTS, Allocation, Goodput, Start, compute, total
 from hpcjobs.goodput_advice import advice, step_time
 from hpcjobs.goodput_read import allocations, job_ids, job_times, newest_checkpoint, read_starts, resumed_after
@@ -46,35 +46,6 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         return {"target": self.name, "jobs": [p.as_dict() for p in self.parts], "total": self.total.as_dict(),
                 "advice": self.advice}
-
-
-# --- what the scheduler knows --------------------------------------------------------------------------------------
-
-def sacct_time(text: str) -> float | None:
-    """sacct's local-time `2026-11-25T14:27:19`; None for Unknown/None (not started, still running)."""
-    try:
-        return datetime.datetime.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S").timestamp()
-    except ValueError:
-        return None
-
-
-def parse_sacct(text: str) -> list[Allocation]:
-    """`sacct -n -P -X -D -o Eligible,Start,End`: one line per allocation, a requeued job's earlier ones included."""
-    out = []
-    for line in text.splitlines():
-        fields = line.split("|")
-        if len(fields) >= 3:
-            out.append(Allocation(sacct_time(fields[1]), sacct_time(fields[2]), sacct_time(fields[0])))
-    return [a for a in out if a.start is not None]
-
-
-def sacct_allocations(job_id: str, run: Callable[[Sequence[str]], Any]) -> list[Allocation]:
-    """The job's allocations from Slurm's accounting; [] where it does not answer."""
-    try:
-        out = run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "Eligible,Start,End"])
-    except OSError:
-        return []
-    return parse_sacct(out.stdout) if getattr(out, "returncode", 1) == 0 else []
 
 
 # --- one run folder ------------------------------------------------------------------------------------------------
@@ -111,8 +82,9 @@ def folder_report(run: RunFolder, record: JobRecord | None, store: JobStore, now
         state = state_of(rec) if rec is not None else None
         running, waiting = state in RUNNING, state is not None and state in WAITING
         allocs = allocations(run, job)
-        if rec is not None and rec.scheduler == "slurm" and runner is not None:
-            allocs = sacct_allocations(rec.job_id, runner) or allocs
+        if rec is not None:  # what the scheduler recorded (Slurm's accounting) over the run folder's own record
+            allocs = [Allocation(start, end, eligible) for eligible, start, end in
+                      backend_for(rec.scheduler).allocations(rec, runner) if start is not None] or allocs
         times = job_times(starts, job, gpus_of(run, rec), rec.submitted if rec else None, allocs, running,
                           waiting, run.startup.exists())
         g = compute(times, [r for (j, _), r in zip(starts, resumed, strict=True) if j == job], now)
@@ -148,12 +120,10 @@ def report(target: str, store: JobStore | None = None, now: float | None = None,
            runner: Callable[[Sequence[str]], Any] | None = None, state_of: StateOf = scheduler_state) -> Report:
     """The report of a run folder, a job, or a sweep's array (one part per task). `runner` runs sacct, `state_of`
     tells whether a job still runs (tests pass stand-ins)."""
-    from hpcjobs.backends.common import run_command
     from hpcjobs.jobs import records_for
 
     store = store or JobStore()
     now = time.time() if now is None else now
-    runner = runner or run_command
     if target.strip() and Path(target).is_dir():
         folders: list[tuple[RunFolder, JobRecord | None]] = [(RunFolder(target), None)]
     elif not target.strip() or "/" in target or Path(target).exists():

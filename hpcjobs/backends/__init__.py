@@ -70,6 +70,10 @@ class Submitted:
                 **({"task": self.task} if self.task is not None else {})}
 
 
+Times = tuple["float | None", "float | None", "float | None"]
+"""Epoch seconds, None where not known."""
+
+
 class Backend(Protocol):
     name: str
     multi_node: bool
@@ -90,6 +94,9 @@ class Backend(Protocol):
     def logs(self, rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path: ...
     def reported_failures(self, rec: JobRecord) -> list[Failure]: ...
     """What the scheduler said about ranks that ended badly (Slurm: srun's lines), for hpcjobs.diagnosis."""
+    def allocations(self, rec: JobRecord, run: Any = None) -> list[Times]: ...
+    """(eligible, start, end) of each allocation the scheduler recorded for the job, a requeued job's earlier ones
+    included (Slurm: its accounting); [] where it records none. `run`: the command runner (tests pass stand-ins)."""
     def lookup(self, job_id: str) -> JobRecord | None: ...
     """A job this scheduler knows as an hpcjobs job but the job store does not (plain sbatch, a lost store)."""
     def doctor(self, spec: JobSpec, probe_wait_s: float | None = None) -> list[Check]: ...

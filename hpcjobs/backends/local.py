@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.backends import Script, SubmitRequest, Submitted
+from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
 from hpcjobs.backends.environment import clean
 from hpcjobs.doctor import Check, Result
@@ -209,6 +209,9 @@ class LocalBackend(RunFolderLogs):
     queued = False
     requests_gpus = False
     runs_setup = False
+
+    def allocations(self, rec: JobRecord, run: Any = None) -> list[Times]:
+        return []  # a local job's are the run folder's own record (RUN/allocations.jsonl)
 
     def lookup(self, job_id: str) -> JobRecord | None:
         return None  # a local job is known only to the job store of the shell that ran it

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.backends import Script, SubmitRequest, Submitted
+from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import (
     CONTROLLER_HINT,
     RunFolderLogs,
@@ -83,6 +83,21 @@ SLURM_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?", re.ASCII)
 
 class SlurmUnreachable(RuntimeFailure):
     """squeue ran and could not answer (the controller down or unreachable): not the same as "no such job"."""
+
+
+def sacct_time(text: str) -> float | None:
+    """sacct's local-time `2026-11-25T14:27:19`; None for Unknown/None (not started, still running)."""
+    try:
+        return datetime.datetime.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None
+
+
+def parse_sacct(text: str) -> list[Times]:
+    """`sacct -n -P -X -D -o Eligible,Start,End`: (eligible, start, end) per allocation, a requeued job's earlier
+    ones included; those that never started are left out."""
+    out = [tuple(sacct_time(f) for f in line.split("|")[:3]) for line in text.splitlines() if line.count("|") >= 2]
+    return [t for t in out if t[1] is not None]  # type: ignore[misc]
 
 
 def squeue_job(job_id: str, run: Runner) -> SlurmJob | None:
@@ -276,6 +291,13 @@ class SlurmBackend(RunFolderLogs):
         path = Path(out)
         paths = [path, path.with_suffix(".err")] if path.suffix == ".out" else [path]
         return [f for p in paths for f in srun_failures(read_text(p))]
+
+    def allocations(self, rec: JobRecord, run: Runner | None = None) -> list[Times]:
+        try:
+            out = (run or self.run)(["sacct", "-n", "-P", "-X", "-D", "-j", rec.job_id, "-o", "Eligible,Start,End"])
+        except OSError:
+            return []
+        return parse_sacct(out.stdout) if getattr(out, "returncode", 1) == 0 else []
 
     def cancel(self, rec: JobRecord) -> str:
         out = self.run(["scancel", rec.job_id])
