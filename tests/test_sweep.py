@@ -141,7 +141,8 @@ def test_local_sweep_runs_each_point_in_its_own_run_folder(tmp_path: Path, hpcjo
     goodput = json.loads(hpcjobs("goodput", sub["job_id"], "--json").stdout)  # per task, and the sweep's total
     assert [j["job_id"] for j in goodput["jobs"]] == [t["job_id"] for t in tasks]
     total = goodput["total"]
-    assert abs(sum(total["buckets_s"].values()) - total["wall_s"]) < 1e-3 and 0 < total["ettr"] < 1, total
+    # --json rounds each of the 8 buckets and the wall to 1 ms: their sum may be off by up to 4.5 ms
+    assert abs(sum(total["buckets_s"].values()) - total["wall_s"]) < 5e-3 and 0 < total["ettr"] < 1, total
     logs = hpcjobs("logs", sub["job_id"])
     assert logs.returncode == 2 and f"valid: one task, {sub['job_id']}_0" in logs.stderr
     assert hpcjobs("logs", f"{sub['job_id']}_1").returncode == 0

@@ -175,10 +175,13 @@ def test_a_rank_stops_by_itself_when_the_time_limit_signal_never_came() -> None:
         preemption.install(replace(contract, start_time=now - 300), job)
         os.kill(os.getpid(), preemption.signal_number(contract.preemption.signal))  # the profile's (the default)
         assert preemption.requested_locally() and preemption.first_request()[0] == f"SIG{contract.preemption.signal}"
-        for no_limit, env in ((replace(contract, time_limit_s=0), job), (contract, {})):
+        for env in (job, {}):  # no time limit in the contract (a local run given no --time): never by themselves
             preemption.reset()
-            preemption.install(replace(no_limit, start_time=now - 10**6), env)
-            assert not preemption.requested_locally()  # local runs and unknown limits never stop by themselves
+            preemption.install(replace(contract, time_limit_s=0, start_time=now - 10**6), env)
+            assert not preemption.requested_locally()
+        preemption.reset()  # a local run's --time is enforced as Slurm's is: the rank stops at its own deadline too
+        preemption.install(replace(contract, start_time=now - 10**6), {})
+        assert preemption.requested_locally() and preemption.first_request()[0] == "deadline"
     finally:
         preemption.reset()
         _restore_handlers(signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
