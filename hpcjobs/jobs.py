@@ -133,8 +133,9 @@ def find(job_id: str, store: JobStore) -> JobRecord:
         if rec is None:
             raise  # the store's own error says what is wrong with it
         return rec
-    if rec is None and (rec := lookup(job_id)) is not None:
-        store.add(rec)  # remembered: once the scheduler forgets the job (MinJobAge), the record still finds it
+    if rec is None and (rec := lookup(job_id)) is not None and store.path.exists():
+        store.add(rec)  # remembered: once the scheduler forgets the job (MinJobAge), the record still finds it;
+        # into a store that exists only: a question never makes one (the store may have been lost or moved)
     if rec is None:
         recent = ", ".join(r.job_id for r in store.recent(5)) or "none yet"
         raise UsageError(f"no job {job_id!r} was submitted with hpcjobs here (recent: {recent}), and the scheduler "
