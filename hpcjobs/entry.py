@@ -123,10 +123,12 @@ def _module_name(path: Path, workdir: Path) -> str | None:
             continue
         if not parts or not all(p.isidentifier() for p in parts):
             continue
+        if base == workdir and all((base.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))):
+            return ".".join(parts)  # first on the ranks' sys.path: its packages win over any installed copy
         try:
             found = _require_module(".".join(parts), "task", "", workdir)
-        except UsageError:
-            continue
+        except (UsageError, ImportError, KeyError, ValueError):  # KeyError: importlib, of a namespace whose parent
+            continue                                           # was never imported (`/tmp/a/b.py` from /: `tmp.a`)
         if found is not None and Path(found).resolve() == file:
             return ".".join(parts)
     return None

@@ -184,4 +184,5 @@ def test_sweep_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     goodput = user.run("hpcjobs goodput 4242").stdout  # docs/how-to/goodput.md
     assert goodput.count(f"{job}_") == 4 and "sum (= wall time)" in goodput, goodput
     total = json.loads(user.run("hpcjobs goodput 4242 --json").stdout)["total"]
-    assert abs(sum(total["buckets_s"].values()) - total["wall_s"]) < 1e-3 and 0 < total["ettr"] < 1, total
+    # --json rounds each of the 8 buckets and the wall to 1 ms: their sum may be off by up to 4.5 ms
+    assert abs(sum(total["buckets_s"].values()) - total["wall_s"]) < 5e-3 and 0 < total["ettr"] < 1, total
