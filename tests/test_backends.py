@@ -373,6 +373,7 @@ def test_submit_with_a_pattern_records_the_real_folder(fake_sbatch: Path, tmp_pa
     assert [j["run_dir"] for j in listed] == [sub["run_dir"]]
 
 
+@pytest.mark.train
 def test_local_run_with_a_pattern_runs_in_the_real_folder(tmp_path: Path) -> None:
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", "runs/x-%j", "--json",
                   "trainers.tasks.classifier", "--steps", "2", "--log-every", "1", cwd=tmp_path, timeout=300)

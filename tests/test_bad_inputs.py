@@ -119,6 +119,7 @@ def assert_refused(out: subprocess.CompletedProcess[str], fragment: str, sbatch_
     assert not sbatch_log.exists(), "sbatch was called"
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("change,fragment", BAD_PROFILES, ids=[f"profile-{i}" for i in range(len(BAD_PROFILES))])
 def test_bad_profile_is_refused(change: dict, fragment: str, tmp_path: Path, sbatch_log: Path) -> None:
     prof = tmp_path / "bad.yaml"
@@ -292,6 +293,7 @@ def test_usage_error_is_one_line() -> None:
     assert "--profile" in out.stderr and "HINT:" in out.stderr
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("command", ["submit", "render"])
 @pytest.mark.parametrize("flags,fragment", BAD_TRAINER_FLAGS, ids=[" ".join(f) for f, _ in BAD_TRAINER_FLAGS])
 def test_bad_trainer_flag_is_refused_before_queueing(command: str, flags: list[str], fragment: str,

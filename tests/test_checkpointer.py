@@ -91,6 +91,7 @@ def _replica(rank: int, world: int, store: str, root: str, background: bool) -> 
     dist.destroy_process_group()
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("background", [False, True])
 def test_a_tensor_every_rank_holds_is_copied_and_written_by_one_rank(background: bool, tmp_path: Path) -> None:
     """DDP's replicas at 4 ranks: a background save's host copies on each rank hold only what that rank writes (each

@@ -235,6 +235,7 @@ def test_compare_never_imports_torch_and_has_examples(sweep: dict[str, Path], tm
     assert "examples:" in help_.stdout and "hpcjobs compare RUN_OR_ID... [--plot loss.png] [--json]" in help_.stdout
 
 
+@pytest.mark.train
 def test_two_local_runs_compared_by_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """End to end: two tiny jobs of the local profile (side by side), then their table and plot."""
     runs = [tmp_path / "runs" / "lr-0.05", tmp_path / "runs" / "lr-0.01"]

@@ -275,6 +275,7 @@ def test_the_launcher_resolves_stamps_and_exports_the_contract(tmp_path: Path) -
     assert (tmp_path / "run-local-7" / "logs" / "restart-0" / "rank-0.log").exists()
 
 
+@pytest.mark.train
 def test_the_start_time_is_the_process_start_however_long_python_took_to_reach_the_launcher(tmp_path: Path) -> None:
     """A time limit's own stop (the `deadline`) counts from this stamp: stamped when the launcher's code ran, a
     slow start (here a 3 s sitecustomize; on clusters a container or imports from NFS) made it that much late."""

@@ -91,6 +91,7 @@ print("LATEST", ref.step, bool(torch.equal(model_weights(ref)["weight"], model.w
 '''
 
 
+@pytest.mark.train
 @NEEDS_UNSHARE
 @pytest.mark.parametrize("group", [False, True], ids=["no-group", "process-group"])
 def test_a_background_save_that_does_not_fit_is_raised_at_the_next_step(tmp_path: Path, group: bool) -> None:

@@ -306,6 +306,7 @@ def run_report(tmp_path: Path, s: JobSpec, cwd: Path) -> tuple[int, dict[str, ob
     return done.returncode, json.loads(out.read_text()) if out.exists() else {}
 
 
+@pytest.mark.train
 def test_the_probes_report_step_checks_each_points_flags_with_this_python(tmp_path: Path) -> None:
     code, report = run_report(tmp_path, sweep_spec(), REPO)
     assert code == 0 and report["entry"] is True and report["torch"], report

@@ -80,6 +80,7 @@ CASES = [("ddp", 1, "step@7"), ("ddp", 1, "save-written@9"), *[("ddp", 2, f) for
 ]
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("strategy,ranks,fault", CASES)
 def test_kill_and_resume_is_exact(strategy: str, ranks: int, fault: str, straight: Straight, tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -96,6 +97,7 @@ def test_kill_and_resume_is_exact(strategy: str, ranks: int, fault: str, straigh
     assert_same_run(straight(ranks, strategy), run)
 
 
+@pytest.mark.train
 def test_fp16_under_fsdp_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> None:
     """fp16 under fsdp: FSDP2 casts the parameters to fp16, and a ShardedGradScaler's state goes on from the
     checkpoint. Whether a gradient overflows fp16 at this learning rate depends on the CPU's fp16 kernels (one
@@ -123,6 +125,7 @@ def test_fp16_under_fsdp_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> 
     assert_same_run(straight, run)
 
 
+@pytest.mark.train
 def test_different_world_size_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert train(run, 2, "step@5") != 0
@@ -133,6 +136,7 @@ def test_different_world_size_is_refused(tmp_path: Path) -> None:
     assert "add --reshard" in log
 
 
+@pytest.mark.train
 def test_different_settings_are_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert train(run, 1, "step@5") != 0  # after step 4's --keep-best save, made in the foreground
@@ -143,6 +147,7 @@ def test_different_settings_are_refused(tmp_path: Path) -> None:
     assert "was written with other settings" in log and "dropout" in log
 
 
+@pytest.mark.train
 def test_random_augmentation_in_workers_resumes_exactly_whatever_the_worker_count(tmp_path: Path) -> None:
     """Noise drawn in loader workers: each sample is seeded from (seed, epoch, index), so a resume in the middle of
     an epoch (the workers start afresh) and another worker count both give the same weights. Workers seeded once
@@ -167,6 +172,7 @@ def test_random_augmentation_in_workers_resumes_exactly_whatever_the_worker_coun
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.train
 def test_a_short_random_kill_campaign(tmp_path: Path) -> None:
     """bench/kill_campaign.py's short version: three SIGKILLs of launcher and ranks at random moments past
     start-up (a step, a save, between a save's files); each restart resumes from the newest checkpoint finished

@@ -30,6 +30,7 @@ def saved_model(run: Path, step: int) -> dict[str, torch.Tensor]:
     return model_weights(ref)
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_export_by_job_id_and_by_folder_writes_the_checkpoints_weights(run: tuple[Path, str, Path], suffix: str,
                                                                       tmp_path: Path) -> None:
@@ -50,6 +51,7 @@ def test_export_by_job_id_and_by_folder_writes_the_checkpoints_weights(run: tupl
     assert earlier.read_bytes() != out.read_bytes()
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("args,said", [
     (["--step", "4"], "--step 4: "),
     (["-o", "model.txt"], "the suffix .txt is not a format"),
@@ -69,6 +71,7 @@ def test_bad_export_requests_are_one_line(run: tuple[Path, str, Path], args: lis
     assert (tmp_path / "dangling.pt").is_symlink()
 
 
+@pytest.mark.train
 def test_export_of_a_folder_without_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     out = hpcjobs("export", str(tmp_path / "empty"), "-o", str(tmp_path / "m.pt"))

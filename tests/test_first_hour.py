@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import BIN, REPO, hpcjobs
 
 MYTASK = '''
@@ -63,6 +65,7 @@ def wait_stopped(run_dir: Path, timeout: float = 60) -> dict:
     raise AssertionError(f"{run_dir} never recorded a stop")
 
 
+@pytest.mark.train
 def test_ctrl_c_twice_still_commits_a_checkpoint_and_exits_130(tmp_path: Path) -> None:
     """The terminal's Ctrl-C goes to the whole foreground group; only hpcjobs may act on it (a second one used to
     end the job with exit 254). It exits as an interrupted command does (it exited 0: `submit && next` went on)."""
@@ -81,6 +84,7 @@ def test_ctrl_c_twice_still_commits_a_checkpoint_and_exits_130(tmp_path: Path) -
     assert st["state"] == "STOPPED" and st["last_step"] == stop["step"]
 
 
+@pytest.mark.train
 def test_cancel_stops_a_local_job_at_a_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = start_local(run)
@@ -91,6 +95,7 @@ def test_cancel_stops_a_local_job_at_a_checkpoint(tmp_path: Path) -> None:
     assert (run / "checkpoints" / f"step-{stop['step']}" / "FINISHED").is_file()
 
 
+@pytest.mark.train
 def test_a_killed_launcher_takes_its_ranks_down_at_a_checkpoint(tmp_path: Path) -> None:
     """SIGKILL of `hpcjobs submit` used to leave the ranks training as orphans and status RUNNING forever."""
     run = tmp_path / "run"
@@ -103,6 +108,7 @@ def test_a_killed_launcher_takes_its_ranks_down_at_a_checkpoint(tmp_path: Path) 
     assert st["state"] in ("STOPPED", "FAILED") and st["state"] != "RUNNING"
 
 
+@pytest.mark.train
 def test_json_output_of_a_local_run_is_json_alone(tmp_path: Path) -> None:
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(tmp_path / "r"), "--json",
                   "trainers.tasks.classifier", "--steps", "3", "--log-every", "1", cwd=REPO, timeout=300)
@@ -111,6 +117,7 @@ def test_json_output_of_a_local_run_is_json_alone(tmp_path: Path) -> None:
     assert "step 3" in out.stderr
 
 
+@pytest.mark.train
 def test_every_submission_to_a_folder_keeps_its_spec(tmp_path: Path) -> None:
     run = tmp_path / "r"
     for args in (["--steps", "2"], ["--steps", "3", "--extend"]):
@@ -122,6 +129,7 @@ def test_every_submission_to_a_folder_keeps_its_spec(tmp_path: Path) -> None:
     assert json.loads((run / "spec.json").read_text()) == second
 
 
+@pytest.mark.train
 def test_entry_help_lists_the_flags_and_touches_nothing(tmp_path: Path) -> None:
     out = hpcjobs("submit", "--profile", "local", "trainers.tasks.lm", "--help", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -129,6 +137,7 @@ def test_entry_help_lists_the_flags_and_touches_nothing(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir()) and json.loads(hpcjobs("list", "--json").stdout) == []
 
 
+@pytest.mark.train
 def test_a_bad_task_argument_is_one_line_not_a_traceback_per_rank(tmp_path: Path) -> None:
     """`--size huge` printed the same traceback once per rank (100+ lines)."""
     out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / "r"),

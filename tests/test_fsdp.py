@@ -38,6 +38,7 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
     return model_weights(ref)
 
 
+@pytest.mark.train
 def test_activation_checkpointing_gives_the_same_weights_and_compile_falls_back(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     train(plain)
@@ -48,6 +49,7 @@ def test_activation_checkpointing_gives_the_same_weights_and_compile_falls_back(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # recomputed, dropout masks replayed
 
 
+@pytest.mark.train
 def test_cpu_offload_on_a_cpu_rank_is_refused_in_one_line(tmp_path: Path) -> None:
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(tmp_path / "run"), *ARGS,
                   "--strategy", "fsdp", "--cpu-offload", cwd=REPO, timeout=300)
@@ -159,6 +161,7 @@ def _same(got: dict[str, object], reference: nn.Module) -> bool:
     return all(torch.equal(mine[n], p) for n, p in reference.named_parameters())
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("meta_init", [True, False])
 def test_only_rank_0_builds_the_model_and_every_rank_gets_its_weights_and_buffers(tmp_path: Path,
                                                                                    meta_init: bool) -> None:
@@ -174,6 +177,7 @@ def test_only_rank_0_builds_the_model_and_every_rank_gets_its_weights_and_buffer
             assert all(torch.equal(mine[n], b) for n, b in reference.named_buffers())
 
 
+@pytest.mark.train
 def test_a_shared_buffer_a_tied_weight_and_a_hook_that_renames_arrive_as_rank_0_built_them(tmp_path: Path) -> None:
     got = _spawn(tmp_path, True, "shared")
     torch.manual_seed(3)
@@ -187,6 +191,7 @@ def test_a_shared_buffer_a_tied_weight_and_a_hook_that_renames_arrive_as_rank_0_
         assert g["aliases"] == (1, 1 + 3 * 2)  # one table; the tied weight once, each block's weight and bias
 
 
+@pytest.mark.train
 def test_ranks_whose_models_differ_all_refuse_in_one_line_instead_of_hanging(tmp_path: Path) -> None:
     got = _spawn(tmp_path, True, "uneven")
     errors = [cast(str, g.get("error")) for g in got]
@@ -194,6 +199,7 @@ def test_ranks_whose_models_differ_all_refuse_in_one_line_instead_of_hanging(tmp
     assert all("\n" not in e and "HINT: --no-meta-init" in e for e in errors)
 
 
+@pytest.mark.train
 def test_the_model_built_on_rank_0_only_trains_to_the_same_weights(tmp_path: Path) -> None:
     log = train(tmp_path / "meta")
     assert "model built on rank 0" in log
@@ -202,6 +208,7 @@ def test_the_model_built_on_rank_0_only_trains_to_the_same_weights(tmp_path: Pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.train
 def test_reducing_each_micro_batch_trains_the_same_model_up_to_rounding(tmp_path: Path) -> None:
     """--reduce-each-micro-batch (each rank keeps only its shard of the gradients between micro-batches) sums the
     same gradients in another order: the same model to rounding, and not bit for bit, which shows it took effect."""
@@ -216,6 +223,7 @@ def test_reducing_each_micro_batch_trains_the_same_model_up_to_rounding(tmp_path
     assert out.returncode == 2 and "--reduce-each-micro-batch with --strategy ddp; valid:" in log
 
 
+@pytest.mark.train
 def test_the_gradient_norm_is_in_the_metrics_at_each_log_step(tmp_path: Path) -> None:
     """Issue 28: the norm before clipping, reduced over the shards at log steps only; with --grad-clip 0 it is
     computed at those steps alone (nothing else needs it)."""

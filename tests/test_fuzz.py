@@ -415,6 +415,7 @@ PROFILE_COMMANDS = {
 
 
 # The bugs hypothesis found here, pinned: each of these failed before its fix.
+@pytest.mark.train
 @example(content=b"gpus_per_node: " + b"9" * 5000, command="dry-run")  # int(): over 4300 digits (ValueError)
 @example(content=b"gpus_per_node: 0x" + b"f" * 4000, command="dry-run")  # a hex int too long to print in the message
 @example(content=b'mem_per_gpu: "' + b"1" * 400 + b'K"', command="render")  # K as a float factor: OverflowError
@@ -583,6 +584,7 @@ argvs = st.sampled_from(["submit", "render", "doctor", "status", "logs", "cancel
 
 
 # The bugs hypothesis found here, pinned: each of these failed before its fix.
+@pytest.mark.train
 @example(argv=["render", "--profile", "testcluster", "--partition", "low\necho pwned", ENTRY])  # into the header
 @example(argv=["render", "--profile", "testcluster", "--name", "job\n", ENTRY])  # `$` matched before the newline
 @example(argv=["submit", "--profile", "testcluster", "--run-dir", "x\ny", ENTRY])  # into submitit's --output line

@@ -209,6 +209,7 @@ def test_allocation_start_is_the_first_starts_begin() -> None:
     assert g.buckets["queue"] == 10.0 and g.startup_parts["launch"] == 5.0 and g.buckets["other"] == 1.0
 
 
+@pytest.mark.train
 def test_a_local_run_killed_stopped_and_resumed_adds_up_to_its_wall_time(tmp_path: Path) -> None:
     """The real thing: 2 local ranks; one rank SIGKILLed after step 50 (the job fails), a second job resumes from
     the step-40 checkpoint and is stopped with Ctrl-C, a third finishes. Each job's buckets add up to the wall

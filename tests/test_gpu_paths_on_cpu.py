@@ -110,6 +110,7 @@ print(said, torch.get_float32_matmul_precision(), torch.are_deterministic_algori
 """
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("precision,deterministic,device,expected", [
     ("fp32", False, "cuda", "TF32 matmuls|high|False|None|True"),
     ("bf16", False, "cuda", "|highest|False|None|True"),  # bf16 matmuls are bf16 anyway: nothing to say

@@ -48,6 +48,7 @@ def same_as(out: Path, twin: Path) -> None:
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+@pytest.mark.train
 def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tmp_path: Path, twin: Path) -> None:
 
     proc = subprocess.Popen([str(BIN / "hpcjobs"), *command(tmp_path, "out")], cwd=tmp_path, text=True,
@@ -78,6 +79,7 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     same_as(out, twin)
 
 
+@pytest.mark.train
 def test_a_rank_killed_inside_a_save_leaves_a_checkpoint_never_resumed(tmp_path: Path, twin: Path) -> None:
     """Rank 1 SIGKILLed after writing checkpoint-20's files, before every rank's were durable: the job fails, the
     next start moves checkpoint-20 aside, resumes checkpoint-10, and still ends with the uninterrupted weights."""

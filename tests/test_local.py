@@ -9,10 +9,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import BIN, hpcjobs
 from trainers import checkpoint
 
 
+@pytest.mark.train
 def test_main_job_trains_checkpoints_and_reports_where(tmp_path: Path) -> None:
     out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "trainers.tasks.lm", "--size", "tiny", "--steps",
                   "30", "--log-every", "10", cwd=tmp_path, timeout=300)
@@ -34,6 +37,7 @@ def test_main_job_trains_checkpoints_and_reports_where(tmp_path: Path) -> None:
         assert [r["cpu_at"][m] for m in marks] == sorted(r["cpu_at"][m] for m in marks), r
 
 
+@pytest.mark.train
 def test_evaluation_keeps_the_best_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run), "trainers.tasks.classifier",
@@ -55,6 +59,7 @@ def test_evaluation_keeps_the_best_checkpoint(tmp_path: Path) -> None:
     assert "step 40 " in hpcjobs("logs", str(run), env=elsewhere).stdout
 
 
+@pytest.mark.train
 def test_task_without_a_validation_set_refuses_eval_every(tmp_path: Path) -> None:
     own = tmp_path / "notask.py"
     own.write_text("import torch\nfrom torch.utils.data import TensorDataset\nfrom trainers.task import Task\n"
@@ -67,6 +72,7 @@ def test_task_without_a_validation_set_refuses_eval_every(tmp_path: Path) -> Non
         p.read_text() for p in (tmp_path / "run" / "logs").rglob("rank-0.log")))
 
 
+@pytest.mark.train
 def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run), "trainers.tasks.lm", "--size",
@@ -98,6 +104,7 @@ def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_the_next_run_resumes(tmp_pa
     assert f"(step {stop['step']}," in (run / "logs" / "restart-1" / "rank-0.log").read_text()  # its own logs
 
 
+@pytest.mark.train
 def test_same_trainer_under_torchrun_and_as_a_plain_process(tmp_path: Path) -> None:
     base = ["trainers.tasks.classifier", "--steps", "6", "--log-every", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -113,6 +120,7 @@ def test_same_trainer_under_torchrun_and_as_a_plain_process(tmp_path: Path) -> N
         assert checkpoint.latest(run / "checkpoints").step == 6
 
 
+@pytest.mark.train
 def test_rendezvous_timeout_names_the_rank_and_address(tmp_path: Path) -> None:
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,6 +137,7 @@ def test_rendezvous_timeout_names_the_rank_and_address(tmp_path: Path) -> None:
     assert final["state"] == "failed" and "RendezvousError" in final["reason"]
 
 
+@pytest.mark.train
 def test_a_refused_second_job_leaves_the_running_ones_records_alone(tmp_path: Path) -> None:
     """Issue 26: a second `submit --run-dir` on a folder a job trains in was refused only by its rank 0, after it
     had rewritten local-process.json (its own, soon dead, pid), spec.json and specs/: the running job then read
@@ -156,6 +165,7 @@ def test_a_refused_second_job_leaves_the_running_ones_records_alone(tmp_path: Pa
     first.communicate(timeout=120)
 
 
+@pytest.mark.train
 def test_a_refused_resume_ends_with_its_own_words_not_the_last_jobs(tmp_path: Path) -> None:
     """Issue 26: after a resume refused for other settings, the end line said "ended with code 2: reached step 6",
     the finished job's final.json."""
@@ -176,6 +186,7 @@ def test_a_refused_resume_ends_with_its_own_words_not_the_last_jobs(tmp_path: Pa
     assert "ended with code 2; run folder" in end and "reached step" not in end, end
 
 
+@pytest.mark.train
 def test_time_is_honoured_locally_and_what_is_not_run_is_said(tmp_path: Path) -> None:
     """Issue 26: `--time` was recorded and ignored (the job trained on), and the profile's setup lines were
     skipped without a word. The profile's signal comes `seconds_before` the end, as on Slurm: a timeout stop."""

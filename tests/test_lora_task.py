@@ -190,6 +190,7 @@ def test_the_large_sizes_have_the_parameters_they_say(size: str, stated: float) 
     assert sum(p.numel() for p in lm.GPT(lm.SIZES["tiny"]).parameters()) == lm.n_params(lm.SIZES["tiny"])
 
 
+@pytest.mark.train
 def test_through_the_trainer_checkpoints_and_exports_hold_the_adapters_only_and_resume(tmp_path: Path) -> None:
     """The trainer side of Task.save_frozen=False, on 2 ranks under fsdp: the checkpoint holds the adapters (and no
     frozen base weight), a later start resumes from it (loading non-strictly), and the export is the adapters."""

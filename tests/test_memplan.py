@@ -48,6 +48,7 @@ def test_the_plan_is_within_15_percent_of_every_recorded_measurement() -> None:
     assert all(abs(ratio - 1) <= TOLERANCE for ratio in off.values()), off
 
 
+@pytest.mark.train
 def test_a_live_measurement_on_two_cpu_ranks_agrees() -> None:
     """One case measured now (not read from the file): 2 CPU ranks over gloo, FSDP2 with its bf16 cast."""
     sys.path.insert(0, str(REPO / "bench"))

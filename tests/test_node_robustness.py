@@ -142,6 +142,7 @@ def damage(step_dir: Path, how: str) -> None:
             f.truncate(last.stat().st_size // 2)
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("ranks,how", [(1, "shared"), (1, "meta"), (2, "shared"), (2, "meta"), (2, "rank-1"),
                                        (2, "rank-1-missing"), (1, "shards"), (2, "shards")])
 def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_older_one_resumed(
@@ -173,6 +174,7 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_older_one_resumed(
     assert all(torch.equal(straight[k], again[k]) for k in straight)  # and it is the same run, exactly
 
 
+@pytest.mark.train
 def test_with_every_checkpoint_corrupt_the_run_starts_fresh(finished_runs: dict[int, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(finished_runs[1], run)
@@ -209,6 +211,7 @@ def test_a_load_that_failed_halfway_lets_go_of_the_old_model_before_building_ane
 
 # --- 2. metrics.jsonl never holds a step twice -------------------------------------------------------------------
 
+@pytest.mark.train
 def test_after_a_kill_and_a_resume_metrics_hold_each_step_once(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*CLASSIFIER, "--steps", "12", "--log-every", "1", "--ckpt-every", "3", "--eval-every", "2"]
@@ -236,6 +239,7 @@ def test_trimming_metrics_drops_later_steps_and_a_torn_line(tmp_path: Path) -> N
 
 # --- 3. the run folder's lock, and refused starts leave final.json alone ------------------------------------------
 
+@pytest.mark.train
 def test_a_second_job_on_a_running_folder_is_refused_and_the_first_finishes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*CLASSIFIER, "--steps", "2500", "--log-every", "50", "--ckpt-every", "500"]
@@ -256,6 +260,7 @@ def test_a_second_job_on_a_running_folder_is_refused_and_the_first_finishes(tmp_
     assert "job-b" not in run_text(run)  # not a log line, not a start record, not a lock holder
 
 
+@pytest.mark.train
 def test_a_refused_resume_leaves_a_finished_runs_final_json_byte_identical(finished_runs: dict[int, Path],
                                                                              tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -274,6 +279,7 @@ def test_a_refused_resume_leaves_a_finished_runs_final_json_byte_identical(finis
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
 
 
+@pytest.mark.train
 def test_a_refused_resume_on_two_ranks_is_one_line(finished_runs: dict[int, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(finished_runs[2], run)
@@ -304,6 +310,7 @@ task = Task(name="failing", model=lambda: torch.nn.Linear(4, 1),
 '''
 
 
+@pytest.mark.train
 def test_a_rank_that_fails_prints_one_line_and_keeps_its_traceback_in_its_log(tmp_path: Path) -> None:
     (tmp_path / "failing_task.py").write_text(FAILING_TASK)
     run = tmp_path / "run"
@@ -342,6 +349,7 @@ def test_the_first_failure_of_a_start_is_recorded_and_a_finished_run_is_never_ov
     assert not record_failure(run, env, "rank 0: never trained") and run.read("final")["state"] == "finished"
 
 
+@pytest.mark.train
 def test_a_bad_task_flag_is_one_line_without_usage_or_traceback(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = launch(run, ["trainers.tasks.lm", "--size", "huge", "--steps", "5"], 2)
@@ -407,6 +415,7 @@ def lrs(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["lr"] for m in metrics(run_dir) if "lr" in m}
 
 
+@pytest.mark.train
 def test_extend_continues_the_schedule_from_the_saved_lr(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert launch(run, EXTEND, fault="step@8")[0].rc == -signal.SIGKILL  # checkpoint at step 6 of 12
@@ -448,6 +457,7 @@ def test_the_extended_schedule_is_exact_at_both_ends() -> None:
 
 # --- 6. task help touches nothing --------------------------------------------------------------------------------
 
+@pytest.mark.train
 @pytest.mark.parametrize("how", [["help", "trainers.tasks.lm"], ["trainers.tasks.lm", "--size", "small", "--help"]])
 def test_task_help_lists_both_kinds_of_flags_and_touches_nothing(tmp_path: Path, how: list[str]) -> None:
     out = subprocess.run([sys.executable, "-m", "trainers", *how], capture_output=True, text=True, cwd=tmp_path,
@@ -459,6 +469,7 @@ def test_task_help_lists_both_kinds_of_flags_and_touches_nothing(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []  # no run folder, no log
 
 
+@pytest.mark.train
 def test_help_for_a_task_that_cannot_be_imported_is_one_line(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "trainers", "help", "no_such_task_module"], capture_output=True,
                          text=True, cwd=tmp_path, env=clean_env(PYTHONPATH=str(REPO)), timeout=120)
@@ -512,6 +523,7 @@ def test_check_task_knows_a_size_that_needs_gpus() -> None:
     assert (refused is None) == torch.cuda.is_available(), refused  # the node's own CUDA decides, not the login's
 
 
+@pytest.mark.train
 def test_trainers_check_is_one_line_and_an_exit_code_and_touches_nothing(tmp_path: Path) -> None:
     def check(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "trainers", "check", *args], capture_output=True, text=True,
@@ -531,6 +543,7 @@ def test_trainers_check_is_one_line_and_an_exit_code_and_touches_nothing(tmp_pat
 
 # --- 7. what a person at the terminal sees -----------------------------------------------------------------------
 
+@pytest.mark.train
 def test_the_end_of_training_is_one_summary_line(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = launch(run, [*CLASSIFIER, "--steps", "6", "--log-every", "2", "--eval-every", "3"])
@@ -544,6 +557,7 @@ def test_the_end_of_training_is_one_summary_line(tmp_path: Path) -> None:
     assert f"checkpoints in {run / 'checkpoints'}, metrics in {run / 'metrics.jsonl'}" in line
 
 
+@pytest.mark.train
 def test_a_stopped_run_says_how_to_resume(tmp_path: Path) -> None:
     run = tmp_path / "run"
     procs, out_dir = start(run, [*CLASSIFIER, "--steps", "1000000", "--log-every", "20"])
@@ -598,6 +612,7 @@ def test_only_rank_0_started_on_a_terminal_draws_the_bar(tmp_path: Path, rank: i
     meter.close()
 
 
+@pytest.mark.train
 def test_under_a_terminal_the_bar_goes_to_the_terminal_and_not_into_the_log(tmp_path: Path) -> None:
     run = tmp_path / "run"
     leader, follower = pty.openpty()

@@ -142,6 +142,7 @@ def test_a_plain_rank_whose_launcher_died_ends_with_it(tmp_path: Path, plain: tu
 OWN = str(REPO / "trainers" / "examples" / "own_script.py")
 
 
+@pytest.mark.train
 def test_a_stopguard_script_still_saves_at_ctrl_c(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = subprocess.Popen([str(BIN / "hpcjobs"), "submit", "--profile", "local", "--gpus", "2", "--run-dir",
@@ -180,6 +181,7 @@ print(f"rank {rank} summed {t[0].item()}", flush=True)
 """
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("how,code", [("both", 0), ("rank1-first", 3)])
 def test_a_script_that_leaves_its_group_open_ends_with_its_own_code(tmp_path: Path, how: str, code: int) -> None:
     """On the test cluster 1 of 8 such jobs aborted at teardown ("terminate called without an active exception");

@@ -111,6 +111,7 @@ SLOW_RANK = ("import signal, sys, time; time.sleep(1.5); got = []; "
              "signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); time.sleep(0.3); sys.exit(0)")
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("guarded", [True, False])
 def test_a_signal_in_a_ranks_first_instant_does_not_kill_it(guarded: bool) -> None:
     spec = fixed_spec("h100")  # its signal is USR1

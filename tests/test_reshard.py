@@ -79,6 +79,7 @@ def written(tmp_path: Path, ranks: int, strategy: str) -> Path:
     return run
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("saved,loaded", [(("fsdp", 4), ("fsdp", 2)), (("fsdp", 2), ("fsdp", 4)),
                                           (("ddp", 2), ("fsdp", 4))])
 def test_resharded_load_gives_exactly_the_saved_state(saved: tuple[str, int], loaded: tuple[str, int],
@@ -98,6 +99,7 @@ def rank0_log(run: Path) -> str:
     return "".join(p.read_text() for p in sorted((run / "logs").rglob("rank-0.log")))
 
 
+@pytest.mark.train
 def test_a_resharded_run_trains_on_and_the_refusals_name_the_fixes(tmp_path: Path) -> None:
     run = written(tmp_path, 2, "fsdp")  # to step 4; this test goes on to 6
 

@@ -47,6 +47,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.train
 def test_every_rank_takes_the_slowest_ranks_step_time(tmp_path: Path) -> None:
     port = free_port()
     out = str(tmp_path / "said")

@@ -61,6 +61,7 @@ BAD_SWEEPS = [
 ]
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("flags,fragment", BAD_SWEEPS, ids=[f"sweep-{i}" for i in range(len(BAD_SWEEPS))])
 @pytest.mark.parametrize("command", ["submit", "render"])
 def test_bad_sweep_is_refused(command: str, flags: list[str], fragment: str, sbatch_log: Path,  # noqa: F811
@@ -119,6 +120,7 @@ def test_rendered_array_script(tmp_path: Path, hpcjobs_home: Path) -> None:
     assert "%A_%a" in out.stdout.split('"run_dir":"', 1)[1].split('"', 1)[0]
 
 
+@pytest.mark.train
 def test_local_sweep_runs_each_point_in_its_own_run_folder(tmp_path: Path, hpcjobs_home: Path) -> None:
     out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(tmp_path / "s-%A_%a"), "--json",
                   "--sweep", "seed=1,2,3", "--max-parallel", "2", *TASK, cwd=REPO, timeout=300)
@@ -290,6 +292,7 @@ def test_the_submit_folder_reaches_a_scripts_ranks_only_with_a_snapshot() -> Non
     assert none.submit_dir == "" and "submit_dir" not in none.to_json()  # the contract reads as before
 
 
+@pytest.mark.train
 def test_ctrl_c_stops_a_local_sweep_at_a_checkpoint_and_starts_no_more(tmp_path: Path, hpcjobs_home: Path) -> None:
     import os
     import signal

@@ -45,6 +45,7 @@ def _hung_rank(rank: int, port: int, out: str) -> None:
         os._exit(0)  # the other rank may still be inside the timed-out collective
 
 
+@pytest.mark.train
 def test_after_the_first_step_a_hung_rank_ends_a_collective_at_the_training_timeout(tmp_path: Path) -> None:
     port = free_port()
     out = str(tmp_path / "said")
@@ -69,6 +70,7 @@ def test_flight_recorder_dumps_into_the_run_folder() -> None:
     assert set(FLIGHT_RECORDER) < set(env)
 
 
+@pytest.mark.train
 def test_a_two_rank_run_says_when_training_timeouts_begin_and_status_points_at_nccl_traces(
         tmp_path: Path, hpcjobs_home: Path) -> None:
     run = tmp_path / "run"

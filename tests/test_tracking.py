@@ -105,6 +105,7 @@ def wandb_starts(folder: Path) -> list[dict[str, Any]]:
     return starts
 
 
+@pytest.mark.train
 def test_wandb_keeps_one_run_across_the_restart_written_by_rank_0_only(run: Path) -> None:
     starts = wandb_starts(run)
     assert len(starts) == 2, "one wandb run folder per start: rank 1 opened none"
@@ -186,6 +187,7 @@ def test_a_missing_tracker_package_names_its_pip_extra(name: str, tmp_path: Path
     assert not (tmp_path / "tracker.json").exists()
 
 
+@pytest.mark.train
 def test_a_rank_without_the_package_refuses_the_start_in_one_line(tmp_path: Path) -> None:
     """Every rank checks before it trains (exit 2, nothing recorded as the run's end), not rank 0 alone."""
     hide = tmp_path / "hide"

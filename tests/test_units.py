@@ -231,6 +231,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("ignored", [True, False])
 def test_a_signal_while_a_finished_rank_shuts_down_does_not_kill_it(ignored: bool) -> None:
     import subprocess
@@ -256,6 +257,7 @@ def _agree(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.train
 def test_ranks_agree_on_a_stop_at_the_same_call(tmp_path: Path) -> None:
     """Rank 1 alone is asked to stop at call 3: the pipelined check tells both ranks at call 4, not before."""
     port = free_port()
