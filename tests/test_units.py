@@ -19,6 +19,7 @@ import torch
 
 from hpcjobs.protocol.contract import LaunchContract, Preemption
 from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.folderlock import read_holder
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.states import StopReason
 from hpcjobs.protocol.trainconfig import TrainConfig
@@ -207,7 +208,7 @@ def test_a_rank_whose_start_outlasted_the_deadline_still_joins_its_rank_0(tmp_pa
         later = threading.Timer(0.5, lambda: held.append(runlock.take(run, env[0])))
         held: list[runlock.RunLock] = []
         later.start()
-        assert claim_run_folder(run, env[1]) is None and runlock.same_start(runlock.read_holder(run), env[1])
+        assert claim_run_folder(run, env[1]) is None and runlock.same_start(read_holder(run), env[1])
         later.join()
         os.kill(os.getpid(), signal.SIGUSR2)  # a real stop signal counts where the overdue deadline did not
         assert preemption.signalled()

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.folderlock import read_holder
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from hpcjobs.protocol.states import FinalState
 from trainers import runlock
@@ -65,7 +66,7 @@ def final_of_this_start(final: Any, env: DistEnv, run: RunFolder) -> str | None:
     """final.json's state if this start of this job wrote it, else None: its job id, written since the start took
     the run folder's lock (job ids repeat: a plain `python -m trainers` is job 0 every time, and the lock keeps
     starts apart). The lock's time is rank 0's clock, taken before anything of the start happens."""
-    holder = runlock.read_holder(run)
+    holder = read_holder(run)
     if holder is not None and runlock.same_start(holder, env):
         since = float(holder["time"])
     else:  # a rank 0 that never took it (late, or a filesystem that cannot lock): this rank's own start
