@@ -3,8 +3,11 @@ about its tasks (Slurm: srun's `srun: error: node2: task 3: Killed`, parsed behi
 said nothing.
 
 A rank that dies by a signal (SIGKILL, the OOM killer, a segfault) writes nothing; its peers then fail on a closed
-connection and write that. So the scheduler's word about a killed task comes first, then the earliest record; and
-when some ranks timed out, the rank they waited for hung.
+connection and write that. So the scheduler's word about a killed task comes before the peers' records; and when
+some ranks timed out, the rank they waited for hung. A rank's own exception (anything but a lost peer or a timeout)
+comes before a kill: srun kills the rest of the step (`--kill-on-bad-exit`) once a task exited badly, and its lines
+about those kills may come before its line about that exit (seen on the test cluster: rank 3 raised, and srun's
+`node1: task 0: Killed` was the first line of the two).
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from pathlib import Path
 from hpcjobs.protocol.runfolder import RunFolder
 
 TIMEOUT = re.compile(r"time(d)? ?out|timeout", re.I)
+PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|DistBackendError|DistNetworkError|"
+                       r"NCCL (communicator|error)|ncclRemoteError|ncclSystemError|\[Gloo\]|"
+                       r"failed to recv|Terminated|SIGTERM|SIGKILL", re.I)
+"""What a rank records when a peer went away (the collectives' and the store's words), or when it was ended."""
 TAIL_LINES = 5
 
 
@@ -77,6 +84,8 @@ def diagnose(run: RunFolder, job_id: str, said: list[Failure]) -> Diagnosis | No
         host = next((f.host for f in [*recorded, *said] if f.rank == rank), None) or host_of(run, restart, rank)
         first = Failure(rank, host, f"hung: the other ranks timed out waiting for it ({timeouts[0].error})",
                         "timeouts")
+    elif own := [f for f in recorded if not PEER_LOST.search(f.error) and not TIMEOUT.search(f.error)]:
+        first = own[0]
     elif killed:
         first = killed[0]
     else:

@@ -74,3 +74,12 @@ def test_when_the_others_timed_out_the_silent_rank_is_the_hung_one(tmp_path: Pat
 def test_nothing_failed_or_another_job_failed(tmp_path: Path) -> None:
     assert diagnose(run_with(tmp_path, []), "7", []) is None
     assert diagnose(run_with(tmp_path / "b", [(1.0, 1, "ValueError: x")]), "8", []) is None
+
+
+def test_a_ranks_own_exception_comes_before_the_kills_srun_did_after_it(tmp_path: Path) -> None:
+    # The CI failure: rank 3 raised; srun killed the step's other tasks and its line about rank 0 came first.
+    run = run_with(tmp_path, [(1.0, 3, "InjectedFault: injected at step of step 20")])
+    said = srun_failures("srun: error: node1: task 0: Killed\nsrun: error: node2: task 3: Exited with exit code 1\n")
+    found = diagnose(run, "7", said)
+    assert found is not None and found.first is not None
+    assert found.first.describe() == "rank 3 on node2: InjectedFault: injected at step of step 20"
