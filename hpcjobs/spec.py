@@ -22,6 +22,7 @@ from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
 from hpcjobs.sweep import as_mapping, build_points, tasks_args
+from hpcjobs.taskcheck import check_task_flags
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
@@ -289,6 +290,7 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if entry.kind == "task":
         for args in tasks_args(entry.args, points):
             check_trainer_args(args, req.nodes * gpus)
+            check_task_flags(entry.target, args, node_python(profile))
             check_fits(profile, entry.target, args, req.nodes, gpus, most_nodes(profile))
     name = req.name or default_name(entry)
     if not _NAME.fullmatch(name):

@@ -21,11 +21,11 @@ import pytest
 
 from hpcjobs.protocol.contract import ENV_VAR, LaunchContract, Preemption
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
+from hpcjobs.protocol.taskargs import TaskArgError
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import BOUNDS, ConfigError, parse_trainer_args
 from trainers import preemption
 from trainers.jobenv import slurm as slurm_control
-from trainers.taskargs import TaskArgError
 
 REPO = Path(__file__).resolve().parent.parent
 REMOVED_VARIABLES = ("HPCJOBS_SIGNAL", "HPCJOBS_SIGNAL_SECONDS", "HPCJOBS_MAX_RESTARTS",

@@ -373,8 +373,8 @@ def test_task_parsers_raise_one_line_errors() -> None:
 
     with pytest.raises(TaskArgError) as e:
         lm.make_task(["--sizee", "tiny"])
-    assert "did you mean --size?" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(TaskArgError, match="--hidden: invalid int value: 'x'; valid: --hidden N"):
+    assert "did you mean --size (a task flag)?" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TaskArgError, match="--hidden: 'x' is not a whole number; valid: --hidden N with N ≥ 1"):
         classifier.make_task(["--hidden", "x"])
     with pytest.raises(TaskArgError, match="--text .* is not a file"):
         lm.make_task(["--text", "/nonexistent/file.txt"])

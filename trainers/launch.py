@@ -32,13 +32,13 @@ from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.protocol.states import FinalState, StopReason
+from hpcjobs.protocol.taskargs import TaskArgError
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from hpcjobs.protocol.trainflags import ConfigError
 from trainers import integrations, preemption, runlock, standby, startup
 from trainers.distenv import DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure
 from trainers.logtee import Tee
-from trainers.taskargs import TaskArgError
 from trainers.versions import TorchTooOld, require_torch
 
 KINDS = ("task", "script", "module")

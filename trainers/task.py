@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hpcjobs.protocol.memplan import Plan, Setup
-from trainers.taskargs import TaskArgError as TaskArgError  # a task's own flags: re-exported for task modules
-from trainers.taskargs import TaskArgParser as TaskArgParser
+from hpcjobs.protocol.taskargs import TaskArgError as TaskArgError  # a task's own flags: re-exported for task modules
+from hpcjobs.protocol.taskargs import TaskArgParser as TaskArgParser
 
 
 @dataclass

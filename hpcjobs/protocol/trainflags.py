@@ -282,3 +282,9 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
     cfg = TrainConfig(**values)
     _check_together(cfg)
     return cfg, rest
+
+
+def trainer_flag_names() -> list[str]:
+    """Every exact trainer flag (`--steps`, `--no-compile`, ...), in TrainConfig's order: a task's parser names them
+    when it meets a flag it does not know, and suggests the closest."""
+    return list(_flags())

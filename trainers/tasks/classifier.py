@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from trainers.task import Task, TaskArgParser
+from hpcjobs.protocol.taskflags import BUNDLED
+from trainers.task import Task
 
 
 def blobs(n: int, features: int, classes: int, seed: int = 1234, split: int = 0) -> TensorDataset:
@@ -40,14 +41,7 @@ class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def make_task(args: list[str]) -> Task:
-    p = TaskArgParser(prog="trainers.tasks.classifier")  # a bad flag: one line, not a usage block per rank
-    p.add_argument("--features", type=int, default=32)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--samples", type=int, default=8192)
-    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to each training input")
-    ns = p.parse_args(args)
+    ns = BUNDLED["trainers.tasks.classifier"].parse(args)  # declared torch-free: submit checks them too
 
     def model() -> nn.Module:
         return nn.Sequential(nn.Linear(ns.features, ns.hidden), nn.ReLU(), nn.Dropout(ns.dropout),

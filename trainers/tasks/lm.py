@@ -33,7 +33,10 @@ from hpcjobs.protocol.lmsizes import (  # re-exported: trainers.tasks.lora and u
     train_flops_per_token,
 )
 from hpcjobs.protocol.memplan import plan
-from trainers.task import Task, TaskArgError, TaskArgParser
+from hpcjobs.protocol.taskflags import BUNDLED
+from trainers.task import Task, TaskArgError
+
+PROG = "trainers.tasks.lm"
 
 
 def refuse_without_cuda(prog: str, size: str, need: str) -> None:
@@ -114,13 +117,6 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
 
 
-def add_data_flags(p: TaskArgParser) -> None:
-    """--text, --seq-len, --samples: the flags `datasets` reads (trainers.tasks.lora has them too)."""
-    p.add_argument("--text", type=Path, help="train on this text file's bytes instead of synthetic tokens")
-    p.add_argument("--seq-len", type=int, help="context length (default: the size's)")
-    p.add_argument("--samples", type=int, default=8192, help="synthetic windows in the dataset")
-
-
 def datasets(prog: str, text: Path | None, samples: int, seq_len: int) -> tuple[str, Callable[[int], Sequences]]:
     """(where the tokens come from, for the task's config; split(part)): part 0 builds the training set, 1 the
     validation set. A --text that is not a file is refused here, before anything trains."""
@@ -144,16 +140,12 @@ def datasets(prog: str, text: Path | None, samples: int, seq_len: int) -> tuple[
 
 
 def make_task(args: list[str]) -> Task:
-    p = TaskArgParser(prog="trainers.tasks.lm")  # a bad flag: one line, not a usage block per rank
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    add_data_flags(p)
-    p.add_argument("--dropout", type=float, default=0.0)
-    ns = p.parse_args(args)
+    ns = BUNDLED[PROG].parse(args)  # declared torch-free: `hpcjobs submit` checks the same flags before queueing
     base = SIZES[ns.size]
     c = GPTConfig(base.n_layer, base.n_head, base.d_model, ns.seq_len or base.seq_len, ns.dropout)
-    refuse_without_cuda(p.prog, ns.size, f"about {n_params(c) * 16 / 1e9:.0f} GB of weights, gradients and AdamW "
+    refuse_without_cuda(PROG, ns.size, f"about {n_params(c) * 16 / 1e9:.0f} GB of weights, gradients and AdamW "
                                          "state in fp32; with --strategy fsdp that is split across the ranks")
-    source, split = datasets(p.prog, ns.text, ns.samples, c.seq_len)
+    source, split = datasets(PROG, ns.text, ns.samples, c.seq_len)
     return Task(name=f"lm-{ns.size}", model=lambda: GPT(c), train_data=lambda: split(0),
                 val_data=lambda: split(1), loss=lm_loss,
                 config={**asdict(c), "data": source}, tokens_per_sample=c.seq_len,

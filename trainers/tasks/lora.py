@@ -29,13 +29,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainers.task import Task, TaskArgError, TaskArgParser
+from hpcjobs.protocol.taskflags import BUNDLED, LORA_TARGETS
+from trainers.task import Task, TaskArgError
 from trainers.tasks.lm import (
     GPT,
     SIZES,
-    Block,
     GPTConfig,
-    add_data_flags,
     datasets,
     lm_loss,
     n_params,
@@ -44,8 +43,7 @@ from trainers.tasks.lm import (
 )
 
 PROG = "trainers.tasks.lora"
-with torch.device("meta"):  # the Linear layers of a block, by attribute name: what --targets may name
-    TARGETS = tuple(name for name, m in Block(SIZES["tiny"]).named_children() if isinstance(m, nn.Linear))
+TARGETS = LORA_TARGETS  # the Linear layers of a block, by attribute name: what --targets may name
 FORMATS = (".pt", ".pth", ".safetensors")
 
 
@@ -175,31 +173,12 @@ def base_model(c: GPTConfig, base: Path | None, base_seed: int) -> GPT:
 
 
 def make_task(args: list[str]) -> Task:
-    p = TaskArgParser(prog=PROG)  # a bad flag: one line, not a usage block per rank
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    p.add_argument("--base", type=Path, help="the base weights: a .pt or .safetensors file from `hpcjobs export` of "
-                                             "a trainers.tasks.lm run of this --size (default: random, --base-seed)")
-    p.add_argument("--base-seed", type=int, default=0, help="seed of the random base weights without --base")
-    p.add_argument("--rank", type=int, default=8, help="the adapters' rank r")
-    p.add_argument("--alpha", type=float, default=16.0, help="the update is scaled by alpha / rank")
-    p.add_argument("--targets", default="qkv,proj",
-                   help=f"comma-separated Linear layers of each block to adapt, of {','.join(TARGETS)}")
-    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
-    add_data_flags(p)
-    ns = p.parse_args(args)
+    ns = BUNDLED[PROG].parse(args)  # declared torch-free: `hpcjobs submit` checks the same flags before queueing
     size = SIZES[ns.size]
     c = GPTConfig(size.n_layer, size.n_head, size.d_model, ns.seq_len or size.seq_len)
     refuse_without_cuda(PROG, ns.size, f"about {n_params(c) * 4 / 1e9:.0f} GB of frozen fp32 weights on each rank; "
                                        "with --strategy fsdp that is split across the ranks")
     targets = tuple(dict.fromkeys(t.strip() for t in ns.targets.split(",")))  # each once, in the order given
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        raise TaskArgError(f"{PROG}: --targets {ns.targets}: {unknown[0]!r} is not a Linear layer of a block; "
-                           f"valid: comma-separated names of {', '.join(TARGETS)}. HINT: e.g. --targets "
-                           f"{','.join(TARGETS)} adapts every matrix of each block")
-    if not 1 <= ns.rank <= c.d_model:
-        raise TaskArgError(f"{PROG}: --rank {ns.rank} is out of range; valid: --rank R with 1 ≤ R ≤ {c.d_model} "
-                           "(the width). HINT: 4 to 64 is usual")
     base = ns.base.expanduser() if ns.base else None
     sha256 = check_base(base, c, ns.size) if base else None
     source, split = datasets(PROG, ns.text, ns.samples, c.seq_len)

@@ -10,12 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hpcjobs.protocol.runfolder import RunFolder, read_json, write_json_atomic
+from hpcjobs.protocol.trackerpkgs import TrackerUnavailable as TrackerUnavailable  # re-exported
+from hpcjobs.protocol.trackerpkgs import require as require
+from hpcjobs.protocol.trackerpkgs import unavailable
 from hpcjobs.protocol.trainconfig import TRACKERS
-from hpcjobs.protocol.trainflags import ConfigError
-
-
-class TrackerUnavailable(ConfigError):
-    """A tracker asked for whose package this Python lacks: one line, the pip extra that installs it."""
 
 
 def say(message: str) -> None:
@@ -24,22 +22,6 @@ def say(message: str) -> None:
 
 # --- packages ---------------------------------------------------------------------------------------------------
 
-def require(names: tuple[str, ...] | list[str]) -> None:
-    """Raise TrackerUnavailable for the first tracker in `names` whose package is not installed. Finds the module
-    without importing it: every rank calls this, and only rank 0 imports."""
-    for name in names:
-        module = TRACKERS.get(name)
-        if module is not None and not _installed(module):
-            raise _unavailable(name, module)
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a broken install, or a module object without a spec
-        return False
-
-
 def import_package(name: str) -> Any:
     """The tracker's package, or TrackerUnavailable when it cannot be imported."""
     module = TRACKERS[name]
@@ -47,16 +29,7 @@ def import_package(name: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise _unavailable(name, module, f" ({type(e).__name__}: {e})") from None
-
-
-def _unavailable(name: str, module: str, why: str = "") -> TrackerUnavailable:
-    import sys
-
-    return TrackerUnavailable(f"--tracker {name}: the {module} package is not installed in {sys.executable}{why}; "
-                              f"valid: --tracker {'|'.join(TRACKERS)} with each one's package installed. HINT: pip "
-                              f"install 'hpcjobs[{name}]' into the environment the ranks run in, or drop {name} from "
-                              "--tracker")
+        raise unavailable(name, module, f" ({type(e).__name__}: {e})") from None
 
 
 # --- RUN/tracker.json -------------------------------------------------------------------------------------------
