@@ -94,13 +94,19 @@ def test_the_probe_finds_the_node_side_ready(cluster_profile: Path, shared_tmp: 
 
 
 def test_the_probe_names_a_task_flag_the_nodes_would_refuse(cluster_profile: Path, shared_tmp: Path) -> None:
-    """The flags are the task's own (the submit side, which never imports the task, lets them pass): a rank on the
-    node reads them, and the job would have failed there only after its wait in the queue."""
-    code, result, found = probe(cluster_profile, "trainers.tasks.lm", "--size", "huge", "--steps", "10")
+    """What only the nodes know (the submit side checks the bundled task's flags, but not whether the nodes have
+    CUDA): a rank on the node reads them, and the job would have failed there only after its wait in the queue. A
+    flag the submit side can check is refused before any probe job (exit 2)."""
+    code, result, found = probe(cluster_profile, "trainers.tasks.lm", "--size", "7b", "--steps", "10")
     assert code == 1 and result["arguments"] == "fail" and result["probe"] == "pass", found
-    assert "would refuse --size huge --steps 10: trainers.tasks.lm: --size: invalid choice: 'huge'; valid: --size " \
-           "1b|7b|large|medium|small|tiny" in found["arguments"], found
+    assert "would refuse --size 7b --steps 10: trainers.tasks.lm: --size 7b needs GPUs" in found["arguments"], found
     assert "\n" not in found["arguments"]
+    before = queued()
+    out = hpcjobs("doctor", "--profile", str(cluster_profile), "--nodes", "2", "--gpus", "2", "--probe",
+                  "trainers.tasks.lm", "--size", "huge", "--steps", "10", cwd=REPO)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out
+    assert "--size: invalid choice: 'huge'; valid: --size 1b|7b|large|medium|small|tiny" in out.stderr
+    assert queued() == before
     code, result, found = probe(cluster_profile, "--sweep", "size=small,tiny", "trainers.tasks.lm", "--steps", "10")
     assert code == 0 and result["arguments"] == "pass", found  # each array task's flags: the entry's, then its point's
     assert "trainers.tasks.lm starts with each of its 2 points' flags on node" in found["arguments"], found
