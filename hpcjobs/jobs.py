@@ -163,11 +163,28 @@ def folder_record(path: str) -> JobRecord | None:
                      spec, run.path.stat().st_mtime)
 
 
+def _is_dir(path: str) -> bool:
+    """Whether `path` is a folder; False for a name the filesystem cannot hold (over NAME_MAX: `ls` says the same),
+    which is_dir raises for."""
+    try:
+        return Path(path).is_dir()
+    except OSError:
+        return False
+
+
+def _too_long(path: str) -> bool:
+    try:
+        Path(path).exists()
+    except OSError:
+        return True
+    return False
+
+
 def records_for(job_id: str, store: JobStore) -> list[JobRecord]:
     """The record of a job or of one array task (`ID_N`), or every task of an array's `ID`; or of the newest job
     of a run folder given instead (a path, or a folder here that holds a run)."""
-    if os.sep in job_id or Path(job_id).is_dir():
-        found = folder_record(job_id)
+    if os.sep in job_id or _is_dir(job_id):
+        found = None if _too_long(job_id) else folder_record(job_id)
         if found is not None:
             return [found]
         if os.sep in job_id:
