@@ -171,15 +171,19 @@ def refuse_own_flags_after_entry(argv: Sequence[str], ns: argparse.Namespace) ->
 
 
 def _spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False, snapshot: bool = True) -> Any:
+    from hpcjobs.backends import backend_for
     from hpcjobs.profiles import load_profile
     from hpcjobs.spec import Request, build_spec
 
     profile = load_profile(ns.profile)
+    backend = backend_for(profile.scheduler)
     req = Request(entry=ns.entry, args=tuple(ns.args), module=ns.module, nodes=ns.nodes, gpus=ns.gpus,
                   time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
                   run_dir=ns.run_dir, env=tuple(ns.env), sweep=tuple(ns.sweep), sweep_file=ns.sweep_file,
                   max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot)
-    return build_spec(profile, req, job_id_in_run_dir=job_id_in_run_dir)
+    spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
+    backend.check(spec)
+    return spec
 
 
 def refuse_array_patterns(spec: Any, command: str) -> None:
