@@ -13,8 +13,6 @@ MAX_FUNCTION_LINES = 60
 EXCEPTIONS = {
     "hpcjobs/cli.py": "every subcommand's parser and handler in one module; splitting it by subcommand into "
                       "hpcjobs/cli/ is issue #24 item 4, not done yet",
-    "hpcjobs/profiles.py": "the profile schema, its validation, the reference table and the lookup; the table is to "
-                           "move beside the trainer flags' (issue #24 item 4)",
 }
 
 
