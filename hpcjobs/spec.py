@@ -9,8 +9,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
-from hpcjobs.backends import backend_for
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.memfit import check_fits
@@ -27,6 +27,18 @@ from hpcjobs.taskcheck import check_task_flags
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
 _ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+
+
+class Capabilities(Protocol):
+    """What a spec needs to know of the scheduler's backend (every hpcjobs.backends.Backend has it): the caller
+    passes the backend in and runs its `check` on the spec, so the spec never looks a backend up itself."""
+
+    @property
+    def multi_node(self) -> bool: ...
+    @property
+    def requests_gpus(self) -> bool: ...
+    @property
+    def runs_setup(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,9 @@ class JobSpec:
     """The code snapshot the ranks run from (`workdir` is inside it); None: the working tree."""
     time_from: str = "--time"
     """Where the time limit came from, for an error about it: --time, or the profile's default_time."""
+    gpu_ranks: bool = True
+    """Whether a rank is a GPU the scheduler allocates (the backend requests GPUs and the profile does not turn
+    that off), or just a process: `world()` names them so."""
 
     @property
     def array(self) -> bool:
@@ -96,8 +111,7 @@ class JobSpec:
         return format_time(self.time_seconds)
 
     def world(self) -> str:
-        gpus = backend_for(self.profile.scheduler).requests_gpus and self.profile.gpu_request != "none"
-        unit = "GPU" if gpus else "rank"
+        unit = "GPU" if self.gpu_ranks else "rank"
         return (f"{self.nodes} node{'s' * (self.nodes != 1)} × {self.gpus_per_node} {unit}"
                 f"{'s' * (self.gpus_per_node != 1)} = {self.ranks} rank{'s' * (self.ranks != 1)}")
 
@@ -126,11 +140,11 @@ AFTER_SETUP = "python3"
 """The nodes' Python when the profile names none and has a setup: found on the node's PATH after the setup."""
 
 
-def node_python(profile: ClusterProfile) -> str:
+def node_python(profile: ClusterProfile, caps: Capabilities) -> str:
     """The Python the ranks run (ClusterProfile.python says which and why)."""
     if profile.python:
         return profile.python
-    return AFTER_SETUP if profile.setup and backend_for(profile.scheduler).runs_setup else sys.executable
+    return AFTER_SETUP if profile.setup and caps.runs_setup else sys.executable
 
 
 def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
@@ -244,17 +258,20 @@ def default_name(entry: Entry) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", base)[:64] or "job"
 
 
-def most_nodes(profile: ClusterProfile) -> int:
-    """The most nodes a job of this profile may ask for: its max_nodes, one where its scheduler runs on this
-    machine only, and hpcjobs' own limit otherwise."""
-    if not backend_for(profile.scheduler).multi_node:
-        return 1
+def node_limit(profile: ClusterProfile) -> int:
+    """The most nodes the profile allows: its max_nodes, and hpcjobs' own limit otherwise."""
     return min(profile.max_nodes or MAX_NODES, MAX_NODES)
 
 
-def _more_nodes_hint(profile: ClusterProfile, total: int) -> str:
+def most_nodes(profile: ClusterProfile, caps: Capabilities) -> int:
+    """The most nodes a job of this profile may ask for: its node_limit, or one where its scheduler runs on this
+    machine only."""
+    return node_limit(profile) if caps.multi_node else 1
+
+
+def _more_nodes_hint(profile: ClusterProfile, caps: Capabilities, total: int) -> str:
     """How to ask for `total` GPUs the way the profile allows, never a request it would refuse."""
-    per, most = profile.gpus_per_node, most_nodes(profile)
+    per, most = profile.gpus_per_node, most_nodes(profile, caps)
     need = -(-total // per)
     if need <= most:
         return f"--gpus is per node; for {total} GPUs in all ask for more nodes, e.g. --nodes {need} --gpus {per}."
@@ -262,14 +279,13 @@ def _more_nodes_hint(profile: ClusterProfile, total: int) -> str:
             f"{most * per} in all: e.g. --nodes {most} --gpus {per}.")
 
 
-def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = None,
-               stamp: str | None = None, job_id_in_run_dir: bool = False) -> JobSpec:
-    """Validate the request against the profile and freeze it. `stamp` makes the run folder unique."""
-    workdir = workdir or Path.cwd()
+def _gpus_per_node(profile: ClusterProfile, req: Request, caps: Capabilities) -> int:
+    """The request's nodes and GPUs per node, checked against the profile (a single-node scheduler refuses more
+    than one node in its own words: backend.check)."""
     where = f"profile {profile.name}"
     if req.nodes < 1:
         raise UsageError(f"--nodes {req.nodes}: valid: 1 or more.", "e.g. --nodes 2")
-    limit = min(profile.max_nodes or MAX_NODES, MAX_NODES)  # a single-node scheduler says its own (backend.check)
+    limit = node_limit(profile)
     if req.nodes > limit:
         raise UsageError(f"--nodes {req.nodes}: {where} allows at most {limit}.", f"ask for --nodes {limit} or fewer.")
     gpus = profile.gpus_per_node if req.gpus is None else req.gpus
@@ -277,11 +293,21 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
         raise UsageError(f"--gpus {gpus}: valid: 1 to {profile.gpus_per_node} (GPUs per node).", "e.g. --gpus 8")
     if gpus > profile.gpus_per_node:
         raise UsageError(f"--gpus {gpus} per node: nodes of {where} have {profile.gpus_per_node}; valid: 1 to "
-                         f"{profile.gpus_per_node}.", _more_nodes_hint(profile, gpus * req.nodes))
+                         f"{profile.gpus_per_node}.", _more_nodes_hint(profile, caps, gpus * req.nodes))
+    return gpus
+
+
+def _time_seconds(profile: ClusterProfile, req: Request) -> int:
     time_s = parse_time(req.time if req.time is not None else profile.default_time, "--time")
     if profile.max_time and time_s > parse_time(profile.max_time):
-        raise UsageError(f"--time {req.time}: {where} allows at most {profile.max_time}.",
+        raise UsageError(f"--time {req.time}: profile {profile.name} allows at most {profile.max_time}.",
                          f"ask for --time {profile.max_time} or less; the job requeues itself to go on longer.")
+    return time_s
+
+
+def _entry_and_points(profile: ClusterProfile, req: Request, caps: Capabilities, workdir: Path,
+                      gpus: int) -> tuple[Entry, tuple[Point, ...]]:
+    """The entry and the sweep's points; a task's arguments at each point checked as the node would check them."""
     entry = resolve_entry(req.entry, req.args, req.module, workdir)
     points = tuple(build_points(req.sweep, req.sweep_file, entry.args))
     _check_max_parallel(req.max_parallel, len(points))
@@ -290,17 +316,29 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
     if entry.kind == "task":
         for args in tasks_args(entry.args, points):
             check_trainer_args(args, req.nodes * gpus)
-            check_task_flags(entry.target, args, node_python(profile))
-            check_fits(profile, entry.target, args, req.nodes, gpus, most_nodes(profile))
+            check_task_flags(entry.target, args, node_python(profile, caps))
+            check_fits(profile, entry.target, args, req.nodes, gpus, most_nodes(profile, caps))
+    return entry, points
+
+
+def _job_name(req: Request, entry: Entry) -> str:
     name = req.name or default_name(entry)
     if not _NAME.fullmatch(name):
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                          "or digit.", "e.g. --name gpt-small")
+    return name
+
+
+def _job_env(profile: ClusterProfile, req: Request) -> dict[str, str]:
     given = _env_pairs(req.env)
     _check_env_names(given, "--env")  # the profile's env: checked when it was loaded
-    env = with_gloo_interface({**profile.env, **profile.nccl, **given})
-    stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
-    array = len(points) > 1
+    return with_gloo_interface({**profile.env, **profile.nccl, **given})
+
+
+def _run_dir(profile: ClusterProfile, req: Request, workdir: Path, name: str, stamp: str, points: int,
+             job_id_in_run_dir: bool) -> str:
+    """The run folder: --run-dir, or one named by the job under the profile's runs folder; checked."""
+    array = points > 1
     if req.run_dir:  # absolute, so status and logs find it from anywhere; a pattern (%j) is resolved later
         run_dir = str(resolved(workdir / os.path.expanduser(req.run_dir), "run folder", RUN_DIR_HINT))
     else:
@@ -310,21 +348,35 @@ def build_spec(profile: ClusterProfile, req: Request, *, workdir: Path | None = 
         run_dir = str(root / f"{name}-{stamp}{suffix}")
     _check_run_dir(run_dir)
     if array:
-        _check_array_run_dir(run_dir, len(points))
+        _check_array_run_dir(run_dir, points)
+    return run_dir
+
+
+def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, workdir: Path | None = None,
+               stamp: str | None = None, job_id_in_run_dir: bool = False) -> JobSpec:
+    """Validate the request against the profile and freeze it. `caps`: the profile's backend, whose own `check`
+    the caller runs on the spec. `stamp` makes the run folder unique."""
+    workdir = workdir or Path.cwd()
+    gpus = _gpus_per_node(profile, req, caps)
+    time_s = _time_seconds(profile, req)
+    entry, points = _entry_and_points(profile, req, caps, workdir, gpus)
+    name = _job_name(req, entry)
+    env = _job_env(profile, req)
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
+    run_dir = _run_dir(profile, req, workdir, name, stamp, len(points), job_id_in_run_dir)
     snapshot = plan(workdir, snapshot_root(run_dir)) if req.snapshot else None
     if snapshot is not None and entry.kind == "script":
         entry = replace(entry, target=snapshot.where(entry.target))
     for flag, value, example in (("--partition", req.partition, "gpu"), ("--account", req.account, "my-project"),
                                  ("--qos", req.qos, "normal")):
         _check_one_line(flag, value, f"e.g. {flag} {example}")
-    spec = JobSpec(
+    python = node_python(profile, caps)
+    return JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
         time_from="--time" if req.time is not None else f"the default_time of profile {profile.name}",
-        run_dir=run_dir, workdir=snapshot.where(str(workdir)) if snapshot else str(workdir),
-        python=node_python(profile),
-        python_fallback=sys.executable if node_python(profile) == AFTER_SETUP and not profile.python else None,
+        run_dir=run_dir, workdir=snapshot.where(str(workdir)) if snapshot else str(workdir), python=python,
+        python_fallback=sys.executable if python == AFTER_SETUP and not profile.python else None,
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
+        gpu_ranks=caps.requests_gpus and profile.gpu_request != "none",
     )
-    backend_for(profile.scheduler).check(spec)
-    return spec

@@ -256,7 +256,7 @@ def shipped_slurm_profiles() -> list[str]:
 def spec_for(profile: str, tmp_path: Path, **req: object):
     prof = replace(load_profile(str(REPO / "cluster_profiles" / f"{profile}.yaml")), runs_dir=str(tmp_path))
     return build_spec(prof, Request(entry="trainers.tasks.lm", nodes=2, gpus=8, time="4:00:00", **req),
-                      workdir=REPO)  # type: ignore[arg-type]
+                      backend_for(prof.scheduler), workdir=REPO)  # type: ignore[arg-type]
 
 
 def directives(text: str) -> list[str]:
@@ -311,7 +311,7 @@ def test_job_variables_are_cleaned_by_prefix() -> None:
 
 def test_local_ranks_never_inherit_an_outer_jobs_identity(tmp_path: Path) -> None:
     prof = replace(load_profile("local"), runs_dir=str(tmp_path))
-    spec = build_spec(prof, Request(entry="trainers.tasks.lm", gpus=2), workdir=REPO)
+    spec = build_spec(prof, Request(entry="trainers.tasks.lm", gpus=2), backend_for(prof.scheduler), workdir=REPO)
     envs = rank_envs(spec, "local-1", 12345, dict(OUTER_JOB))
     assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
     for env in envs:
@@ -454,9 +454,11 @@ def test_contract_round_trips_and_refuses_garbage() -> None:
 
 def test_local_backend_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     prof = replace(load_profile("local"), runs_dir=str(tmp_path))
+    local = backend_for("local")
     with pytest.raises(UsageError, match="valid: 1"):
-        build_spec(prof, Request(entry="trainers.tasks.lm", nodes=2), workdir=REPO)
-    spec = build_spec(prof, Request(entry="trainers.tasks.lm", gpus=2), workdir=REPO)
+        local.check(build_spec(prof, Request(entry="trainers.tasks.lm", nodes=2), local, workdir=REPO))
+    spec = build_spec(prof, Request(entry="trainers.tasks.lm", gpus=2), local, workdir=REPO)
+    local.check(spec)
     with pytest.raises(UsageError, match="no sbatch script"):
         backend_for("local").script(spec)
     assert "RANK=1 LOCAL_RANK=1 WORLD_SIZE=2" in backend_for("local").dry_run(spec).text

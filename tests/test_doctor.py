@@ -14,6 +14,7 @@ from subprocess import CompletedProcess
 import pytest
 
 from conftest import REPO, hpcjobs
+from hpcjobs.backends import backend_for
 from hpcjobs.backends import slurm_doctor as d
 from hpcjobs.doctor import Check, Result, exit_code, table
 from hpcjobs.profiles import load_profile
@@ -38,7 +39,8 @@ ASSOC = CompletedProcess([], 0, "root||normal|\n", "")
 
 def spec(gpus: int = 8, nodes: int = 2, time: str = "30:00", **profile: object) -> JobSpec:
     p = replace(load_profile(str(REPO / "cluster_profiles" / "testcluster.yaml")), **profile)
-    return build_spec(p, Request(entry="trainers.tasks.lm", nodes=nodes, gpus=gpus, time=time), workdir=REPO)
+    return build_spec(p, Request(entry="trainers.tasks.lm", nodes=nodes, gpus=gpus, time=time),
+                      backend_for(p.scheduler), workdir=REPO)
 
 
 def parts() -> dict[str, dict[str, str]]:
@@ -261,7 +263,7 @@ def arguments_row(s: JobSpec, report: dict[str, object]) -> tuple[Result, str, s
 def sweep_spec() -> JobSpec:
     p = load_profile(str(REPO / "cluster_profiles" / "testcluster.yaml"))
     return build_spec(p, Request(entry="trainers.tasks.lm", args=("--steps", "5"), nodes=1, gpus=1, time="5:00",
-                                 sweep=("size=small,tiny,medium",)), workdir=REPO)
+                                 sweep=("size=small,tiny,medium",)), backend_for(p.scheduler), workdir=REPO)
 
 
 def test_the_probe_checks_every_point_of_a_sweep() -> None:
@@ -344,7 +346,8 @@ def test_a_sweep_larger_than_one_argument_may_hold_reaches_the_node(tmp_path: Pa
     p = load_profile(str(REPO / "cluster_profiles" / "testcluster.yaml"))
     lrs = ",".join(f"{1e-4 + i * 1e-9:.9f}" for i in range(3000))
     s = build_spec(p, Request(entry="trainers.tasks.lm", args=("--steps", "1000", "--batch-size", "32"), nodes=1,
-                              gpus=1, time="5:00", sweep=(f"lr={lrs}",)), workdir=REPO)
+                              gpus=1, time="5:00", sweep=(f"lr={lrs}",)), backend_for(p.scheduler),
+                   workdir=REPO)
     python = stand_in_python(tmp_path, '[sys.argv[1:], len(ns["TASKS"]), ns["TASKS"][-1]]')
     out = report_step(s, tmp_path / "r.json", python, tmp_path)
     assert out.returncode == 0, out.stderr

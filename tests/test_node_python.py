@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from hpcjobs.backends import backend_for
 from hpcjobs.backends.slurm_render import python_lines, render_sbatch
 from hpcjobs.profiles import load_profile
 from hpcjobs.protocol.versions import TORCH_FLOOR
@@ -23,7 +24,8 @@ from trainers.versions import TorchTooOld, require_torch
 
 def spec_for(profile_name: str, **changes: object) -> JobSpec:
     profile = replace(load_profile(str(REPO / "cluster_profiles" / f"{profile_name}.yaml")), **changes)
-    return build_spec(profile, Request(entry="trainers.tasks.lm", nodes=1, gpus=1), workdir=REPO)
+    return build_spec(profile, Request(entry="trainers.tasks.lm", nodes=1, gpus=1), backend_for(profile.scheduler),
+                      workdir=REPO)
 
 
 def test_the_floor_in_pyproject_is_the_one_the_ranks_check() -> None:

@@ -18,13 +18,13 @@ import hpcjobs.profiles as profiles
 import test_bad_inputs
 from conftest import REPO, hpcjobs
 from hpcjobs.backends import SCHEDULERS
+from hpcjobs.profile_table import reference_table
 from hpcjobs.profiles import (
     MAX_ITEMS,
     MAX_STRING,
     ClusterProfile,
     load_profile,
     parse_profile,
-    reference_table,
 )
 from hpcjobs.protocol.contract import Preemption
 from hpcjobs.protocol.errors import ProfileError

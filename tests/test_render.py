@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from hpcjobs.backends import backend_for
 from hpcjobs.backends.slurm_render import render_sbatch, submitit_parameters, submitit_python
 from hpcjobs.profiles import load_profile
 from hpcjobs.render import launcher_argv, signal_guard
@@ -29,8 +30,8 @@ def fixed_spec(profile_name: str, **req: object):
     request = Request(entry="trainers.tasks.lm", args=("--size", "small", "--steps", "5000"), nodes=2, gpus=8,
                       snapshot=False,
                       time="4:00:00", **req)  # type: ignore[arg-type]
-    return build_spec(profile, request, workdir=Path("/work/proj"), stamp="20260101-000000-0001",
-                      job_id_in_run_dir=True)
+    return build_spec(profile, request, backend_for(profile.scheduler), workdir=Path("/work/proj"),
+                      stamp="20260101-000000-0001", job_id_in_run_dir=True)
 
 
 @pytest.mark.parametrize("profile", ["testcluster", "a100-ib", "h100"])

@@ -10,14 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
-EXCEPTIONS = {
-    "hpcjobs/cli.py": "every subcommand's parser and handler in one module; splitting it by subcommand into "
-                      "hpcjobs/cli/ is issue #24 item 4, not done yet",
-    "hpcjobs/profiles.py": "the profile schema, its validation, the reference table and the lookup; the table is to "
-                           "move beside the trainer flags' (issue #24 item 4)",
-    "hpcjobs/spec.py:build_spec": "the one place argv and profile become a JobSpec; it is to take the backend's "
-                                  "capabilities as an argument (issue #24 item 4), which also shortens it",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def oversized() -> dict[str, int]:

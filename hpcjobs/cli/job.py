@@ -1,0 +1,67 @@
+"""The job the flags of submit, render and doctor describe: the checked spec (the profile, the request, the
+backend's own check), the refusals that come before anything is made, and the entry's own help."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.helpflags import asks_help
+
+if TYPE_CHECKING:
+    from hpcjobs.backends import Backend
+    from hpcjobs.spec import JobSpec
+
+
+def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
+                 snapshot: bool = True) -> tuple[JobSpec, Backend]:
+    """The spec the flags ask for, checked by the profile's backend too, and that backend."""
+    from hpcjobs.backends import backend_for
+    from hpcjobs.profiles import load_profile
+    from hpcjobs.spec import Request, build_spec
+
+    profile = load_profile(ns.profile)
+    backend = backend_for(profile.scheduler)
+    req = Request(entry=ns.entry, args=tuple(ns.args), module=ns.module, nodes=ns.nodes, gpus=ns.gpus,
+                  time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
+                  run_dir=ns.run_dir, env=tuple(ns.env), sweep=tuple(ns.sweep), sweep_file=ns.sweep_file,
+                  max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot)
+    spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
+    backend.check(spec)
+    return spec, backend
+
+
+def refuse_array_patterns(spec: JobSpec, command: str) -> None:
+    """hpcjobs starts single jobs: a run folder's %A or %a (a job array's ids, for a rendered script run with
+    `sbatch --array`) has nothing to become, and resolving it failed only once the job was queued."""
+    from hpcjobs.protocol.runfolder import RunDirPatternError, resolve_run_dir
+
+    if spec.array:
+        return
+    try:
+        resolve_run_dir(spec.run_dir, {"SLURM_JOB_ID": "1", "HPCJOBS_JOB_ID": "1"})
+    except RunDirPatternError as e:
+        raise UsageError(f"{e}: hpcjobs {command} starts one job here, not a job array (only %j names it); "
+                         "nothing was submitted.", "use %j (e.g. --run-dir runs/x-%j), or sweep: --sweep KEY=V1,V2 "
+                         "makes an array, one task per point.") from None
+
+
+def entry_help(spec: JobSpec) -> int | None:
+    """`hpcjobs submit|render ... ENTRY --help` asks for the entry's flags: show them here (the shared trainer's and
+    the task's for a task, the script's own otherwise) and submit nothing. None when help was not asked for."""
+    if not asks_help(spec.entry.args):
+        return None
+    import subprocess
+
+    how = {"task": ["-m", "trainers", "help", spec.entry.target], "module": ["-m", spec.entry.target, "--help"],
+           "script": [spec.entry.target, "--help"]}[spec.entry.kind]
+    return subprocess.run([sys.executable, *how], cwd=spec.workdir).returncode
+
+
+def tasks_args(spec: JobSpec) -> list[tuple[str, ...]]:
+    """A task's arguments at each point of the job (one for a job that is not a sweep); [] for a script or module."""
+    from hpcjobs.sweep import tasks_args
+
+    return tasks_args(spec.entry.args, spec.points) if spec.entry.kind == "task" else []

@@ -1,0 +1,72 @@
+"""`hpcjobs submit` and `hpcjobs render`: the job the flags describe, submitted (or shown: --dry-run) or written as
+a standalone script."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpcjobs.cli import present
+from hpcjobs.cli.job import checked_spec, entry_help, refuse_array_patterns, tasks_args
+from hpcjobs.cli.parser import Parser, command_parser, option_strings
+from hpcjobs.protocol.helpflags import asks_help
+
+if TYPE_CHECKING:
+    from hpcjobs.cli.parser import Subparsers
+
+
+def add_submit(sub: Subparsers, common: Parser) -> None:
+    p = command_parser(sub, "submit", "Submit a training job (through submitit on Slurm; in the foreground for "
+                       "`local`).", parents=[common])
+    p.add_argument("--dry-run", action="store_true", help="print the spec and the script; submit nothing")
+    p.add_argument("--json", action="store_true", help="print a machine-readable record")
+    p.set_defaults(run=run_submit, own_flags=option_strings(p))
+
+
+def run_submit(ns: argparse.Namespace) -> int:
+    spec, backend = checked_spec(ns, snapshot=not asks_help(ns.args))  # the entry's help runs from the working tree
+    refuse_array_patterns(spec, "submit")
+    helped = entry_help(spec)
+    if helped is not None:
+        return helped
+    request = backend.dry_run(spec)
+    if ns.dry_run:
+        present.dry_run(spec, request, tasks_args(spec), ns.json)
+        return 0
+    from hpcjobs.submit import submit
+
+    if ns.json:  # stdout is for the record alone; a foreground job's own output goes to stderr
+        request = replace(request, params={**request.params, "stdout_to_stderr": True})
+    sub = submit(request)
+    present.submitted(spec, sub, ns.json)
+    return sub.returncode or 0
+
+
+def add_render(sub: Subparsers, common: Parser) -> None:
+    p = command_parser(sub, "render", "Write a standalone sbatch script for the same job (for people who run "
+                       "sbatch).", parents=[common])
+    p.add_argument("-o", "--output", help="write the script here (default: print it)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing -o file")
+    p.set_defaults(run=run_render, own_flags=option_strings(p))
+
+
+def run_render(ns: argparse.Namespace) -> int:
+    spec, backend = checked_spec(ns, job_id_in_run_dir=True, snapshot=not asks_help(ns.args))
+    helped = entry_help(spec)
+    if helped is not None:
+        return helped
+    script = backend.script(spec)
+    from hpcjobs.protocol.paths import refuse_output
+    from hpcjobs.submit import take_snapshot, write_script
+
+    if ns.output:
+        refuse_output(Path(ns.output), ns.force)  # before the snapshot: a refused render copies nothing
+    take_snapshot(spec)  # the script runs the code as it is now, however long it waits to be submitted
+    if not ns.output:
+        print(script.text, end="")
+        return 0
+    path = write_script(script, Path(ns.output), ns.force)
+    present.rendered(path, spec)
+    return 0
