@@ -8,26 +8,24 @@ builders never ask the cluster (no `sinfo` at submit time). Lookup order for a n
   4. the user config folder: $XDG_CONFIG_HOME/hpcjobs/profiles (default ~/.config/hpcjobs/profiles)
   5. the profiles shipped with hpcjobs
 
-The schema is the dataclass: each YAML key is a field of `ClusterProfile` (the `preemption:` mapping, a field of
-`Preemption`), its type, default and docstring are the key's, and its constraints sit in the field's metadata:
-  choices    the valid strings
-  min, max   inclusive bounds of a whole number
+The schema is the dataclass, as for the trainer's flags (hpcjobs.protocol.schema): each YAML key is a field of
+`ClusterProfile` (the `preemption:` mapping, a field of `Preemption`), its type, default and docstring are the key's,
+and its constraints sit in the field's metadata: `choices`, `min`, `max` and `shown` as hpcjobs.protocol.schema says,
+and the loader's own:
   parse      a Slurm notation parser (time, memory) called as parse(value, key); it raises UsageError
   prefixes   the names an environment mapping may use
   max_items  the most entries of a list or mapping (default MAX_ITEMS)
-  shown      the default as the reference table shows it, where the value itself says little (None)
   key        False for a field the loader fills in, never read from the file
+  sbatch     the sbatch flag the field is, passed as it is (see ClusterProfile)
 The validator and `reference_table()` (docs/reference/profiles.md's key table) are both read off the fields.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import difflib
 import functools
-import inspect
 import os
 import re
 import types
@@ -43,6 +41,7 @@ from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.protocol.contract import Preemption
 from hpcjobs.protocol.errors import ProfileError, UsageError, shown
 from hpcjobs.protocol.memplan import parse_gpu_memory
+from hpcjobs.protocol.schema import field_docs, shown_default, table
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
@@ -143,19 +142,6 @@ def _keys(cls: type) -> dict[str, dataclasses.Field[Any]]:
 @functools.cache
 def _types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string right under it), whitespace folded to single spaces."""
-    body = ast.parse(inspect.getsource(cls)).body[0]
-    assert isinstance(body, ast.ClassDef)
-    docs = {}
-    for a, b in zip(body.body, body.body[1:], strict=False):
-        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-            docs[a.target.id] = " ".join(b.value.value.split())
-    return docs
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -345,40 +331,29 @@ def parse_profile(data: Any, name: str, source: str) -> ClusterProfile:
 # --- the reference table -----------------------------------------------------------------------------------------
 
 
-def _shown_default(f: dataclasses.Field[Any]) -> str:
-    if "shown" in f.metadata:
-        return str(f.metadata["shown"])
-    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if value is None or isinstance(value, bool):
-        return {None: "none", True: "true", False: "false"}[value]
-    if isinstance(value, int):
-        return str(value)
-    return f"`{value}`" if isinstance(value, str) else f"`{list(value) if isinstance(value, tuple) else value}`"
-
-
 def _meaning(cls: type, f: dataclasses.Field[Any]) -> str:
-    doc = _field_docs(cls)[f.name]
+    doc = field_docs(cls)[f.name]
     if "min" in f.metadata or "max" in f.metadata:
         doc += f" Valid: {_int_valid(f.metadata.get('min'), f.metadata.get('max'))}."
     if "choices" in f.metadata:
         doc += f" Valid: one of {', '.join(f'`{c}`' for c in f.metadata['choices'])}."
-    return doc.replace("|", "\\|")
+    return doc
 
 
-def _rows(cls: type, prefix: str = "") -> list[str]:
+def _rows(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     rows = []
     for name, f in _keys(cls).items():
         tp = _types(cls)[name]
         if dataclasses.is_dataclass(tp):
             rows += _rows(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
         else:
-            rows.append(f"| `{prefix}{name}` | {_shown_default(f)} | {_meaning(cls, f)} |")
+            rows.append((f"`{prefix}{name}`", shown_default(f), _meaning(cls, f)))
     return rows
 
 
 def reference_table() -> str:
     """The Markdown table of every profile key (| key | default | meaning |), as docs/reference/profiles.md shows it."""
-    return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(ClusterProfile)]) + "\n"
+    return table(("key", "default", "meaning"), _rows(ClusterProfile))
 
 
 # --- lookup ---------------------------------------------------------------------------------------------------
