@@ -417,6 +417,11 @@ def test_every_trainer_flag_has_its_row_in_the_reference_table() -> None:
     assert "| switch | true | `--meta-init` or `--no-meta-init` |" in rows["--meta-init"]
 
 
+def test_the_docs_hold_exactly_the_trainer_flag_table() -> None:
+    page = (REPO / "docs" / "reference" / "trainer-flags.md").read_text()
+    assert f"\n\n{reference_table()}\n" in page, ("docs/reference/trainer-flags.md's table is stale: paste "
+                                                   "hpcjobs.protocol.trainflags.reference_table()")
+
 
 def test_trainer_flags_are_never_abbreviated_anywhere() -> None:
     from trainers.tasks import classifier, lm
