@@ -8,15 +8,15 @@ builders never ask the cluster (no `sinfo` at submit time). Lookup order for a n
   4. the user config folder: $XDG_CONFIG_HOME/hpcjobs/profiles (default ~/.config/hpcjobs/profiles)
   5. the profiles shipped with hpcjobs
 
-The schema is the dataclass: each YAML key is a field of `ClusterProfile` (the `preemption:` mapping, a field of
-`Preemption`), its type, default and docstring are the key's, and its constraints sit in the field's metadata:
-  choices    the valid strings
-  min, max   inclusive bounds of a whole number
+The schema is the dataclass, as for the trainer's flags (hpcjobs.protocol.schema): each YAML key is a field of
+`ClusterProfile` (the `preemption:` mapping, a field of `Preemption`), its type, default and docstring are the key's,
+and its constraints sit in the field's metadata: `choices`, `min`, `max` and `shown` as hpcjobs.protocol.schema says,
+and the loader's own:
   parse      a Slurm notation parser (time, memory) called as parse(value, key); it raises UsageError
   prefixes   the names an environment mapping may use
   max_items  the most entries of a list or mapping (default MAX_ITEMS)
-  shown      the default as the reference table shows it, where the value itself says little (None)
   key        False for a field the loader fills in, never read from the file
+  sbatch     the sbatch flag the field is, passed as it is (see ClusterProfile)
 The validator and `hpcjobs.profile_table.reference_table()` (docs/reference/profiles.md's key table) are both read
 off the fields.
 """

@@ -23,7 +23,7 @@ from hpcjobs.protocol.contract import ENV_VAR, LaunchContract, Preemption
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
 from hpcjobs.protocol.taskargs import TaskArgError
 from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import BOUNDS, ConfigError, parse_trainer_args
+from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, reference_table
 from trainers import preemption
 from trainers.jobenv import slurm as slurm_control
 
@@ -395,7 +395,32 @@ def test_task_defaults_sit_under_the_flags() -> None:
 
 def test_every_numeric_setting_has_a_range() -> None:
     numeric = {f.name for f in dataclasses.fields(TrainConfig) if f.type in ("int", "float")}
-    assert numeric == set(BOUNDS)
+    assert numeric == {f.name for f in dataclasses.fields(TrainConfig) if "min" in f.metadata}
+
+
+def test_every_schema_key_of_a_setting_is_one_the_parser_reads() -> None:
+    """A misspelt key (`choises`) would leave a flag unchecked without a word: only hpcjobs.protocol.schema's keys
+    that the trainer's flags read are allowed, and a hint or example for every flag that takes a value."""
+    known = {"choices", "multiple", "min", "max", "above", "note", "example", "hint", "shown"}
+    for f in dataclasses.fields(TrainConfig):
+        assert set(f.metadata) <= known, (f.name, set(f.metadata) - known)
+        assert f.type == "bool" or {"hint", "example"} & set(f.metadata), f.name
+        assert not f.metadata.get("multiple") or "choices" in f.metadata, f.name
+
+
+def test_every_trainer_flag_has_its_row_in_the_reference_table() -> None:
+    rows = {line.split(" | ")[0].strip("| `"): line for line in reference_table().splitlines()[2:]}
+    assert list(rows) == ["--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)]
+    assert rows["--steps"] == ("| `--steps` | whole number | 100 | N ≥ 1 | Optimizer steps to train in all (a resumed "
+                               "run continues up to this number). |")
+    assert "| X > 0 |" in rows["--lr"] and "| one of `auto`, `fp32`, `bf16`, `fp16` |" in rows["--precision"]
+    assert "| switch | true | `--meta-init` or `--no-meta-init` |" in rows["--meta-init"]
+
+
+def test_the_docs_hold_exactly_the_trainer_flag_table() -> None:
+    page = (REPO / "docs" / "reference" / "trainer-flags.md").read_text()
+    assert f"\n\n{reference_table()}\n" in page, ("docs/reference/trainer-flags.md's table is stale: paste "
+                                                   "hpcjobs.protocol.trainflags.reference_table()")
 
 
 def test_trainer_flags_are_never_abbreviated_anywhere() -> None:

@@ -1,12 +1,14 @@
-"""The shared trainer's settings: one dataclass, a docstring per field; its flags are derived from the fields
-(hpcjobs.protocol.trainflags). Shared: the ranks train with it, and the submit side checks a job's trainer flags
-with the same parser before anything is queued."""
+"""The shared trainer's settings: one dataclass whose fields carry their schema (hpcjobs.protocol.schema: what a
+setting does in its docstring; its bounds or choices and its error's HINT in its metadata). Its flags, their checks,
+`--help` and the table in docs/reference/trainer-flags.md are read off the fields (hpcjobs.protocol.trainflags).
+Shared: the ranks train with it, and the submit side checks a job's trainer flags with the same parser before
+anything is queued."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -19,45 +21,54 @@ TRACKERS: dict[str, str | None] = {"jsonl": None, "tensorboard": "tensorboard", 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
+    steps: int = field(default=100, metadata={"min": 1, "example": "1000"})
     """Optimizer steps to train in all (a resumed run continues up to this number)."""
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata={"min": 1, "example": "32"})
     """Samples per rank per optimizer step (per-GPU batch). Ignored when global_batch_size is set."""
-    global_batch_size: int = 0
+    global_batch_size: int = field(default=0, metadata={"min": 0, "note": "0: batch size × world size",
+                                                        "example": "256"})
     """Samples per optimizer step across all ranks (0: batch_size × world size). Must divide by the world size."""
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata={"min": 1, "example": "4"})
     """Micro-batches per optimizer step on each rank; gradients are only all-reduced on the last one (no_sync)."""
-    lr: float = 3e-4
+    lr: float = field(default=3e-4, metadata={"min": 0, "above": True, "example": "3e-4"})
     """Peak learning rate before scaling with the world size."""
-    lr_scaling: str = "none"
+    lr_scaling: str = field(default="none", metadata={
+        "choices": LR_SCALING,
+        "hint": "linear multiplies the LR by the world size, sqrt by its square root; none keeps it."})
     """How the LR grows with the world size: none, linear (lr × world) or sqrt (lr × √world). Logged at start."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata={"min": 0, "example": "100"})
     """Linear warmup steps, then cosine decay to min_lr_ratio × lr at `steps`."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata={"min": 0, "max": 1, "example": "0.1"})
     """Final LR as a fraction of the peak."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata={"min": 0, "example": "0.1"})
     """AdamW weight decay (on matrices only, not biases or norms)."""
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata={"min": 0, "note": "0: no clipping", "example": "1.0"})
     """Clip the gradient norm to this (0: no clipping)."""
-    precision: str = "auto"
+    precision: str = field(default="auto", metadata={
+        "choices": PRECISIONS,
+        "hint": "auto picks bf16 on GPUs that have it and fp32 elsewhere; fp16 adds a GradScaler."})
     """auto (bf16 on GPUs that have it, else fp32), fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."""
-    seed: int = 0
+    # The highest seed: torch's generators take < 2**64, and the sampler adds the epoch.
+    seed: int = field(default=0, metadata={"min": 0, "max": 2**63 - 1, "example": "0"})
     """Seed for weights, data order and dropout; each rank's RNG states are checkpointed for exact resume."""
-    log_every: int = 10
+    log_every: int = field(default=10, metadata={"min": 1, "example": "10"})
     """Steps between log lines, metrics.jsonl records and heartbeats (the only host-device syncs)."""
-    ckpt_every: int = 100
+    ckpt_every: int = field(default=100, metadata={"min": 0, "note": "0: only at the end and on a stop",
+                                                   "example": "100"})
     """Steps between periodic checkpoints (0: only at the end and on a stop request)."""
-    keep: int = 2
+    keep: int = field(default=2, metadata={"min": 2, "note": "the newest checkpoint is never the only copy",
+                                           "example": "2"})
     """Finished checkpoints to keep (at least 2)."""
     keep_best: bool = False
     """Also keep the checkpoint with the lowest val_loss (RUN/checkpoints/best.json names it; never pruned)."""
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata={"min": 0, "note": "0: never", "example": "100"})
     """Steps between evaluations of the task's validation set, all ranks' shards averaged (0: never)."""
-    stop_check_every: int = 0
+    stop_check_every: int = field(default=0, metadata={
+        "min": 0, "note": "0: about once a second, from the measured step time", "example": "1"})
     """Steps between the ranks' agreement on a stop request (one CPU all-reduce of one int, in the background: a stop
     takes effect at the check after the one that saw it). 0: about once a second of training, from the step time
     measured over this start's first steps (the slowest rank's; every rank checks at the same steps)."""
-    num_workers: int = 0
+    num_workers: int = field(default=0, metadata={"min": 0, "example": "4"})
     """DataLoader worker processes per rank, kept across epochs. With workers, each sample's randomness (data
     augmentation) is seeded from the seed, the epoch and its index, so results do not depend on how many workers
     there are or on where a resume began; without, it draws from the rank's checkpointed RNG (also exact, but other
@@ -68,7 +79,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (with fsdp: each block), off by default; the first steps take longer while it
     compiles."""
-    strategy: str = "ddp"
+    strategy: str = field(default="ddp", metadata={
+        "choices": STRATEGIES,
+        "hint": "fsdp shards a model that does not fit on one GPU; ddp is faster when it fits."})
     """ddp: every rank holds the whole model, gradients are all-reduced. fsdp: FSDP2 shards parameters, gradients and
     optimizer state over the ranks (each holds 1/world; a block's parameters are gathered while it runs): for models
     whose weights, gradients and AdamW state (~16 bytes/parameter) do not fit on one GPU."""
@@ -96,7 +109,9 @@ class TrainConfig:
     """Resume a checkpoint written by another number of ranks (or the other --strategy): weights, optimizer,
     scheduler and step exactly, the data position by samples consumed; per-rank RNG streams start anew. Without it
     such a resume is refused."""
-    tracker: str = "jsonl"
+    tracker: str = field(default="jsonl", metadata={
+        "choices": tuple(TRACKERS), "multiple": True,
+        "hint": "metrics.jsonl is always written; e.g. --tracker wandb,tensorboard logs to those as well."})
     """Where rank 0 logs the metrics: jsonl (RUN/metrics.jsonl, always written), tensorboard (RUN/tensorboard),
     wandb (RUN/wandb; offline unless W&B credentials or WANDB_MODE say otherwise), mlflow (MLFLOW_TRACKING_URI, else
     a file store in RUN/mlruns); several joined by commas (wandb,tensorboard). A requeued or resumed run goes on

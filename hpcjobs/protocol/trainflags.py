@@ -1,34 +1,25 @@
-"""The shared trainer's flags: their help text and the one parser both sides run (the ranks at start, `hpcjobs
-submit`/`render` before queueing), raising one line for a flag that cannot be used. Torch-free."""
+"""The shared trainer's flags: their help text, their reference table and the one parser both sides run (the ranks
+at start, `hpcjobs submit`/`render` before queueing), raising one line for a flag that cannot be used. All of it is
+read off TrainConfig's fields (hpcjobs.protocol.schema says how a field carries its schema). Torch-free."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpcjobs.protocol.trainconfig import LR_SCALING, PRECISIONS, STRATEGIES, TRACKERS, TrainConfig
-
-
-def _field_docs() -> dict[str, str]:
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for a, b in zip(body, body[1:], strict=False):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = str(b.value.value)  # type: ignore[union-attr]
-    return docs
+from hpcjobs.protocol.schema import field_docs, shown_default, table
+from hpcjobs.protocol.trainconfig import TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
     """The trainer's flags on an argparse parser, for their help text (`trainer_help`); parsing and checking them
     is `parse_trainer_args`."""
-    docs = _field_docs()
+    docs = field_docs(TrainConfig)
     defaults = defaults or {}
     for f in dataclasses.fields(TrainConfig):
         flag = _flag(f.name)
@@ -38,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | No
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
             continue
         kind = {"int": int, "float": float, "str": str}[str(f.type)]
-        parser.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=help_)
+        choices = None if f.metadata.get("multiple") else f.metadata.get("choices")
+        parser.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
 
 
 def trainer_help(defaults: dict[str, Any] | None = None) -> str:
@@ -48,33 +40,51 @@ def trainer_help(defaults: dict[str, Any] | None = None) -> str:
     return p.format_help()
 
 
+def reference_table() -> str:
+    """The Markdown table of every trainer flag (| flag | type | default | valid | meaning |), as
+    docs/reference/trainer-flags.md shows it."""
+    docs = field_docs(TrainConfig)
+    rows = [(f"`{_flag(f.name)}`", _kind(f.name), shown_default(f), _range(f.name), docs[f.name])
+            for f in dataclasses.fields(TrainConfig)]
+    return table(("flag", "type", "default", "valid", "meaning"), rows)
+
+
+def _kind(name: str) -> str:
+    meta = _meta(name)
+    if "choices" in meta:
+        return "choices" if meta.get("multiple") else "choice"
+    return {"int": "whole number", "float": "number", "bool": "switch", "str": "text"}[_fields()[name]]
+
+
+def _range(name: str) -> str:
+    """The valid values as the reference table shows them (the errors' `valid:` part says the same with the flag)."""
+    meta, bounds = _meta(name), _bounds(name)
+    if "choices" in meta:
+        some = "one or more" if meta.get("multiple") else "one"
+        return f"{some} of {', '.join(f'`{c}`' for c in meta['choices'])}" + (
+            ", joined by commas" if meta.get("multiple") else "")
+    if bounds is not None:
+        return bounds.describe(_letter(name))
+    return f"`{_flag(name)}` or `{_no_flag(name)}`" if _fields()[name] == "bool" else ""
+
+
 # --- parsing and checking the trainer's flags --------------------------------------------------------------------
 # Hand-written rather than argparse: the submit side calls it on a login node to refuse a bad flag before the job
 # waits in the queue, so it must raise (never exit or print), say what is valid, and pass every flag it does not know
 # to the task untouched and in order (argparse's parse_known_args also matches abbreviations: `--warmup 5` would
 # have become --warmup-steps).
 
-CHOICES: dict[str, tuple[str, ...]] = {"precision": PRECISIONS, "lr_scaling": LR_SCALING, "strategy": STRATEGIES}
-MULTI_CHOICES: dict[str, tuple[str, ...]] = {"tracker": tuple(TRACKERS)}
-"""Settings that take one or more of their choices, joined by commas."""
-CHOICE_HINTS = {
-    "precision": "auto picks bf16 on GPUs that have it and fp32 elsewhere; fp16 adds a GradScaler.",
-    "lr_scaling": "linear multiplies the LR by the world size, sqrt by its square root; none keeps it.",
-    "strategy": "fsdp shards a model that does not fit on one GPU; ddp is faster when it fits.",
-    "tracker": "metrics.jsonl is always written; e.g. --tracker wandb,tensorboard logs to those as well.",
-}
-
 
 @dataclass(frozen=True)
 class Bounds:
-    """The valid range of a numeric setting: from `low` (inclusive, or exclusive when `above`) up to `high`."""
+    """The valid range of a numeric setting: from `low` (inclusive, or exclusive when `above`) up to `high`; its
+    field's metadata `min`, `above`, `max` and `note` (hpcjobs.protocol.schema)."""
 
     low: float
     above: bool = False
     high: float | None = None
     note: str = ""
     """What a special value means, shown with the range (e.g. `0: never`)."""
-    example: str = ""
 
     def holds(self, value: float) -> bool:
         low_ok = value > self.low if self.above else value >= self.low
@@ -91,25 +101,12 @@ class Bounds:
         return text + (f" ({self.note})" if self.note else "")
 
 
-BOUNDS: dict[str, Bounds] = {
-    "steps": Bounds(1, example="1000"),
-    "batch_size": Bounds(1, example="32"),
-    "global_batch_size": Bounds(0, note="0: batch size × world size", example="256"),
-    "grad_accum": Bounds(1, example="4"),
-    "lr": Bounds(0, above=True, example="3e-4"),
-    "warmup_steps": Bounds(0, example="100"),
-    "min_lr_ratio": Bounds(0, high=1, example="0.1"),
-    "weight_decay": Bounds(0, example="0.1"),
-    "grad_clip": Bounds(0, note="0: no clipping", example="1.0"),
-    "seed": Bounds(0, high=2**63 - 1, example="0"),  # torch's generators take < 2**64, and the sampler adds the epoch
-    "log_every": Bounds(1, example="10"),
-    "ckpt_every": Bounds(0, note="0: only at the end and on a stop", example="100"),
-    "keep": Bounds(2, note="the newest checkpoint is never the only copy", example="2"),
-    "eval_every": Bounds(0, note="0: never", example="100"),
-    "stop_check_every": Bounds(0, note="0: about once a second, from the measured step time", example="1"),
-    "num_workers": Bounds(0, example="4"),
-}
-"""Every numeric setting's valid range; a test checks that no int or float field is missing here."""
+def _bounds(name: str) -> Bounds | None:
+    """A numeric setting's range (every int and float field has one: a test checks it); None for the others."""
+    meta = _meta(name)
+    if "min" not in meta:
+        return None
+    return Bounds(meta["min"], meta.get("above", False), meta.get("max"), meta.get("note", ""))
 
 
 class ConfigError(ValueError):
@@ -126,8 +123,22 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _no_flag(name: str) -> str:
+    return "--no-" + name.replace("_", "-")
+
+
 def _fields() -> dict[str, str]:
     return {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+
+
+@functools.cache
+def _meta(name: str) -> Mapping[str, Any]:
+    """A setting's schema: its field's metadata (hpcjobs.protocol.schema)."""
+    return {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}[name]
+
+
+def _letter(name: str) -> str:
+    return "N" if _fields()[name] == "int" else "X"
 
 
 def _flags() -> dict[str, tuple[str, bool | None]]:
@@ -136,7 +147,7 @@ def _flags() -> dict[str, tuple[str, bool | None]]:
     for name, kind in _fields().items():
         out[_flag(name)] = (name, True if kind == "bool" else None)
         if kind == "bool":
-            out["--no-" + name.replace("_", "-")] = (name, False)
+            out[_no_flag(name)] = (name, False)
     return out
 
 
@@ -153,33 +164,31 @@ def _quoted(text: str, quote: bool = True) -> str:
 
 def _valid(name: str) -> str:
     """The `valid:` part for a setting."""
-    kind, flag = _fields()[name], _flag(name)
-    if name in CHOICES:
-        return f"{flag} {'|'.join(CHOICES[name])}"
-    if name in MULTI_CHOICES:
-        return f"{flag} {'|'.join(MULTI_CHOICES[name])}, or several joined by commas"
-    if kind == "bool":
-        return f"{flag} or --no-{name.replace('_', '-')}, without a value"
-    letter = "N" if kind == "int" else "X"
-    return f"{flag} {letter} with {BOUNDS[name].describe(letter)}"
+    meta, flag, bounds = _meta(name), _flag(name), _bounds(name)
+    if "choices" in meta:
+        return f"{flag} {'|'.join(meta['choices'])}" + (", or several joined by commas" if meta.get("multiple") else "")
+    if _fields()[name] == "bool":
+        return f"{flag} or {_no_flag(name)}, without a value"
+    assert bounds is not None, f"{name} has no `min` in its metadata"
+    return f"{flag} {_letter(name)} with {bounds.describe(_letter(name))}"
 
 
 def _hint(name: str) -> str:
-    if name in CHOICE_HINTS:
-        return CHOICE_HINTS[name]
-    example = BOUNDS[name].example if name in BOUNDS else ""
-    return f"e.g. {_flag(name)} {example}".rstrip()
+    meta = _meta(name)
+    if "hint" in meta:
+        return str(meta["hint"])
+    return f"e.g. {_flag(name)} {meta.get('example', '')}".rstrip()
 
 
 def _convert(name: str, text: str) -> Any:
     """A flag's text as the setting's value; raises ConfigError for a value of the wrong kind."""
-    kind, flag = _fields()[name], _flag(name)
-    if name in CHOICES:
-        if text not in CHOICES[name]:
+    kind, flag, meta = _fields()[name], _flag(name), _meta(name)
+    if meta.get("multiple"):
+        return _convert_multi(name, text)
+    if "choices" in meta:
+        if text not in meta["choices"]:
             raise _error(f"{flag} {_quoted(text)} is not a choice", _valid(name), _hint(name))
         return text
-    if name in MULTI_CHOICES:
-        return _convert_multi(name, text)
     try:
         value = int(text) if kind == "int" else float(text)
     except ValueError:
@@ -198,7 +207,7 @@ def _convert_multi(name: str, text: str) -> str:
     flag, words = _flag(name), [w.strip() for w in text.split(",") if w.strip()]
     if not words:
         raise _error(f"{flag} {_quoted(text)} names none", _valid(name), _hint(name))
-    wrong = [w for w in words if w not in MULTI_CHOICES[name]]
+    wrong = [w for w in words if w not in _meta(name)["choices"]]
     if wrong:
         what = ", ".join(repr(w) for w in wrong)
         raise _error(f"{flag} {_quoted(text)}: {what} {'is not a choice' if len(wrong) == 1 else 'are not choices'}",
@@ -207,7 +216,7 @@ def _convert_multi(name: str, text: str) -> str:
 
 
 def _check_range(name: str, value: Any, given: str) -> None:
-    bounds = BOUNDS.get(name)
+    bounds = _bounds(name)
     if bounds is not None and not bounds.holds(value):
         side = "too large" if bounds.high is not None and value > bounds.high else "too small"
         raise _error(f"{given} is {side}", _valid(name), _hint(name))
