@@ -198,6 +198,17 @@ def records_for(job_id: str, store: JobStore) -> list[JobRecord]:
     return [find(job_id, store)]
 
 
+def job_state(job_id: str, store: JobStore) -> tuple[JobState, str]:
+    """A job's state and scheduler, for a job that waits for it (hpcjobs.after); an array's id is all its tasks:
+    running while one is, COMPLETED once all are, else the first other end. UsageError for an unknown job."""
+    states = [(status_of(r).state, r.scheduler) for r in records_for(job_id, store)]
+    scheduler = states[0][1]
+    pending = [s for s, _ in states if not s.finished]
+    if pending:
+        return pending[0], scheduler
+    return next((s for s, _ in states if s is not JobState.COMPLETED), JobState.COMPLETED), scheduler
+
+
 def lookup(job_id: str) -> JobRecord | None:
     for name in SCHEDULERS:
         found = backend_for(name).lookup(job_id)

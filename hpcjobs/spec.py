@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+from hpcjobs.after import After, parse_all
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.memfit import check_fits
@@ -63,6 +64,8 @@ class Request:
     max_parallel: int | None = None
     snapshot: bool = True
     """Run from a code snapshot (hpcjobs.snapshot) instead of the working tree."""
+    after: tuple[str, ...] = ()
+    """`--after ID[:ok|any|notok]` flags: the jobs this one waits for (hpcjobs.after)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class JobSpec:
     gpu_ranks: bool = True
     """Whether a rank is a GPU the scheduler allocates (the backend requests GPUs and the profile does not turn
     that off), or just a process: `world()` names them so."""
+    after: tuple[After, ...] = ()
+    """The jobs this one waits for, and on what (hpcjobs.after): Slurm's --dependency."""
 
     @property
     def array(self) -> bool:
@@ -133,6 +138,7 @@ class JobSpec:
             "array_task": task, "array_size": len(self.points) if self.array else None,
             "max_parallel": self.max_parallel,
             "snapshot": self.snapshot.as_dict() if self.snapshot else None,
+            **({"after": [str(a) for a in self.after]} if self.after else {}),  # only then: spec.json as it was
         }
 
 
@@ -378,5 +384,5 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
         python_fallback=sys.executable if python == AFTER_SETUP and not profile.python else None,
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
-        gpu_ranks=caps.requests_gpus and profile.gpu_request != "none",
+        gpu_ranks=caps.requests_gpus and profile.gpu_request != "none", after=parse_all(req.after),
     )

@@ -9,6 +9,7 @@ trainers.standby), as Ctrl-C stops it anywhere. The job then exits as an interru
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import signal
@@ -41,8 +42,14 @@ JOB_ID_PLACEHOLDER = "local-<id>"
 """How a dry run names the job id that only a real run gets."""
 
 
+_ids = itertools.count()
+
+
 def local_job_id() -> str:
-    return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
+    """The time, the submitting process and its count of jobs: one process submits several in the same second (a
+    chain's steps), and each must be a job of its own in the store."""
+    n = next(_ids)
+    return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}" + (f"-{n}" if n else "")
 
 
 def next_restart(run: RunFolder) -> int:

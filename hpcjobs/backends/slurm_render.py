@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 
 from hpcjobs import __version__
+from hpcjobs.after import dependency
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.protocol.points import array_spec
 from hpcjobs.protocol.ports import shell_port_expr
@@ -67,6 +68,9 @@ def slurm_flags(spec: JobSpec) -> dict[str, Any]:
     flags["comment"] = job_comment(spec.run_dir)
     if spec.array:  # a sweep: one array task per point, each requeued alone (it has its own SLURM_JOB_ID)
         flags["array"] = array_spec(len(spec.points), spec.max_parallel)
+    if spec.after:  # Slurm cancels a dependent whose upstream ended so that it can never start (hpcjobs.after)
+        flags["dependency"] = dependency(spec.after)
+        flags["kill-on-invalid-dep"] = "yes"
     return {k: v for k, v in flags.items() if v is not None}
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hpcjobs import __version__
+from hpcjobs.cli.chain import asks_chain, run_chain
 from hpcjobs.cli.cluster import add_doctor, add_profiles
 from hpcjobs.cli.parser import EXAMPLES, Parser, job_flags, refuse_own_flags_after_entry, unrecognized
 from hpcjobs.cli.runs import add_compare, add_export, add_goodput
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if asks_chain(argv):  # `submit --chain FILE`: no profile or entry of its own (hpcjobs/cli/chain.py)
+        return guarded("submit", lambda: run_chain(argv))
     parser = build_parser()
     ns, extras = parser.parse_known_args(argv)
     if extras:
@@ -52,14 +55,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(ns, "run", None):
         parser.print_help()
         return 2
-    try:
+
+    def run() -> int:
         if getattr(ns, "own_flags", None):
             refuse_own_flags_after_entry(argv, ns)
-        code = int(ns.run(ns))
+        return int(ns.run(ns))
+
+    return guarded(ns.command, run)
+
+
+def guarded(command: str, run: Callable[[], int]) -> int:
+    """The one error boundary: an hpcjobs error as one line and its exit code, Ctrl-C as 130, a reader of stdout
+    that left as a quiet SIGPIPE exit."""
+    try:
+        code = run()
         sys.stdout.flush()  # here, not at exit: a reader that left (`| head -1`) is then caught below
         return code
     except HpcjobsError as e:
-        print(f"hpcjobs {ns.command}: error: {e.one_line()}", file=sys.stderr)
+        print(f"hpcjobs {command}: error: {e.one_line()}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -27,7 +27,9 @@ EXAMPLES = {
   hpcjobs submit --profile local --gpus 2 trainers.tasks.lm --steps 50                     # this machine
   hpcjobs submit --profile mycluster --nodes 2 --gpus 8 --dry-run trainers.tasks.lm        # show, submit nothing
   hpcjobs submit --profile mycluster --sweep lr=1e-3,3e-4 --sweep seed=1,2,3 --max-parallel 2 trainers.tasks.lm
-                                                          # a 6-point grid: one array task (and run folder) each""",
+                                                          # a 6-point grid: one array task (and run folder) each
+  hpcjobs submit --profile mycluster --after 1234 -m mypkg.evaluate     # starts once job 1234 COMPLETED
+  hpcjobs submit --chain chain.yaml                         # train -> eval -> export, queued at once""",
     "doctor": """examples:
   hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --time 4:00:00    # ✓/✗ per check, exit 0 if none failed
   hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --json trainers.tasks.lm --size small""",
@@ -131,6 +133,9 @@ def job_flags(entry_optional: bool = False) -> Parser:
     p.add_argument("--sweep-file", metavar="YAML", help="the sweep's points from a file: `grid:` (a mapping of "
                    "lists) and/or `points:` (a list of mappings)")
     p.add_argument("--max-parallel", type=whole_number, metavar="K", help="a sweep's most tasks running at once")
+    p.add_argument("--after", action="append", default=[], metavar="ID[:ok|any|notok]",
+                   help="start once job ID ended: COMPLETED (ok, the default), in any way (any), or badly (notok); "
+                        "repeat to wait for several. A requeue is not an end: the wait goes on through it")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="run from the working tree instead of a copy of the project's code taken at submission "
                         "(the copy is what every restart runs, whatever is edited after)")

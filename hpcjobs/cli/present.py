@@ -15,11 +15,13 @@ import yaml
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from hpcjobs.after import After
     from hpcjobs.backends import SubmitRequest, Submitted
     from hpcjobs.compare import Row
     from hpcjobs.doctor import Check
     from hpcjobs.goodput import Goodput
     from hpcjobs.jobs import JobStatus
+    from hpcjobs.protocol.states import JobState
     from hpcjobs.spec import JobSpec
 
 
@@ -131,6 +133,27 @@ def submitted(spec: JobSpec, sub: Submitted, as_json: bool) -> None:
             print(ended_line(done))
 
 
+def chain_planned(rows: Sequence[tuple[str, str, str, list[str]]], as_json: bool) -> None:
+    """A chain's dry run: each step (name, entry, world, what it waits for) in the order it would be queued."""
+    if as_json:
+        print_json({"steps": [{"step": n, "entry": e, "world": w, "after": a} for n, e, w, a in rows]})
+        return
+    for name, entry, world, after in rows:
+        print(f"step {name}: {entry} on {world}" + (f", after {', '.join(after)}" if after else ""))
+
+
+def chain_submitted(ids: Mapping[str, str | None], as_json: bool) -> None:
+    """Each step's job id (None: not started)."""
+    if as_json:
+        print_json({"steps": [{"step": name, "job_id": job} for name, job in ids.items()]})
+        return
+    for name, job in ids.items():
+        print(f"step {name}: {'job ' + job if job else 'not started'}")
+    started = [job for job in ids.values() if job]
+    if started:
+        print(f"  follow: hpcjobs status {started[-1]}  (each step's `after:` row says what it waits for)")
+
+
 def rendered(path: Path, spec: JobSpec) -> None:
     print(f"Wrote {path} ({spec.world()}); submit it with: sbatch {path}", file=sys.stderr)
 
@@ -142,7 +165,18 @@ def yaml_text(mapping: Mapping[str, object]) -> None:
 
 # --- status / list ------------------------------------------------------------------------------------------------
 
-def status(st: JobStatus, goodput: Goodput | None) -> None:
+def waits_for(st: JobStatus, after: Sequence[tuple[After, JobState]]) -> str:
+    """The `after` row: each upstream job, its condition and state, and what that means for this job."""
+    parts = []
+    for a, state in after:
+        met = a.met_by(state)
+        what = ("met" if met else "never met: this job will not start" if met is False and not st.state.finished
+                else "not met" if met is False else "waiting for it to end")
+        parts.append(f"{a.job_id} ({a.condition}): {state}, {what}")
+    return "; ".join(parts)
+
+
+def status(st: JobStatus, goodput: Goodput | None, after: Sequence[tuple[After, JobState]] = ()) -> None:
     """One job's status, a row per fact."""
     from hpcjobs.goodput_report import status_line
 
@@ -158,6 +192,8 @@ def status(st: JobStatus, goodput: Goodput | None) -> None:
         rows.insert(4, ("its log", "\n".join([str(st.failure_log), *(f"{'':13}| {line}" for line in st.failure_tail)])))
     if goodput:
         rows.insert(-2, ("goodput", status_line(goodput)))
+    if after:
+        rows.insert(2, ("after", waits_for(st, after)))
     if st.nccl_traces:
         rows.append(("nccl trace", f"{st.nccl_traces} (NCCL's flight recorder: which rank stopped in which "
                                    "collective; torchfrtrace reads it)"))

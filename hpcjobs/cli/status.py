@@ -11,8 +11,10 @@ from hpcjobs.cli.parser import Parser, command_parser, job_state, limit
 from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
+    from hpcjobs.after import After
     from hpcjobs.cli.parser import Subparsers
-    from hpcjobs.store import JobRecord
+    from hpcjobs.protocol.states import JobState
+    from hpcjobs.store import JobRecord, JobStore
 
 
 def add_status(sub: Subparsers, common: Parser) -> None:
@@ -43,11 +45,31 @@ def run_status(ns: argparse.Namespace) -> int:
         return 0
     st = status_of(records[0])
     goodput = job_goodput(records[0], st.state, store)
+    after = upstream_states(records[0], store)
     if ns.json:
-        present.print_json({**st.as_dict(), "goodput": goodput.as_dict() if goodput else None})
+        present.print_json({**st.as_dict(), "goodput": goodput.as_dict() if goodput else None,
+                            "after": [{"job_id": a.job_id, "condition": a.condition, "state": str(state)}
+                                      for a, state in after]})
     else:
-        present.status(st, goodput)
+        present.status(st, goodput, after)
     return 0
+
+
+def upstream_states(rec: JobRecord, store: JobStore) -> list[tuple[After, JobState]]:
+    """The jobs `rec` waits for (--after, recorded in its spec), each with its state now (UNKNOWN: not found)."""
+    from hpcjobs.after import parse_after
+    from hpcjobs.jobs import job_state
+    from hpcjobs.protocol.states import JobState
+
+    found = []
+    for text in rec.spec.get("after") or []:
+        a = parse_after(str(text))
+        try:
+            state, _ = job_state(a.job_id, store)
+        except UsageError:
+            state = JobState.UNKNOWN
+        found.append((a, state))
+    return found
 
 
 def add_list(sub: Subparsers, common: Parser) -> None:

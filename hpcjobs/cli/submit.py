@@ -15,6 +15,7 @@ from hpcjobs.protocol.helpflags import asks_help
 
 if TYPE_CHECKING:
     from hpcjobs.cli.parser import Subparsers
+    from hpcjobs.spec import JobSpec
 
 
 def add_submit(sub: Subparsers, common: Parser) -> None:
@@ -37,11 +38,29 @@ def run_submit(ns: argparse.Namespace) -> int:
         return 0
     from hpcjobs.submit import submit
 
+    if spec.after:
+        wait_for(spec, backend.queued)
     if ns.json:  # stdout is for the record alone; a foreground job's own output goes to stderr
         request = replace(request, params={**request.params, "stdout_to_stderr": True})
     sub = submit(request)
     present.submitted(spec, sub, ns.json)
     return sub.returncode or 0
+
+
+def wait_for(spec: JobSpec, queued: bool) -> None:
+    """The jobs --after names, checked before anything is queued (hpcjobs.after); a foreground (local) job then
+    waits here for them to end, as Slurm holds a queued one."""
+    import sys
+
+    from hpcjobs.after import check_upstream, wait_for_upstream
+    from hpcjobs.jobs import job_state
+    from hpcjobs.store import JobStore
+
+    store = JobStore()
+    check_upstream(spec.after, spec.profile.scheduler, lambda job: job_state(job, store))
+    if not queued:
+        wait_for_upstream(spec.after, lambda job: job_state(job, store),
+                          lambda line: print(f"hpcjobs: {line}", file=sys.stderr, flush=True))
 
 
 def add_render(sub: Subparsers, common: Parser) -> None:
