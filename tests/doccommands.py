@@ -49,9 +49,9 @@ def doc_commands() -> dict[str, list[str]]:
     return found
 
 
-def python_block(first_line: str) -> str:
-    """The one Python block of the docs that starts with `first_line` (e.g. "# mytask.py")."""
-    blocks = {body for page in pages() for lang, body in FENCE.findall(page.read_text())
-              if lang == "python" and body.startswith(first_line)}
-    assert len(blocks) == 1, f"{len(blocks)} different Python blocks start with {first_line!r} in the docs"
+def python_block(first_line: str, lang: str = "python") -> str:
+    """The one block of the docs in `lang` that starts with `first_line` (e.g. "# mytask.py")."""
+    blocks = {body for page in pages() for fence, body in FENCE.findall(page.read_text())
+              if fence == lang and body.startswith(first_line)}
+    assert len(blocks) == 1, f"{len(blocks)} different {lang} blocks start with {first_line!r} in the docs"
     return blocks.pop()

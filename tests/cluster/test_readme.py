@@ -186,3 +186,28 @@ def test_sweep_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     total = json.loads(user.run("hpcjobs goodput 4242 --json").stdout)["total"]
     # --json rounds each of the 8 buckets and the wall to 1 ms: their sum may be off by up to 4.5 ms
     assert abs(sum(total["buckets_s"].values()) - total["wall_s"]) < 5e-3 and 0 < total["ettr"] < 1, total
+
+
+def test_chain_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
+    """The docs' chain (docs/how-to/chains.md): checked, queued at once, eval after train, then one more by hand."""
+    user = User(tmp_path)
+    (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
+    user.edit_mysite(shared_tmp / "runs")
+    (user.cwd / "chain.yaml").write_text(python_block("# chain.yaml", lang="yaml"))
+    (user.cwd / "train.py").write_text(STAND_IN)
+    (user.cwd / "mypkg").mkdir()
+    (user.cwd / "mypkg" / "__init__.py").write_text("")
+    (user.cwd / "mypkg" / "train.py").write_text(STAND_IN)
+    planned = user.run("hpcjobs submit --chain chain.yaml --dry-run").stdout
+    assert "step train: trainers.tasks.lm" in planned and "step eval: " in planned and "after train:ok" in planned
+    out = user.run("hpcjobs submit --chain chain.yaml").stdout
+    train = re.search(r"step train: job (\d+)", out)
+    evaluation = re.search(r"step eval: job (\d+)", out)
+    assert train and evaluation, out
+    user.job = evaluation.group(1)
+    assert "(ok): " in user.run("hpcjobs status 4242").stdout
+    assert wait_for_state(train.group(1), DONE, timeout=600) == "COMPLETED"
+    assert wait_for_state(user.job, DONE, timeout=300) == "COMPLETED"
+    assert f"after:       {train.group(1)} (ok): COMPLETED, met" in user.run("hpcjobs status 4242").stdout
+    last = job_id(user.run("hpcjobs submit --profile mysite --after 4242 -m mypkg.train"))
+    assert wait_for_state(last, DONE, timeout=300) == "COMPLETED"
