@@ -81,7 +81,7 @@ StateOf = Callable[[str], tuple[JobState, str]]
 """A job id → its state and the scheduler that runs it; raises UsageError for a job hpcjobs does not know."""
 
 
-def check_upstream(afters: tuple[After, ...], scheduler: str, state_of: StateOf) -> None:
+def check_upstream(afters: tuple[After, ...], runs_on: str, state_of: StateOf) -> None:
     """Refuse, before anything is queued, a dependency on a job hpcjobs does not know, on a job of another
     scheduler (Slurm cannot wait for a local job, nor a local job for Slurm's), or on a job that already ended in a
     way that means the dependent would never start."""
@@ -90,8 +90,8 @@ def check_upstream(afters: tuple[After, ...], scheduler: str, state_of: StateOf)
             state, where = state_of(a.job_id)
         except UsageError as e:
             raise UsageError(f"--after {a}: {e.message.rstrip('.')}", "name a job `hpcjobs list` shows") from None
-        if where != scheduler:
-            raise UsageError(f"--after {a}: job {a.job_id} runs on {where} and this job on {scheduler}; valid: a job "
+        if where != runs_on:  # two schedulers' names compared, none singled out
+            raise UsageError(f"--after {a}: job {a.job_id} runs on {where} and this job on {runs_on}; valid: a job "
                              f"of the same scheduler", "submit both with profiles of the same cluster")
         if a.met_by(state) is False:
             raise UsageError(f"--after {a}: job {a.job_id} already ended {state}, so this job would never start; "

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if asks_chain(argv):  # `submit --chain FILE`: no profile or entry of its own (hpcjobs/cli/chain.py)
-        return guarded("submit", lambda: run_chain(argv))
+        return guarded("submit", lambda: run_chain(argv, build_parser))
     parser = build_parser()
     ns, extras = parser.parse_known_args(argv)
     if extras:

@@ -5,8 +5,9 @@ other in the foreground, and a step whose upstream ended the wrong way is not st
 
 from __future__ import annotations
 
+import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,12 +43,13 @@ def chain_parser() -> Parser:
     return p
 
 
-def run_chain(argv: Sequence[str]) -> int:
+def run_chain(argv: Sequence[str], parser: Callable[[], argparse.ArgumentParser]) -> int:
+    """`parser` makes the whole command line's parser (hpcjobs.cli.build_parser), which reads each step."""
     from hpcjobs.chainfile import read_chain
 
     ns = chain_parser().parse_args(list(argv)[1:])
     steps = read_chain(Path(ns.chain))
-    specs = {s.name: step_spec(s) for s in steps}  # every step checked before the first is queued
+    specs = {s.name: step_spec(s, parser()) for s in steps}  # every step checked before the first is queued
     schedulers = {spec.profile.scheduler for spec, _ in specs.values()}
     if len(schedulers) > 1:
         raise UsageError(f"--chain {ns.chain}: steps on {' and '.join(sorted(schedulers))}; valid: every step on one "
@@ -62,15 +64,13 @@ def run_chain(argv: Sequence[str]) -> int:
     return 0 if all(v is not None for v in ids.values()) else 1
 
 
-def step_spec(step: Step) -> tuple[JobSpec, Backend]:
+def step_spec(step: Step, parser: argparse.ArgumentParser) -> tuple[JobSpec, Backend]:
     """A step's spec, as `hpcjobs submit STEP'S ARGUMENTS` would check it."""
-    from hpcjobs.cli import build_parser
     from hpcjobs.cli.job import checked_spec, refuse_array_patterns
     from hpcjobs.cli.parser import refuse_own_flags_after_entry
 
     argv = ["submit", *step.argv]
     try:
-        parser = build_parser()
         ns, extras = parser.parse_known_args(argv)
         if extras:
             raise UsageError(f"unrecognized arguments: {' '.join(extras)}", "hpcjobs submit --help shows the flags")
