@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hpcjobs.backends.environment import RENDEZVOUS
+from hpcjobs.container import Image, resolve
 from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
@@ -63,6 +64,8 @@ class Request:
     max_parallel: int | None = None
     snapshot: bool = True
     """Run from a code snapshot (hpcjobs.snapshot) instead of the working tree."""
+    container: str | None = None
+    """`--container IMAGE`: the image instead of the profile's container.image."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class JobSpec:
     gpu_ranks: bool = True
     """Whether a rank is a GPU the scheduler allocates (the backend requests GPUs and the profile does not turn
     that off), or just a process: `world()` names them so."""
+    container: Image | None = None
+    """The image every rank runs in (hpcjobs.container); None: the node's own system."""
 
     @property
     def array(self) -> bool:
@@ -133,6 +138,7 @@ class JobSpec:
             "array_task": task, "array_size": len(self.points) if self.array else None,
             "max_parallel": self.max_parallel,
             "snapshot": self.snapshot.as_dict() if self.snapshot else None,
+            "container": self.container.as_dict() if self.container else None,
         }
 
 
@@ -141,10 +147,10 @@ AFTER_SETUP = "python3"
 
 
 def node_python(profile: ClusterProfile, caps: Capabilities) -> str:
-    """The Python the ranks run (ClusterProfile.python says which and why)."""
+    """The Python the ranks run (ClusterProfile.python says which and why); in an image, its own `python3`."""
     if profile.python:
         return profile.python
-    return AFTER_SETUP if profile.setup and caps.runs_setup else sys.executable
+    return AFTER_SETUP if (profile.setup and caps.runs_setup) or profile.container.enabled else sys.executable
 
 
 def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
@@ -371,11 +377,13 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
                                  ("--qos", req.qos, "normal")):
         _check_one_line(flag, value, f"e.g. {flag} {example}")
     python = node_python(profile, caps)
+    where = snapshot.where(str(workdir)) if snapshot else str(workdir)
+    image = resolve(profile.container, req.container, gpus, [str(snapshot_root(run_dir)), where], where)
     return JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
         time_from="--time" if req.time is not None else f"the default_time of profile {profile.name}",
-        run_dir=run_dir, workdir=snapshot.where(str(workdir)) if snapshot else str(workdir), python=python,
-        python_fallback=sys.executable if python == AFTER_SETUP and not profile.python else None,
+        run_dir=run_dir, workdir=where, python=python, container=image,
+        python_fallback=sys.executable if python == AFTER_SETUP and not profile.python and not image else None,
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
         gpu_ranks=caps.requests_gpus and profile.gpu_request != "none",
