@@ -190,13 +190,15 @@ def test_golden_container_script(runtime: str, monkeypatch: pytest.MonkeyPatch) 
 
 STUBS = """
 srun() {
-  printf '%s\\0' "$@" > "$T/srun.argv"; [ -z "$ASK" ] || printf '%s' "$ASK" > "$HPCJOBS_REQUEUE_FILE"; return "$RC"
+  printf '%s\\0' "$@" > "$T/srun.argv"; [ -z "$ASK" ] || printf '%s' "$ASK" > "$HPCJOBS_REQUEUE_FILE"
+  [ -z "$SIGTERM" ] || kill -TERM $$  # Slurm's SIGTERM reaches the batch shell too
+  return "$RC"
 }
 ch-run() { printf '%s\\0' "$@" > "$T/check.argv"; return "$CHECK_RC"; }
 scontrol() {
   case "$1 $2" in
     "show hostnames") echo node1 ;;
-    "show job") echo "JobId=42 JobState=RUNNING Reason=None PreemptTime=$PREEMPT" ;;
+    "show job") echo "JobId=42 JobState=$STATE Reason=None PreemptTime=$PREEMPT" ;;
     "requeue "*) echo "$2" >> "$T/requeued" ;;
   esac
 }
@@ -204,14 +206,16 @@ scontrol() {
 
 
 def run_container_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ask: str = "", rc: int = 0,
-                         preempt: str = "None", check_rc: int = 0) -> subprocess.CompletedProcess[str]:
+                         preempt: str = "None", check_rc: int = 0, sigterm: bool = False,
+                         state: str = "RUNNING") -> subprocess.CompletedProcess[str]:
     """The charliecloud script run in bash with srun, ch-run and scontrol replaced by recorders; the stub srun
-    plays rank 0: it writes `ask` into the hand-off file and ends with `rc`."""
+    plays rank 0: it writes `ask` into the hand-off file and ends with `rc` (after a SIGTERM to the batch shell)."""
     spec = container_spec("charliecloud", monkeypatch, run_dir=str(tmp_path / "runs" / "lm-%j"))
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(spec))
     env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1", "T": str(tmp_path), "ASK": ask,
-           "RC": str(rc), "PREEMPT": preempt, "CHECK_RC": str(check_rc)}
+           "RC": str(rc), "PREEMPT": preempt, "CHECK_RC": str(check_rc), "SIGTERM": "1" if sigterm else "",
+           "STATE": state}
     return subprocess.run(["bash", "-c", STUBS + f'. "{script}"'], env=env, cwd=tmp_path, text=True,
                           capture_output=True)
 
@@ -235,14 +239,20 @@ def test_rank_zeros_requeue_is_done_outside_the_image(tmp_path: Path, monkeypatc
     out = run_container_script(tmp_path, monkeypatch, ask="requeue")
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "requeued").read_text() == "42\n"
-    assert "requeued job 42 (asked by rank 0 from inside the image)" in out.stdout
+    assert "requeued job 42 (from outside the image)" in out.stdout
     assert not list((tmp_path / "runs").glob(".hpcjobs-requeue-*"))  # the hand-off file is gone
 
 
-@pytest.mark.parametrize(("preempt", "requeued"), [("None", False), ("2026-11-25T18:00:00", True)])
+@pytest.mark.parametrize(("sigterm", "state", "preempt", "requeued"), [
+    (True, "RUNNING", "None", False),              # a SIGTERM without a preemption (an outside requeue)
+    (True, "CANCELLED", "None", False),            # scancel
+    (True, "RUNNING", "2026-01-01T18:00:00", True),  # a preemption's GraceTime: the job must come back
+    (False, "RUNNING", "2026-01-01T18:00:00", False),  # no SIGTERM reached the job: the ranks ended by themselves
+])
 def test_a_sigterm_stop_is_requeued_only_when_slurm_preempted_the_job(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preempt: str, requeued: bool) -> None:
-    out = run_container_script(tmp_path, monkeypatch, ask="if-preempted", preempt=preempt)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigterm: bool, state: str, preempt: str,
+        requeued: bool) -> None:
+    out = run_container_script(tmp_path, monkeypatch, sigterm=sigterm, state=state, preempt=preempt)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "requeued").exists() == requeued
 

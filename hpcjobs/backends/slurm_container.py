@@ -5,10 +5,14 @@ script and submitit's) take these words, so they cannot differ.
 The requeue hand-off: an image has no Slurm client (`scontrol: not found` in the test cluster's bundle, and in
 most images: pytorch-lightning#21404), so rank 0 cannot run `scontrol requeue` itself. The batch script, which runs
 outside the image where Slurm is, exports HPCJOBS_REQUEUE_FILE (a path in the run folder's parent, mounted at its
-own path); rank 0 writes `requeue` there instead of running scontrol (or `if-preempted` for a SIGTERM it cannot
-tell from a scancel without asking Slurm), the ranks exit, and the script requeues the job after srun returned.
-The batch shell traps SIGTERM so that a preemption's SIGTERM does not end it before the ranks saved: it waits for
-srun (which got the same SIGTERM and passed it on), then decides; `scancel`'s SIGKILL after KillWait still ends it.
+own path); rank 0 writes `requeue` there instead of running scontrol (the profile's signal: the time limit, a
+preemption with preempt_send_user_signal), the ranks exit, and the script requeues the job after srun returned.
+A SIGTERM needs no word from the ranks: inside the image they cannot ask Slurm whether it was a preemption (they stop
+and exit 0, leaving the decision to Slurm), so the batch shell, which got the same SIGTERM, asks after srun returned:
+still RUNNING with a PreemptTime is a preemption's GraceTime (a job that ended in time would end COMPLETED and never
+come back: trainers/jobenv/slurm.py's preempted_with_sigterm), and it requeues; a `scancel` has made it CANCELLED.
+The trap only records the SIGTERM (bash runs it once srun returned): the batch shell is never deaf to it, and
+`scancel`'s SIGKILL after KillWait still ends it.
 """
 
 from __future__ import annotations
@@ -86,8 +90,8 @@ def container_lines(spec: JobSpec, handoff_dir: str) -> list[str]:
     where = shlex.quote(f"{handoff_dir}/.hpcjobs-requeue-")
     lines = [f'export {REQUEUE_FILE}={where}"$SLURM_JOB_ID"',
              f'mkdir -p {shlex.quote(handoff_dir)} && rm -f "${REQUEUE_FILE}"',
-             "trap 'echo \"hpcjobs: the batch script got SIGTERM: it waits for the ranks to save\" >&2' TERM",
-             "hpcjobs_rc=0"]
+             "trap 'hpcjobs_term=1' TERM",
+             "hpcjobs_rc=0 hpcjobs_term=0"]
     if spec.container.runtime == "oci":
         lines.append(f'export {NODES_VAR}="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr "\\n" " ")"')
     return lines
@@ -99,16 +103,16 @@ def requeue_lines(spec: JobSpec) -> list[str]:
     if spec.container is None:
         return []
     return [
-        f'if [ -f "${REQUEUE_FILE}" ]; then',
-        f'  hpcjobs_ask="$(cat "${REQUEUE_FILE}")"; rm -f "${REQUEUE_FILE}"',
-        '  hpcjobs_job="$(scontrol show job -o "$SLURM_JOB_ID" || true)"',
-        '  if [ "$hpcjobs_ask" = if-preempted ] && { [ "${hpcjobs_job#*JobState=RUNNING}" = "$hpcjobs_job" ] || '
-        '[ "${hpcjobs_job#*PreemptTime=None}" != "$hpcjobs_job" ]; }; then',
-        '    echo "hpcjobs: stopped by SIGTERM without a preemption: Slurm decides whether job $SLURM_JOB_ID comes '
-        'back"',
-        '  elif scontrol requeue "$SLURM_JOB_ID"; then',
-        '    echo "hpcjobs: requeued job $SLURM_JOB_ID (asked by rank 0 from inside the image)"',
-        '  elif [ "${hpcjobs_job#*JobState=RUNNING}" != "$hpcjobs_job" ]; then',
+        f'hpcjobs_ask="$(cat "${REQUEUE_FILE}" 2>/dev/null || true)"; rm -f "${REQUEUE_FILE}"',
+        'hpcjobs_job="$(scontrol show job -o "$SLURM_JOB_ID" || true)"',
+        'hpcjobs_running="${hpcjobs_job##*JobState=RUNNING*}" hpcjobs_preempted="${hpcjobs_job##*PreemptTime=None*}"',
+        'if [ "$hpcjobs_term" = 1 ] && [ -z "$hpcjobs_running" ] && [ -n "$hpcjobs_preempted" ]; then',
+        '  hpcjobs_ask="requeue"  # a preemption\'s SIGTERM: the ranks saved and left the decision to this script',
+        "fi",
+        'if [ "$hpcjobs_ask" = requeue ]; then',
+        '  if scontrol requeue "$SLURM_JOB_ID"; then',
+        '    echo "hpcjobs: requeued job $SLURM_JOB_ID (from outside the image)"',
+        '  elif [ -z "$hpcjobs_running" ]; then',
         '    echo "hpcjobs: the requeue of job $SLURM_JOB_ID failed; the job ends failed" >&2; hpcjobs_rc=1',
         "  fi",
         "fi",
