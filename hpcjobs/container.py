@@ -126,6 +126,18 @@ def _check_mount_options(c: Container) -> None:
                          "HOST:CONTAINER.", "drop the option (ch-run's binds follow the host's permissions).")
 
 
+def _check_mount_points(image: Image) -> None:
+    """ch-run binds onto folders the image already has (it cannot make them: the image is mounted read-only;
+    measured, ch-run 0.31: `can't mkdir: IMAGE/work/main: Read-only file system`, from inside the job)."""
+    if image.runtime != "charliecloud" or not Path(image.image).is_dir():
+        return
+    missing = [m.split(":")[1] for m in image.mounts if not (Path(image.image) / m.split(":")[1].lstrip("/")).is_dir()]
+    if missing:
+        raise UsageError(f"container image {shown(image.image)} has no folder {shown(missing[0])} to bind onto; "
+                         f"valid: an image with a folder for each mount ({', '.join(missing)}).", "make them once "
+                         f"where the image is built: mkdir -p {' '.join(image.image + m for m in missing)}")
+
+
 def resolve(c: Container, given: str | None, gpus_per_node: int, auto_mounts: list[str],
             workdir: str) -> Image | None:
     """The job's image (None: no container), or UsageError: a `--container` without a runtime, no image, an
@@ -147,7 +159,9 @@ def resolve(c: Container, given: str | None, gpus_per_node: int, auto_mounts: li
         _check_oci(gpus_per_node, c)
     _check_mount_options(c)
     mounts = [f"{m}:{m}" for m in _outermost(auto_mounts)] if c.runtime != "oci" else []
-    return Image(c.runtime, image, tuple(mounts + list(c.mounts)), c.workdir or workdir, c.flags, digest_of(image))
+    found = Image(c.runtime, image, tuple(mounts + list(c.mounts)), c.workdir or workdir, c.flags, digest_of(image))
+    _check_mount_points(found)
+    return found
 
 
 def _outermost(folders: list[str]) -> list[str]:

@@ -33,6 +33,9 @@ def profile(tmp_path: Path, container: dict[str, Any] | None, **keys: Any) -> Pa
 def image_dir(tmp_path: Path, config: bool = True) -> str:
     folder = tmp_path / "img"
     (folder / "rootfs").mkdir(parents=True, exist_ok=True)
+    for inside in ("runs", "proj", "a"):  # what charliecloud binds onto must be there (run folder, project)
+        (folder / str(tmp_path).lstrip("/") / inside).mkdir(parents=True, exist_ok=True)
+    (folder / "a").mkdir(exist_ok=True)
     if config:
         (folder / "config.json").write_text("{}")
     return str(folder)
@@ -55,6 +58,7 @@ BAD = [  # (container keys, extra flags, what the line says)
     ({"runtime": "oci", "image": "IMG", "mounts": ["/a:/a"]}, ["--gpus", "1"], "srun --container takes no mounts"),
     ({"runtime": "oci", "image": "NOCONFIG"}, ["--gpus", "1"], "has no config.json"),
     ({"runtime": "charliecloud", "image": "IMG", "mounts": ["/a:/a:ro"]}, [], "ch-run binds take no :ro/:rw"),
+    ({"runtime": "charliecloud", "image": "IMG", "mounts": ["/a:/data"]}, [], "has no folder '/data' to bind onto"),
 ]
 
 
