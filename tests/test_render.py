@@ -276,3 +276,29 @@ def test_submitit_runs_the_same_ranks_in_the_image(monkeypatch: pytest.MonkeyPat
         assert params["teardown"][0] == "hpcjobs_rc=$?" and params["teardown"][-1] == 'exit "$hpcjobs_rc"'
         assert all(line in text for line in params["teardown"][1:])
         assert submitit_python(spec) in text  # the rank's prefix up to its Python: the same words
+
+
+@pytest.mark.parametrize("runtime", sorted(CONTAINERS))
+def test_doctors_probe_reports_from_inside_the_image(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcjobs.backends.slurm_probe import probe_folder, probe_script
+
+    spec = container_spec(runtime, monkeypatch)
+    folder = str(probe_folder(spec))
+    text = probe_script(spec, probe_folder(spec) / "r.json")
+    report = next(line for line in text.splitlines() if "<<'HPCJOBS_PROBE'" in line)
+    check = next(line for line in text.splitlines() if line.startswith("if ! hpcjobs_why="))
+    inside = {"pyxis": "--container-image=", "oci": "--container=", "apptainer": "apptainer exec",
+              "charliecloud": "ch-run "}[runtime]
+    assert inside in report and inside in check and report.index(inside) < report.index('"$HPCJOBS_PYTHON" -')
+    if runtime != "oci":  # the bundle's config.json holds an oci job's mounts; the runs folder holds the probe's
+        runs = str(spec.profile.runs_path())
+        assert f"{runs}:{runs}" in report and f"{folder}:{folder}" not in report
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_the_probes_folder_is_mounted_when_the_runs_folder_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcjobs.backends.slurm_probe import probe_folder, probe_script
+
+    spec = container_spec("pyxis", monkeypatch, run_dir="/elsewhere/r-%j")
+    folder = str(probe_folder(spec))
+    assert f"{folder}:{folder}" in probe_script(spec, probe_folder(spec) / "r.json")

@@ -85,9 +85,10 @@ def probe_folder(spec: JobSpec) -> Path:
 def probe_script(spec: JobSpec, report: Path) -> str:
     """The probe job: the job's own partition, account, QOS, GPUs of one node and setup; then the nodes' Python
     check (which ends the job with its one line), then the report; both inside the job's image when it has one
-    (what is missing there is what the ranks would miss), with the probe's folder mounted."""
-    if spec.container is not None:
-        folder = str(probe_folder(spec))
+    (what is missing there is what the ranks would miss), with the probe's folder mounted (usually it is already:
+    the runs folder's)."""
+    folder = probe_folder(spec)
+    if spec.container is not None and not any(folder.is_relative_to(m.split(":")[0]) for m in spec.container.mounts):
         spec = replace(spec, container=replace(spec.container, mounts=(*spec.container.mounts, f"{folder}:{folder}")))
     inside = shell_words(check_prefix(spec)) + " " if spec.container is not None else ""
     flags: dict[str, Any] = {"job-name": f"{PROBE_NAME}-{report.stem}", "nodes": 1, "ntasks": 1, "time": PROBE_TIME,
