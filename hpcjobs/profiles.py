@@ -39,6 +39,7 @@ from typing import Any
 from hpcjobs import yamlfile
 from hpcjobs.backends import SCHEDULERS
 from hpcjobs.backends.environment import RENDEZVOUS
+from hpcjobs.container import Container
 from hpcjobs.protocol.contract import Preemption
 from hpcjobs.protocol.errors import ProfileError, UsageError, shown
 from hpcjobs.protocol.memplan import parse_gpu_memory
@@ -48,8 +49,8 @@ from hpcjobs.slurmtime import parse_mem_mb, parse_time
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
 MAX_NODES = 100_000
 """The most nodes any job may ask for, whatever the profile (larger than any cluster; Slurm's own node count)."""
-PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, preemption)",
-                             ProfileError)
+PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, preemption, "
+                             "container)", ProfileError)
 MAX_ITEMS = 200
 """The most entries of a list or mapping key (setup, srun_args, env, nccl)."""
 MAX_STRING = 4096
@@ -123,6 +124,8 @@ class ClusterProfile:
     line if none does."""
     srun_args: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_ITEMS})
     """Extra srun flags, e.g. `--cpu-bind=cores`."""
+    container: Container = field(default_factory=Container)
+    """The image every rank runs in (see Container and docs/how-to/containers.md)."""
 
     def runs_path(self) -> Path:
         return Path(os.path.expandvars(os.path.expanduser(self.runs_dir)))
@@ -185,7 +188,7 @@ def _one_line(v: str) -> bool:
 
 def _check_str(meta: Mapping[str, Any], key: str) -> Check:
     choices: tuple[str, ...] | None = meta.get("choices")
-    parse: Callable[[Any, str], object] | None = meta.get("parse")
+    parse: Callable[[Any, str], object] = meta.get("parse") or (lambda entry, key: None)
 
     def check(v: Any) -> str:
         if choices is not None and v not in choices:
@@ -205,6 +208,7 @@ def _check_str(meta: Mapping[str, Any], key: str) -> Check:
 
 def _check_lines(meta: Mapping[str, Any], key: str) -> Check:
     cap = meta.get("max_items", MAX_ITEMS)
+    parse: Callable[[Any, str], object] = meta.get("parse") or (lambda entry, key: None)
 
     def check(v: Any) -> tuple[str, ...]:
         if v is None:
@@ -219,6 +223,8 @@ def _check_lines(meta: Mapping[str, Any], key: str) -> Check:
             raise ValueError("a list of single-line strings")
         if any(len(x) > MAX_STRING for x in v):
             raise ValueError(f"a list of strings of at most {MAX_STRING} characters each")
+        for x in v:
+            parse(x, key)  # each entry's own form (a mount's HOST:CONTAINER), in the parser's words
         return tuple(v)
     return check
 
@@ -387,7 +393,7 @@ def load_profile(name_or_path: str) -> ClusterProfile:
 
 
 def profile_as_dict(profile: ClusterProfile) -> dict[str, Any]:
-    out = dataclasses.asdict(profile)
-    out["setup"] = list(profile.setup)
-    out["srun_args"] = list(profile.srun_args)
-    return out
+    def plain(v: Any) -> Any:
+        return [plain(x) for x in v] if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} \
+            if isinstance(v, dict) else v
+    return plain(dataclasses.asdict(profile))

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from hpcjobs.after import After, parse_all
 from hpcjobs.backends.environment import RENDEZVOUS
+from hpcjobs.container import Image, resolve
 from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
@@ -66,6 +67,8 @@ class Request:
     """Run from a code snapshot (hpcjobs.snapshot) instead of the working tree."""
     after: tuple[str, ...] = ()
     """`--after ID[:ok|any|notok]` flags: the jobs this one waits for (hpcjobs.after)."""
+    container: str | None = None
+    """`--container IMAGE`: the image instead of the profile's container.image."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class JobSpec:
     that off), or just a process: `world()` names them so."""
     after: tuple[After, ...] = ()
     """The jobs this one waits for, and on what (hpcjobs.after): Slurm's --dependency."""
+    container: Image | None = None
+    """The image every rank runs in (hpcjobs.container); None: the node's own system."""
 
     @property
     def array(self) -> bool:
@@ -139,6 +144,7 @@ class JobSpec:
             "max_parallel": self.max_parallel,
             "snapshot": self.snapshot.as_dict() if self.snapshot else None,
             **({"after": [str(a) for a in self.after]} if self.after else {}),  # only then: spec.json as it was
+            "container": self.container.as_dict() if self.container else None,
         }
 
 
@@ -147,10 +153,10 @@ AFTER_SETUP = "python3"
 
 
 def node_python(profile: ClusterProfile, caps: Capabilities) -> str:
-    """The Python the ranks run (ClusterProfile.python says which and why)."""
+    """The Python the ranks run (ClusterProfile.python says which and why); in an image, its own `python3`."""
     if profile.python:
         return profile.python
-    return AFTER_SETUP if profile.setup and caps.runs_setup else sys.executable
+    return AFTER_SETUP if (profile.setup and caps.runs_setup) or profile.container.enabled else sys.executable
 
 
 def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
@@ -377,11 +383,13 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
                                  ("--qos", req.qos, "normal")):
         _check_one_line(flag, value, f"e.g. {flag} {example}")
     python = node_python(profile, caps)
+    where = snapshot.where(str(workdir)) if snapshot else str(workdir)
+    image = resolve(profile.container, req.container, gpus, [str(snapshot_root(run_dir)), where], where)
     return JobSpec(
         name=name, profile=profile, nodes=req.nodes, gpus_per_node=gpus, time_seconds=time_s, entry=entry,
         time_from="--time" if req.time is not None else f"the default_time of profile {profile.name}",
-        run_dir=run_dir, workdir=snapshot.where(str(workdir)) if snapshot else str(workdir), python=python,
-        python_fallback=sys.executable if python == AFTER_SETUP and not profile.python else None,
+        run_dir=run_dir, workdir=where, python=python, container=image,
+        python_fallback=sys.executable if python == AFTER_SETUP and not profile.python and not image else None,
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
         gpu_ranks=caps.requests_gpus and profile.gpu_request != "none", after=parse_all(req.after),

@@ -314,6 +314,11 @@ GOOD: dict[str, st.SearchStrategy[Any]] = {
     "runs_dir": st.one_of(words, st.sampled_from(["runs/%j", "a b/é", "~/runs"])),
     "python": st.sampled_from([sys.executable, "python3"]),
     "srun_args": st.lists(st.sampled_from(["--cpu-bind=cores", "--mpi=none"]), max_size=2),
+    "container": st.fixed_dictionaries({}, optional={"runtime": st.sampled_from(["none", "pyxis"]),
+                                                     "image": st.sampled_from(["nvcr.io#nvidia/pytorch:24.05"]),
+                                                     "mounts": st.lists(st.sampled_from(["/data:/data:ro", "/a:/b"])),
+                                                     "workdir": st.sampled_from(["/work"]),
+                                                     "flags": st.lists(st.sampled_from(["--container-remap-root"]))}),
 }
 KEYS = [f.name for f in dataclasses.fields(ClusterProfile) if f.metadata.get("key", True)]
 assert sorted(GOOD) == sorted(KEYS), "a profile key was added or removed: give it good values here"

@@ -18,6 +18,7 @@ import hpcjobs.profiles as profiles
 import test_bad_inputs
 from conftest import REPO, hpcjobs
 from hpcjobs.backends import SCHEDULERS
+from hpcjobs.container import Container
 from hpcjobs.profile_table import reference_table
 from hpcjobs.profiles import (
     MAX_ITEMS,
@@ -80,8 +81,9 @@ def test_every_field_is_accepted_with_its_default(tmp_path: Path) -> None:
 
 def test_every_key_appears_in_the_reference_table() -> None:
     table = reference_table()
-    keys = [f.name for f in dataclasses.fields(ClusterProfile) if f.name not in ("source", "preemption")]
+    keys = [f.name for f in dataclasses.fields(ClusterProfile) if f.name not in ("source", "preemption", "container")]
     keys += [f"preemption.{f.name}" for f in dataclasses.fields(Preemption)]
+    keys += [f"container.{f.name}" for f in dataclasses.fields(Container)]
     for key in keys:
         assert f"| `{key}` |" in table, key
     assert "`source`" not in table  # filled in by the loader, never read from the file

@@ -150,3 +150,155 @@ def test_gloo_takes_the_nccl_interface_unless_named() -> None:
         "eth1"
     assert "export GLOO_SOCKET_IFNAME=eth0" in render_sbatch(fixed_spec("h100"))  # the shipped GPU profiles
     assert "export GLOO_SOCKET_IFNAME=ib0" in render_sbatch(fixed_spec("a100-ib"))
+
+
+CONTAINERS = {  # golden name: (profile, its container keys, GPUs per node)
+    "pyxis": ("h100", {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3",
+                       "mounts": ("/lustre/data:/data:ro",), "flags": ("--container-remap-root",)}, 8),
+    "apptainer": ("a100-ib", {"runtime": "apptainer", "image": "/shared/images/train.sif",
+                              "mounts": ("/scratch/data:/data:ro",)}, 8),
+    "charliecloud": ("testcluster", {"runtime": "charliecloud", "image": "/shared/images/train"}, 8),
+    "oci": ("testcluster", {"runtime": "oci", "image": "/shared/bundles/train"}, 1),
+}
+
+
+def container_spec(runtime: str, monkeypatch: pytest.MonkeyPatch, **req: object):
+    """A fixed spec whose profile runs the ranks in an image (the image paths exist on the cluster, not here)."""
+    import hpcjobs.container
+    from hpcjobs.container import Container
+
+    profile_name, keys, gpus = CONTAINERS[runtime]
+    monkeypatch.setattr(hpcjobs.container, "_check_image", lambda *a: None)
+    profile = replace(load_profile(str(REPO / "cluster_profiles" / f"{profile_name}.yaml")),
+                      source=f"cluster_profiles/{profile_name}.yaml", container=Container(**keys))  # type: ignore[arg-type]
+    profile = replace(profile, runs_dir=profile.runs_dir.replace("$USER", "alice"))
+    request = Request(entry="trainers.tasks.lm", args=("--size", "small", "--steps", "5000"), nodes=2, gpus=gpus,
+                      snapshot=False, time="4:00:00", **req)  # type: ignore[arg-type]
+    return build_spec(profile, request, backend_for(profile.scheduler), workdir=Path("/work/proj"),
+                      stamp="20260101-000000-0001", job_id_in_run_dir=True)
+
+
+@pytest.mark.parametrize("runtime", sorted(CONTAINERS))
+def test_golden_container_script(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = render_sbatch(container_spec(runtime, monkeypatch))
+    golden = GOLDEN / f"container-{runtime}.sbatch"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"rendered script differs from {golden}; UPDATE_GOLDEN=1 rewrites it"
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+STUBS = """
+srun() {
+  printf '%s\\0' "$@" > "$T/srun.argv"; [ -z "$ASK" ] || printf '%s' "$ASK" > "$HPCJOBS_REQUEUE_FILE"
+  [ -z "$SIGTERM" ] || kill -TERM $$  # Slurm's SIGTERM reaches the batch shell too
+  return "$RC"
+}
+ch-run() { printf '%s\\0' "$@" > "$T/check.argv"; return "$CHECK_RC"; }
+scontrol() {
+  case "$1 $2" in
+    "show hostnames") echo node1 ;;
+    "show job") echo "JobId=42 JobState=$STATE Reason=None PreemptTime=$PREEMPT" ;;
+    "requeue "*) echo "$2" >> "$T/requeued" ;;
+  esac
+}
+"""
+
+
+def run_container_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ask: str = "", rc: int = 0,
+                         preempt: str = "None", check_rc: int = 0, sigterm: bool = False,
+                         state: str = "RUNNING") -> subprocess.CompletedProcess[str]:
+    """The charliecloud script run in bash with srun, ch-run and scontrol replaced by recorders; the stub srun
+    plays rank 0: it writes `ask` into the hand-off file and ends with `rc` (after a SIGTERM to the batch shell)."""
+    spec = container_spec("charliecloud", monkeypatch, run_dir=str(tmp_path / "runs" / "lm-%j"))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(spec))
+    env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1", "T": str(tmp_path), "ASK": ask,
+           "RC": str(rc), "PREEMPT": preempt, "CHECK_RC": str(check_rc), "SIGTERM": "1" if sigterm else "",
+           "STATE": state}
+    return subprocess.run(["bash", "-c", STUBS + f'. "{script}"'], env=env, cwd=tmp_path, text=True,
+                          capture_output=True)
+
+
+def test_a_container_rank_runs_in_the_image_and_its_check_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = run_container_script(tmp_path, monkeypatch)
+    assert out.returncode == 0, out.stderr
+    words = (tmp_path / "srun.argv").read_text().split("\0")[:-1]
+    run_root = str(tmp_path / "runs")
+    at = words.index("ch-run")
+    assert words[at:at + 7] == ["ch-run", "-b", f"{run_root}:{run_root}", "-b", "/work/proj:/work/proj", "-c",
+                                "/work/proj"]
+    assert words[at + 7:at + 9] == ["/shared/images/train", "--"]
+    assert words[at + 9:at + 13] == words[at - 4:at]  # the signal guard outside, and again inside the image
+    check = (tmp_path / "check.argv").read_text().split("\0")[:-1]
+    assert check[check.index("--") + 1:][:2] == ["python3", "-c"]
+    assert not (tmp_path / "requeued").exists()
+
+
+def test_rank_zeros_requeue_is_done_outside_the_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = run_container_script(tmp_path, monkeypatch, ask="requeue")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "requeued").read_text() == "42\n"
+    assert "requeued job 42 (from outside the image)" in out.stdout
+    assert not list((tmp_path / "runs").glob(".hpcjobs-requeue-*"))  # the hand-off file is gone
+
+
+@pytest.mark.parametrize(("sigterm", "state", "preempt", "requeued"), [
+    (True, "RUNNING", "None", False),              # a SIGTERM without a preemption (an outside requeue)
+    (True, "CANCELLED", "None", False),            # scancel
+    (True, "RUNNING", "2026-01-01T18:00:00", True),  # a preemption's GraceTime: the job must come back
+    (False, "RUNNING", "2026-01-01T18:00:00", False),  # no SIGTERM reached the job: the ranks ended by themselves
+])
+def test_a_sigterm_stop_is_requeued_only_when_slurm_preempted_the_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigterm: bool, state: str, preempt: str,
+        requeued: bool) -> None:
+    out = run_container_script(tmp_path, monkeypatch, sigterm=sigterm, state=state, preempt=preempt)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "requeued").exists() == requeued
+
+
+def test_the_ranks_exit_code_is_the_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_container_script(tmp_path, monkeypatch, rc=3).returncode == 3
+    assert not (tmp_path / "requeued").exists()
+
+
+def test_an_image_without_torch_ends_the_job_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = run_container_script(tmp_path, monkeypatch, check_rc=1)
+    assert out.returncode == 2 and not (tmp_path / "srun.argv").exists()
+    assert "hpcjobs: the image /shared/images/train (charliecloud) cannot start the ranks" in out.stderr
+
+
+def test_submitit_runs_the_same_ranks_in_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    for runtime in CONTAINERS:
+        spec = container_spec(runtime, monkeypatch)
+        params, text = submitit_parameters(spec), render_sbatch(spec)
+        assert f"srun {' '.join(shlex.quote(f) for f in params['srun_args'])} " in text
+        assert params["teardown"][0] == "hpcjobs_rc=$?" and params["teardown"][-1] == 'exit "$hpcjobs_rc"'
+        assert all(line in text for line in params["teardown"][1:])
+        assert submitit_python(spec) in text  # the rank's prefix up to its Python: the same words
+
+
+@pytest.mark.parametrize("runtime", sorted(CONTAINERS))
+def test_doctors_probe_reports_from_inside_the_image(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcjobs.backends.slurm_probe import probe_folder, probe_script
+
+    spec = container_spec(runtime, monkeypatch)
+    folder = str(probe_folder(spec))
+    text = probe_script(spec, probe_folder(spec) / "r.json")
+    report = next(line for line in text.splitlines() if "<<'HPCJOBS_PROBE'" in line)
+    check = next(line for line in text.splitlines() if line.startswith("if ! hpcjobs_why="))
+    inside = {"pyxis": "--container-image=", "oci": "--container=", "apptainer": "apptainer exec",
+              "charliecloud": "ch-run "}[runtime]
+    assert inside in report and inside in check and report.index(inside) < report.index('"$HPCJOBS_PYTHON" -')
+    if runtime != "oci":  # the bundle's config.json holds an oci job's mounts; the runs folder holds the probe's
+        runs = str(spec.profile.runs_path())
+        assert f"{runs}:{runs}" in report and f"{folder}:{folder}" not in report
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_the_probes_folder_is_mounted_when_the_runs_folder_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcjobs.backends.slurm_probe import probe_folder, probe_script
+
+    spec = container_spec("pyxis", monkeypatch, run_dir="/elsewhere/r-%j")
+    folder = str(probe_folder(spec))
+    assert f"{folder}:{folder}" in probe_script(spec, probe_folder(spec) / "r.json")

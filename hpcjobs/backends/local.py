@@ -224,6 +224,10 @@ class LocalBackend(RunFolderLogs):
         return None  # a local job is known only to the job store of the shell that ran it
 
     def check(self, spec: JobSpec) -> None:
+        if spec.container is not None:  # a choice: hpcjobs starts local ranks itself, in this machine's Python
+            raise UsageError(f"container runtime {spec.container.runtime} with profile {spec.profile.name} (local): "
+                             "valid: no container (local ranks run in this machine's Python).", "run it on Slurm "
+                             "(a profile with scheduler: slurm), or start the image yourself and run hpcjobs in it.")
         if spec.nodes != 1:
             raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",
                              "use a Slurm profile for more than one node.")

@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.backends.slurm_render import environment_lines, gpu_flags, python_lines, sbatch_directive
+from hpcjobs.backends.slurm_container import check_prefix
+from hpcjobs.backends.slurm_render import environment_lines, gpu_flags, python_lines, sbatch_directive, shell_words
 from hpcjobs.doctor import Check, Result
 from hpcjobs.protocol.runfolder import JOB_ID
 from hpcjobs.spec import JobSpec
@@ -83,7 +84,13 @@ def probe_folder(spec: JobSpec) -> Path:
 
 def probe_script(spec: JobSpec, report: Path) -> str:
     """The probe job: the job's own partition, account, QOS, GPUs of one node and setup; then the nodes' Python
-    check (which ends the job with its one line), then the report."""
+    check (which ends the job with its one line), then the report; both inside the job's image when it has one
+    (what is missing there is what the ranks would miss), with the probe's folder mounted (usually it is already:
+    the runs folder's)."""
+    folder = probe_folder(spec)
+    if spec.container is not None and not any(folder.is_relative_to(m.split(":")[0]) for m in spec.container.mounts):
+        spec = replace(spec, container=replace(spec.container, mounts=(*spec.container.mounts, f"{folder}:{folder}")))
+    inside = shell_words(check_prefix(spec)) + " " if spec.container is not None else ""
     flags: dict[str, Any] = {"job-name": f"{PROBE_NAME}-{report.stem}", "nodes": 1, "ntasks": 1, "time": PROBE_TIME,
                              "partition": spec.partition, "account": spec.account, "qos": spec.qos,
                              "chdir": spec.workdir, "output": str(probe_folder(spec) / f"probe-{JOB_ID}.out"),
@@ -91,7 +98,7 @@ def probe_script(spec: JobSpec, report: Path) -> str:
     tasks = json.dumps([list(args) for args in tasks_args(spec.entry.args, spec.points)])
     lines = ["#!/bin/bash", *(f"#SBATCH {sbatch_directive(k, v)}" for k, v in sorted(flags.items()) if v is not None),
              "set -eo pipefail", *spec.profile.setup, *environment_lines(spec), *python_lines(spec),
-             f'"$HPCJOBS_PYTHON" - {shlex.join([spec.entry.kind, spec.entry.target, str(report)])} '
+             f'{inside}"$HPCJOBS_PYTHON" - {shlex.join([spec.entry.kind, spec.entry.target, str(report)])} '
              "<<'HPCJOBS_PROBE'", f"import json; TASKS, BUDGET = json.loads({ascii(tasks)}), {ARGUMENTS_BUDGET_S}",
              REPORT.strip(), "HPCJOBS_PROBE"]
     return "\n".join(lines) + "\n"

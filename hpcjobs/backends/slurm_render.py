@@ -13,6 +13,13 @@ import jinja2
 
 from hpcjobs import __version__
 from hpcjobs.after import dependency
+from hpcjobs.backends.slurm_container import (
+    check_prefix,
+    container_lines,
+    rank_argv,
+    requeue_lines,
+    srun_container_flags,
+)
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.protocol.points import array_spec
 from hpcjobs.protocol.ports import shell_port_expr
@@ -22,7 +29,7 @@ from hpcjobs.protocol.versions import FLOOR_TEXT
 from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
-from hpcjobs.spec import JobSpec
+from hpcjobs.spec import JobSpec, snapshot_root
 
 SBATCH_TEMPLATE = "sbatch.sh.j2"
 SUBMITIT_NATIVE = frozenset({
@@ -120,8 +127,10 @@ def python_lines(spec: JobSpec, modules: str = "trainers.launch") -> list[str]:
     importing torch here would add seconds to every start): otherwise every rank would fail alone, or the wrong
     environment would train. `python3` after the setup is tried first when the profile names no Python, then the
     Python hpcjobs ran from (a setup that only loads modules, with the environment on a shared filesystem), saying
-    so in the job's log."""
+    so in the job's log. With an image, the check runs inside it (`image_python_lines`)."""
     check = f"{TORCH_CHECK}; import {modules}"
+    if spec.container is not None:
+        return image_python_lines(spec, check)
     tried = "$hpcjobs_python -> ${HPCJOBS_PYTHON:-not found}: $(printf '%s' \"$hpcjobs_why\" | tail -n 1)"
     candidates = [spec.python, *([spec.python_fallback] if spec.python_fallback else [])]
     return [
@@ -144,6 +153,30 @@ def python_lines(spec: JobSpec, modules: str = "trainers.launch") -> list[str]:
     ]
 
 
+def image_python_lines(spec: JobSpec, check: str) -> list[str]:
+    """The nodes' Python check run inside the image (one task on the batch node: the image's own Python, torch and
+    hpcjobs; the project is mounted), ending the job with one line that says what is missing there."""
+    image = spec.container
+    assert image is not None
+    run = shell_words([*check_prefix(spec), NODE_PYTHON, "-c", check])
+    return [
+        f"{PYTHON_VAR}={shlex.quote(spec.python)}",
+        f'if ! hpcjobs_why="$({run} 2>&1)"; then',
+        f'  echo "hpcjobs: the image {image.image} ({image.runtime}) cannot start the ranks on $(hostname): '
+        f'${PYTHON_VAR}: $(printf \'%s\' "$hpcjobs_why" | tail -n 1); valid: an image with {spec.python}, torch >= '
+        f'{FLOOR_TEXT} and hpcjobs installed. HINT: install them in the image, or set python: in the profile" >&2',
+        "  exit 2",
+        "fi",
+        f"export {PYTHON_VAR}",
+    ]
+
+
+def handoff_lines(spec: JobSpec) -> list[str]:
+    """The lines before srun an image needs (the requeue hand-off, in the run folder's parent): see
+    hpcjobs.backends.slurm_container."""
+    return container_lines(spec, str(snapshot_root(spec.run_dir)))
+
+
 def shell_words(words: list[str]) -> str:
     """Words quoted for the job script, except the nodes' Python, which the script's shell expands."""
     return " ".join(w if w == NODE_PYTHON else shlex.quote(w) for w in words)
@@ -152,7 +185,8 @@ def shell_words(words: list[str]) -> str:
 def srun_flags(spec: JobSpec) -> list[str]:
     """Every rank's srun flags. --cpus-per-task again: Slurm 22.05 to 23.02 do not pass sbatch's to srun, and each
     rank would run its `cpus_per_gpu` threads on one core."""
-    return ["--kill-on-bad-exit=1", f"--cpus-per-task={spec.profile.cpus_per_gpu}", *spec.profile.srun_args]
+    return ["--kill-on-bad-exit=1", f"--cpus-per-task={spec.profile.cpus_per_gpu}", *spec.profile.srun_args,
+            *srun_container_flags(spec.container)]
 
 
 def slurm_log_dir(spec: JobSpec) -> str:
@@ -169,15 +203,16 @@ def render_sbatch(spec: JobSpec) -> str:
         version=__version__, profile_name=spec.profile.name, profile_source=spec.profile.source,
         world=spec.world(), entry=spec.entry.describe().replace("\n", " "),
         directives=[sbatch_directive(k, v) for k, v in sorted(flags.items())], setup=list(spec.profile.setup),
-        python=python_lines(spec), environment=environment_lines(spec),
+        python=python_lines(spec), environment=environment_lines(spec) + handoff_lines(spec),
         srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
-        launcher=shell_words(launcher_argv(spec, python=NODE_PYTHON)),
+        launcher=shell_words(rank_argv(spec, launcher_argv(spec, python=NODE_PYTHON))) + "".join(
+            f"\n{line}" for line in requeue_lines(spec)).replace("\n", " || hpcjobs_rc=$?\n", 1),
     )
 
 
 def submitit_python(spec: JobSpec) -> str:
     """submitit's `python` (a shell command prefix): the same signal guard and interpreter as the other paths."""
-    return shell_words([*signal_guard(spec), NODE_PYTHON])
+    return shell_words(rank_argv(spec, [*signal_guard(spec), NODE_PYTHON]))
 
 
 def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
@@ -197,8 +232,10 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
             extra[key if key in SUBMITIT_DASHED else name] = value
     params["signal_delay_s"] = spec.profile.preemption.seconds_before
     params["additional_parameters"] = extra
-    params["setup"] = [*spec.profile.setup, *environment_lines(spec),
+    params["setup"] = [*spec.profile.setup, *environment_lines(spec), *handoff_lines(spec),
                        *python_lines(spec, "trainers.launch, submitit")]
+    if spec.container is not None:  # submitit writes these after its srun line: $? is srun's
+        params["teardown"] = ["hpcjobs_rc=$?", *requeue_lines(spec)]
     params["srun_args"] = srun_flags(spec)
     params["stderr_to_stdout"] = True
     return params

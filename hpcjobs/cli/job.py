@@ -27,7 +27,8 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
     req = Request(entry=ns.entry, args=tuple(ns.args), module=ns.module, nodes=ns.nodes, gpus=ns.gpus,
                   time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
                   run_dir=ns.run_dir, env=tuple(ns.env), sweep=tuple(ns.sweep), sweep_file=ns.sweep_file,
-                  max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot, after=tuple(ns.after))
+                  max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot, after=tuple(ns.after),
+                  container=ns.container)
     spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
     backend.check(spec)
     return spec, backend

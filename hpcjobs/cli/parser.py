@@ -139,6 +139,8 @@ def job_flags(entry_optional: bool = False) -> Parser:
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="run from the working tree instead of a copy of the project's code taken at submission "
                         "(the copy is what every restart runs, whatever is edited after)")
+    p.add_argument("--container", metavar="IMAGE", help="run every rank in this image (the profile's container "
+                   "runtime: pyxis, apptainer, charliecloud, oci) instead of its container.image")
     p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=DOCTOR_ENTRY,
                    help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
                         + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))
