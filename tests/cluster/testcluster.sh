@@ -40,7 +40,7 @@ for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("node$i"); done
 ACCOUNTING=${HPCJOBS_CLUSTER_ACCOUNTING:-1}
 USER_SIGNAL=${HPCJOBS_CLUSTER_USER_SIGNAL:-1}
 SELF=$(readlink -f "$0")
-PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server iproute2 util-linux)
+PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server iproute2 util-linux charliecloud-runtime)  # ch-run: the containers tests
 
 log() { printf '[testcluster] %s\n' "$*" >&2; }
 die() { printf '[testcluster] error: %s\n' "$*" >&2; exit 1; }
