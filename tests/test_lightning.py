@@ -131,3 +131,52 @@ def test_fit_runs_with_lightnings_own_stop_handling_off_and_gives_the_signals_ba
     trainer.fit(Tiny(), DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2))
     assert trainer.global_step == 2 and not environment.auto_requeue
     assert {n: signal.getsignal(n) for n in before} == before
+
+
+def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(tmp_path: Path) -> None:
+    """One rank, no launch: the stop's checkpoint and the resume around a RandomSampler (its order drawn from the
+    global RNG at the epoch's first batch, restored for the draw) and dropout (the RNG streams at the stop)."""
+    import lightning.pytorch as pl
+
+    from trainers import preemption
+
+    lightning.attach(pl.trainer.trainer)
+
+    class Net(pl.LightningModule):
+        def __init__(self, stop_at: int) -> None:
+            super().__init__()
+            self.net, self.stop_at, self.losses = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3),
+                                                                       torch.nn.Linear(8, 1)), stop_at, {}
+            self.seen: list[int] = []
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            if self.global_step + 1 == self.stop_at:
+                preemption.request_stop(signal.SIGINT)  # as Ctrl-C would
+            loss = self.net(batch[0]).pow(2).mean()
+            self.losses[self.global_step + 1] = loss.item()
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+        def train_dataloader(self) -> DataLoader:
+            data = torch.utils.data.TensorDataset(torch.randn(40, 4, generator=torch.Generator().manual_seed(0)))
+            return DataLoader(data, batch_size=4, shuffle=True)
+
+    def run(stop_at: int) -> Net:
+        torch.manual_seed(0)
+        model = Net(stop_at)
+        pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path).fit(model)
+        return model
+
+    twin = run(stop_at=0)
+    with pytest.raises(SystemExit) as stopped:
+        run(stop_at=13)
+    preemption.reset()  # what the process's exit would do
+    assert stopped.value.code == 0 and (tmp_path / "hpcjobs-checkpoints" / "checkpoint-13" / marks.COMPLETE).is_file()
+    resumed = run(stop_at=0)
+    assert sorted(resumed.losses) == list(range(14, 21))
+    assert all(resumed.losses[k] == twin.losses[k] for k in resumed.losses)
+    mine, theirs = resumed.state_dict(), twin.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)

@@ -88,7 +88,7 @@ def rewind(trainer: Any, saved: dict[str, Any] | None) -> None:
     fetcher, device = trainer.fit_loop._data_fetcher, trainer.strategy.root_device
     if fetcher is None:
         return
-    skip = 0
+    skip = trainer.fit_loop.epoch_loop.batch_progress.current.ready if saved else 0
     lost = []
     for loader in train_loaders(trainer):
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
