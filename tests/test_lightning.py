@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -133,9 +134,12 @@ def test_fit_runs_with_lightnings_own_stop_handling_off_and_gives_the_signals_ba
     assert {n: signal.getsignal(n) for n in before} == before
 
 
-def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("asked", "saved"), [(13, 13), (10, 11)])
+def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(tmp_path: Path, asked: int,
+                                                                               saved: int) -> None:
     """One rank, no launch: the stop's checkpoint and the resume around a RandomSampler (its order drawn from the
-    global RNG at the epoch's first batch, restored for the draw) and dropout (the RNG streams at the stop)."""
+    global RNG at the epoch's first batch, restored for the draw) and dropout (the RNG streams at the stop). A stop
+    asked on an epoch's last batch (10) waits for the next batch: the epoch's end (its LR step) runs first."""
     import lightning.pytorch as pl
 
     from trainers import preemption
@@ -156,8 +160,9 @@ def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(t
             self.losses[self.global_step + 1] = loss.item()
             return loss
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
 
         def train_dataloader(self) -> DataLoader:
             data = torch.utils.data.TensorDataset(torch.randn(40, 4, generator=torch.Generator().manual_seed(0)))
@@ -172,11 +177,12 @@ def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(t
 
     twin = run(stop_at=0)
     with pytest.raises(SystemExit) as stopped:
-        run(stop_at=13)
+        run(stop_at=asked)
     preemption.reset()  # what the process's exit would do
-    assert stopped.value.code == 0 and (tmp_path / "hpcjobs-checkpoints" / "checkpoint-13" / marks.COMPLETE).is_file()
+    done = [n for n, p in marks.checkpoints(tmp_path / "hpcjobs-checkpoints") if (p / marks.COMPLETE).is_file()]
+    assert stopped.value.code == 0 and done == [saved]
     resumed = run(stop_at=0)
-    assert sorted(resumed.losses) == list(range(14, 21))
+    assert sorted(resumed.losses) == list(range(saved + 1, 21))
     assert all(resumed.losses[k] == twin.losses[k] for k in resumed.losses)
     mine, theirs = resumed.state_dict(), twin.state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)

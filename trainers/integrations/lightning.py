@@ -70,6 +70,8 @@ def attach(module: ModuleType) -> None:
             if newest is not None:
                 say(f"resuming from {newest}")
                 bound.arguments["ckpt_path"], callback.resume_from = str(newest / CKPT), newest
+                if "weights_only" in signature.parameters and bound.arguments.get("weights_only") is None:
+                    bound.arguments["weights_only"] = False  # hpcjobs's own file; Lightning said so once a rank
         saved = {num: signal.getsignal(num) for num in protocol_signals()}
         callback.guard = preemption.StopGuard()  # the protocol's handlers, for the length of fit()
         stopping = False
