@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,8 +18,9 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from conftest import BIN, REPO, hpcjobs
+from trainers.checkpoint.state import rng_state
 from trainers.integrations import lightning, marks
-from trainers.integrations.lightning_data import SkipFirst
+from trainers.integrations.lightning_data import SkipFirst, rewind
 
 SCRIPT = REPO / "tests" / "scripts" / "lightning_script.py"
 STEPS, PER_EPOCH = 30, 10
@@ -103,6 +105,23 @@ def test_a_skipped_epoch_start_draws_the_same_order_and_skips_by_index() -> None
     assert list(resumed) != order  # the skip is for the resumed epoch only; the next one draws anew
 
 
+def test_an_iterable_dataset_cannot_be_skipped_into_and_one_line_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Any:
+            return iter(range(8))
+
+    loader, fetched = DataLoader(Stream(), batch_size=2), []
+    loop = SimpleNamespace(_combined_loader=SimpleNamespace(flattened=[loader]), _data_fetcher=fetched,
+                           epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(ready=3))),
+                           epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=1)))
+    trainer = SimpleNamespace(fit_loop=loop, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    rewind(trainer, {"rng": rng_state(torch.device("cpu")), "first_rng": None})
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "Stream" in said[0] and "from batch 3" in said[0] and "HINT:" in said[0]
+    assert loader.batch_sampler.__class__ is torch.utils.data.BatchSampler  # left as it is
+
+
+@pytest.mark.train
 def test_fit_runs_with_lightnings_own_stop_handling_off_and_gives_the_signals_back(tmp_path: Path) -> None:
     """In-process, one rank, no hpcjobs launch: Lightning installs no SIGTERM or SIGUSR1 handler of its own, the
     protocol's handlers hold during fit() only, and the code after fit() has the script's own signals back."""
@@ -134,6 +153,7 @@ def test_fit_runs_with_lightnings_own_stop_handling_off_and_gives_the_signals_ba
     assert {n: signal.getsignal(n) for n in before} == before
 
 
+@pytest.mark.train
 @pytest.mark.parametrize(("asked", "saved"), [(13, 13), (10, 11)])
 def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(tmp_path: Path, asked: int,
                                                                                saved: int) -> None:
