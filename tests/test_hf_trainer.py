@@ -140,3 +140,30 @@ def test_an_output_folder_renamed_at_each_start_resumes_the_previous_starts_chec
     assert hf_trainer.resume_point(str(tmp_path / "out-1300"), None) == str(before)
     assert "its name changes every start" in capsys.readouterr().out
     assert hf_trainer.resume_point(str(tmp_path / "out-1200"), None) == str(before)  # its own: no word
+
+
+@pytest.mark.train
+def test_the_code_around_train_keeps_the_scripts_signals(tmp_path: Path) -> None:
+    """The protocol's handlers hold only while train() runs: Ctrl-C stops the code before and after it as usual
+    (they were installed when the Trainer was made and never given back: the code after train() ignored Ctrl-C)."""
+    import transformers
+
+    hf_trainer.attach(transformers.trainer)
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+    during = []
+
+    class Look(TrainerCallback):
+        def on_step_end(self, *_: object, **__: object) -> None:
+            during.append(signal.getsignal(signal.SIGINT))
+
+    ids = torch.arange(16).remainder(32)
+    trainer = Trainer(model=GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=8, n_layer=1, n_head=1)),
+                      args=TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], use_cpu=True,
+                                             save_strategy="no", disable_tqdm=True),
+                      train_dataset=[{"input_ids": ids, "labels": ids}] * 4, callbacks=[Look()])
+    assert {n: signal.getsignal(n) for n in before} == before
+    trainer.train()
+    assert during and during[0] is not before[signal.SIGINT]  # the protocol's, meanwhile
+    assert {n: signal.getsignal(n) for n in before} == before

@@ -9,6 +9,8 @@ Attached when the script imports `transformers.trainer` (trainers/integrations/_
 - After every save, periodic or not, each rank fsyncs the folder's files and, once all have, rank 0 writes
   `hpcjobs-complete.json` into it (fsynced): only then is the checkpoint complete. A save that dies halfway leaves
   its `.hpcjobs-pending` mark, written before the save began, and no completion mark.
+- The protocol's signal handlers hold only while `train()` runs (trainers/integrations/signals.py): the code before
+  and after it keeps the script's own (Ctrl-C stops it).
 - After a stop's save, rank 0 requeues the job (on Slurm, when the stop came from the profile's signal) and every
   rank exits: nothing after `trainer.train()` runs (no final save_model, evaluation or upload on a stop).
 - `train()` resumes the newest complete checkpoint of the output folder when it is given none. A checkpoint it is
@@ -28,6 +30,7 @@ from typing import Any
 
 from hpcjobs.protocol.runfolder import read_json
 from trainers.integrations.marks import COMPLETE, incomplete, mark_complete, mark_pending, run_folder, say, settle
+from trainers.integrations.signals import joined
 
 
 def attach(module: ModuleType) -> None:
@@ -44,7 +47,12 @@ def attach(module: ModuleType) -> None:
 
     @functools.wraps(original_train)
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return original_train(self, resume_point(self.args.output_dir, resume_from_checkpoint), *args, **kwargs)
+        resume = resume_point(self.args.output_dir, resume_from_checkpoint)
+        callback = next((c for c in self.callback_handler.callbacks if getattr(c, "hpcjobs", False)), None)
+        if callback is None:  # the script removed it: the Trainer as it is
+            return original_train(self, resume, *args, **kwargs)
+        with joined(callback):  # the protocol's handlers for the length of train()
+            return original_train(self, resume, *args, **kwargs)
 
     trainer_cls.__init__, trainer_cls.train = __init__, train
     trainer_cls._hpcjobs_attached = True
@@ -113,12 +121,15 @@ def stop_callback() -> Any:
     class StopAtAgreedStep(TrainerCallback):
         """The stop protocol at the Trainer's step ends, and the completion mark after each save."""
 
+        hpcjobs = True
+
         def __init__(self) -> None:
-            self.guard = StopGuard()
+            self.guard: StopGuard | None = None  # made by train() (signals.joined)
             self.stop_step: int | None = None
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
-            if self.guard.should_stop(pipelined=True):  # every rank, every step: a collective, overlapping a step
+            # every rank, every step: a collective, overlapping a step
+            if self.guard is not None and self.guard.should_stop(pipelined=True):
                 control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
                 self.stop_step = state.global_step
             if control.should_save:
@@ -128,7 +139,7 @@ def stop_callback() -> Any:
         def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             mark_complete(folder, state.global_step)
-            if self.stop_step is not None:
+            if self.stop_step is not None and self.guard is not None:
                 self.guard.requeue_and_exit(state.global_step)
             return control
 

@@ -30,13 +30,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import signal
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from trainers import preemption
 from trainers.integrations.marks import mark_complete, mark_pending, rank, run_folder, say, settle
+from trainers.integrations.signals import joined
 
 CKPT = "lightning.ckpt"
 """The Lightning checkpoint's file inside `checkpoint-N/`."""
@@ -74,19 +73,8 @@ def attach(module: ModuleType) -> None:
                 bound.arguments["ckpt_path"], callback.resume_from = str(newest / CKPT), newest
                 if "weights_only" in signature.parameters and bound.arguments.get("weights_only") is None:
                     bound.arguments["weights_only"] = False  # hpcjobs's own file; Lightning said so once a rank
-        saved = {num: signal.getsignal(num) for num in protocol_signals()}
-        callback.guard = preemption.StopGuard()  # the protocol's handlers, for the length of fit()
-        stopping = False
-        try:
+        with joined(callback):  # the protocol's handlers for the length of fit()
             return original_fit(*bound.args, **bound.kwargs)
-        except SystemExit:
-            stopping = True  # the agreed stop (or the script's own exit): the rank ends
-            raise
-        finally:
-            if not stopping:  # the code after fit() gets its signals back
-                preemption.reset()
-                for num, handler in saved.items():
-                    signal.signal(num, handler)
 
     trainer_cls.__init__, trainer_cls.fit = __init__, fit
     trainer_cls._hpcjobs_attached = True
@@ -102,11 +90,6 @@ def own_stop_handling_off(trainer: Any) -> None:
     loop = trainer.fit_loop.epoch_loop
     if hasattr(loop, "_broadcast_sigterm_tensor"):
         loop._broadcast_sigterm_tensor = lambda: None
-
-
-def protocol_signals() -> list[int]:
-    contract = preemption.current_contract()
-    return sorted({preemption.signal_number(contract.preemption.signal), signal.SIGTERM, signal.SIGINT})
 
 
 def checkpoint_root(trainer: Any) -> Path:
