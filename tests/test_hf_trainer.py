@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import BIN, REPO, hpcjobs
 from hpcjobs.protocol.contract import ENV_VAR, LaunchContract
-from trainers.integrations import hf_trainer
+from trainers.integrations import hf_trainer, marks
 
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_script.py"
 STEPS = 30
@@ -63,11 +63,11 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     rest, _ = proc.communicate(timeout=300)
     first = "".join(seen) + rest
     out = tmp_path / "out"
-    done = [n for n, p in hf_trainer.checkpoints(out) if (p / hf_trainer.COMPLETE).is_file()]
+    done = [n for n, p in marks.checkpoints(out) if (p / marks.COMPLETE).is_file()]
     assert done and 7 <= done[-1] < STEPS, first[-3000:]
     stop = done[-1]
     assert "AFTER TRAIN" not in first and not (out / "after-train.txt").exists()  # nothing after train() on a stop
-    assert not (out / f"checkpoint-{stop}" / hf_trainer.PENDING).exists()
+    assert not (out / f"checkpoint-{stop}" / marks.PENDING).exists()
 
     again = hpcjobs(*command(tmp_path, "out"), cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -87,12 +87,12 @@ def test_a_rank_killed_inside_a_save_leaves_a_checkpoint_never_resumed(tmp_path:
                      env={"HPCJOBS_FAULT_INJECT": "save-written@20:1"})
     assert killed.returncode != 0 and "AFTER TRAIN" not in killed.stdout
     out = tmp_path / "out"
-    assert hf_trainer.incomplete(out / "checkpoint-20") and (out / "checkpoint-10" / hf_trainer.COMPLETE).is_file()
+    assert marks.incomplete(out / "checkpoint-20") and (out / "checkpoint-10" / marks.COMPLETE).is_file()
     again = hpcjobs(*command(tmp_path, "out"), cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "checkpoint-20 was left incomplete" in again.stdout and f"resuming from {out / 'checkpoint-10'}" in \
         again.stdout
-    assert (out / hf_trainer.ASIDE / "checkpoint-20").is_dir()
+    assert (out / marks.ASIDE / "checkpoint-20").is_dir()
     same_as(out, twin)
 
 
@@ -102,13 +102,13 @@ def test_an_incomplete_checkpoint_is_moved_aside_and_the_one_before_is_resumed(t
     """A save killed halfway leaves its pending mark and no completion mark: never resumed, moved aside, also
     when the script's own get_last_checkpoint hands it to train()."""
     out = tmp_path / "out"
-    for step, marks in ((10, [hf_trainer.COMPLETE]), (20, [hf_trainer.PENDING]), (5, [])):
+    for step, names in ((10, [marks.COMPLETE]), (20, [marks.PENDING]), (5, [])):
         folder = out / f"checkpoint-{step}"
         folder.mkdir(parents=True)
-        for mark in marks:
+        for mark in names:
             (folder / mark).write_text("{}")
     assert hf_trainer.resume_point(str(out), str(out / "checkpoint-20")) == str(out / "checkpoint-10")
-    assert (out / hf_trainer.ASIDE / "checkpoint-20").is_dir() and not (out / "checkpoint-20").exists()
+    assert (out / marks.ASIDE / "checkpoint-20").is_dir() and not (out / "checkpoint-20").exists()
     assert "left incomplete" in capsys.readouterr().out
     assert hf_trainer.resume_point(str(out), None) == str(out / "checkpoint-10")
     assert hf_trainer.resume_point(str(out), str(out / "checkpoint-5")) == str(out / "checkpoint-5")  # written
@@ -136,7 +136,34 @@ def test_an_output_folder_renamed_at_each_start_resumes_the_previous_starts_chec
     before = tmp_path / "out-1200" / "checkpoint-30"
     before.mkdir(parents=True)
     monkeypatch.setenv("RANK", "0")
-    hf_trainer.mark_complete(before, 30)
+    marks.mark_complete(before, 30)
     assert hf_trainer.resume_point(str(tmp_path / "out-1300"), None) == str(before)
     assert "its name changes every start" in capsys.readouterr().out
     assert hf_trainer.resume_point(str(tmp_path / "out-1200"), None) == str(before)  # its own: no word
+
+
+@pytest.mark.train
+def test_the_code_around_train_keeps_the_scripts_signals(tmp_path: Path) -> None:
+    """The protocol's handlers hold only while train() runs: Ctrl-C stops the code before and after it as usual
+    (they were installed when the Trainer was made and never given back: the code after train() ignored Ctrl-C)."""
+    import transformers
+
+    hf_trainer.attach(transformers.trainer)
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+    during = []
+
+    class Look(TrainerCallback):
+        def on_step_end(self, *_: object, **__: object) -> None:
+            during.append(signal.getsignal(signal.SIGINT))
+
+    ids = torch.arange(16).remainder(32)
+    trainer = Trainer(model=GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=8, n_layer=1, n_head=1)),
+                      args=TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], use_cpu=True,
+                                             save_strategy="no", disable_tqdm=True),
+                      train_dataset=[{"input_ids": ids, "labels": ids}] * 4, callbacks=[Look()])
+    assert {n: signal.getsignal(n) for n in before} == before
+    trainer.train()
+    assert during and during[0] is not before[signal.SIGINT]  # the protocol's, meanwhile
+    assert {n: signal.getsignal(n) for n in before} == before

@@ -2,10 +2,11 @@
 
 The launcher calls `install()` before it runs a user's script or module (never for hpcjobs's own tasks). It adds one
 import hook: when the script imports a library module named in HOOKS, the hook runs right after that module's own
-code and attaches hpcjobs (trainers/integrations/hf_trainer.py for `transformers.Trainer`). A script that imports
-none of them pays one dictionary lookup per import it makes (measured: 0.37 µs per import; `import torch` makes 1125,
-so 0.4 ms of a start that spends 2-4 s importing torch). `HPCJOBS_HOOKS=0` in the rank's environment
-(`hpcjobs submit --env HPCJOBS_HOOKS=0`) leaves every library as it is.
+code and attaches hpcjobs (trainers/integrations/hf_trainer.py for `transformers.Trainer`, lightning.py beside it for
+Lightning's, under either package name). A script that imports none of them pays one dictionary lookup per import
+it makes (measured: 0.37 µs per import; `import torch` makes 1125, so 0.4 ms of a start that spends 2-4 s importing
+torch). `HPCJOBS_HOOKS=0` in the rank's environment (`hpcjobs submit --env HPCJOBS_HOOKS=0`) leaves every library
+as it is.
 
 Torch-free: the hooks import nothing until the library itself is imported.
 """
@@ -20,7 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-HOOKS: dict[str, str] = {"transformers.trainer": "trainers.integrations.hf_trainer"}
+HOOKS: dict[str, str] = {"transformers.trainer": "trainers.integrations.hf_trainer",
+                         "lightning.pytorch.trainer.trainer": "trainers.integrations.lightning",
+                         "pytorch_lightning.trainer.trainer": "trainers.integrations.lightning"}
 """Library module → the hpcjobs module whose `attach(module)` joins it to the protocol once it is imported."""
 SWITCH = "HPCJOBS_HOOKS"
 """`0` turns every hook off."""

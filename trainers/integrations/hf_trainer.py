@@ -9,6 +9,8 @@ Attached when the script imports `transformers.trainer` (trainers/integrations/_
 - After every save, periodic or not, each rank fsyncs the folder's files and, once all have, rank 0 writes
   `hpcjobs-complete.json` into it (fsynced): only then is the checkpoint complete. A save that dies halfway leaves
   its `.hpcjobs-pending` mark, written before the save began, and no completion mark.
+- The protocol's signal handlers hold only while `train()` runs (trainers/integrations/signals.py): the code before
+  and after it keeps the script's own (Ctrl-C stops it).
 - After a stop's save, rank 0 requeues the job (on Slurm, when the stop came from the profile's signal) and every
   rank exits: nothing after `trainer.train()` runs (no final save_model, evaluation or upload on a stop).
 - `train()` resumes the newest complete checkpoint of the output folder when it is given none. A checkpoint it is
@@ -21,23 +23,14 @@ Attached when the script imports `transformers.trainer` (trainers/integrations/_
 from __future__ import annotations
 
 import functools
-import json
 import os
-import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from hpcjobs.protocol.atomic import fsync_path, write_atomic
-from hpcjobs.protocol.contract import LaunchContract
-from hpcjobs.protocol.runfolder import RunFolder, read_json, write_json_atomic
-from trainers.faults import maybe_die
-
-COMPLETE = "hpcjobs-complete.json"
-PENDING = ".hpcjobs-pending"
-ASIDE = "incomplete"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+from hpcjobs.protocol.runfolder import read_json
+from trainers.integrations.marks import COMPLETE, incomplete, mark_complete, mark_pending, run_folder, say, settle
+from trainers.integrations.signals import joined
 
 
 def attach(module: ModuleType) -> None:
@@ -54,23 +47,18 @@ def attach(module: ModuleType) -> None:
 
     @functools.wraps(original_train)
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return original_train(self, resume_point(self.args.output_dir, resume_from_checkpoint), *args, **kwargs)
+        resume = resume_point(self.args.output_dir, resume_from_checkpoint)
+        callback = next((c for c in self.callback_handler.callbacks if getattr(c, "hpcjobs", False)), None)
+        if callback is None:  # the script removed it: the Trainer as it is
+            return original_train(self, resume, *args, **kwargs)
+        with joined(callback):  # the protocol's handlers for the length of train()
+            return original_train(self, resume, *args, **kwargs)
 
     trainer_cls.__init__, trainer_cls.train = __init__, train
     trainer_cls._hpcjobs_attached = True
 
 
 # --- which checkpoint a start resumes ------------------------------------------------------------------------------
-
-def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()] \
-        if output_dir.is_dir() else []
-    return sorted(found)
-
-
-def incomplete(folder: Path) -> bool:
-    return (folder / PENDING).exists() and not (folder / COMPLETE).exists()
-
 
 def resume_point(output_dir: str, given: Any) -> Any:
     """What train() resumes from: `given` when it is a complete (or foreign) checkpoint or False, else the newest
@@ -83,15 +71,15 @@ def resume_point(output_dir: str, given: Any) -> Any:
     writable(root)
     if given not in (None, True):
         if not Path(given).is_dir():
-            _say(f"resume_from_checkpoint {given} is not a folder; valid: a checkpoint-N folder of a run, or none to "
+            say(f"resume_from_checkpoint {given} is not a folder; valid: a checkpoint-N folder of a run, or none to "
                  f"resume the newest complete one of {output_dir}. HINT: check the path, or drop the flag")
             raise SystemExit(2)  # on every rank: each was given the same path
         if not incomplete(Path(given)):
-            _say(f"resuming from {given}")
+            say(f"resuming from {given}")
             return given
     newest = settle(root) or previous_start(root)
     if newest is not None:
-        _say(f"resuming from {newest}")
+        say(f"resuming from {newest}")
         return str(newest)
     return None if given is True else given
 
@@ -103,42 +91,22 @@ def writable(root: Path) -> None:
         probe.touch()
         probe.unlink()
     except OSError as e:
-        _say(f"output_dir {root} cannot hold checkpoints ({e.strerror or e}); valid: a folder every rank can write. "
+        say(f"output_dir {root} cannot hold checkpoints ({e.strerror or e}); valid: a folder every rank can write. "
              "HINT: give --output_dir a writable place, e.g. under $HPCJOBS_RUN_DIR")
         raise SystemExit(2) from None
-
-
-def settle(root: Path) -> Path | None:
-    """The newest complete checkpoint of `root`; rank 0 moves the incomplete ones aside, once every rank chose."""
-    found = checkpoints(root)
-    newest = next((p for _, p in reversed(found) if not incomplete(p)), None)
-    bad = [p for _, p in found if incomplete(p)]
-    _barrier()
-    if bad and _rank() == 0:
-        aside = root / ASIDE
-        aside.mkdir(exist_ok=True)
-        for p in bad:
-            target, n = aside / p.name, 0
-            while target.exists():
-                n += 1
-                target = aside / f"{p.name}.{n}"
-            os.rename(p, target)
-            _say(f"{p} was left incomplete by a save that did not finish; moved to {target}")
-    _barrier()
-    return newest
 
 
 def previous_start(root: Path) -> Path | None:
     """The complete checkpoint this job's earlier start recorded, when it lies in another output folder than this
     start's: a name made anew at each start (a timestamp) would otherwise start the requeued job from zero."""
-    run = _run_folder()
+    run = run_folder()
     record = read_json(run.script_checkpoint) if run else None
     if not isinstance(record, dict) or not isinstance(record.get("path"), str):
         return None
     path = Path(record["path"])
     if path.parent == root or not (path / COMPLETE).is_file():
         return None
-    _say(f"output_dir {root} is not where this job's previous start saved ({path.parent}): its name changes every "
+    say(f"output_dir {root} is not where this job's previous start saved ({path.parent}): its name changes every "
          "start (a timestamp?), and a requeued job would start from step 0. HINT: give --output_dir a fixed name")
     return path
 
@@ -153,62 +121,26 @@ def stop_callback() -> Any:
     class StopAtAgreedStep(TrainerCallback):
         """The stop protocol at the Trainer's step ends, and the completion mark after each save."""
 
+        hpcjobs = True
+
         def __init__(self) -> None:
-            self.guard = StopGuard()
+            self.guard: StopGuard | None = None  # made by train() (signals.joined)
             self.stop_step: int | None = None
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
-            if self.guard.should_stop(pipelined=True):  # every rank, every step: a collective, overlapping a step
+            # every rank, every step: a collective, overlapping a step
+            if self.guard is not None and self.guard.should_stop(pipelined=True):
                 control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
                 self.stop_step = state.global_step
-            if control.should_save and _rank() == 0:
-                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / PENDING).touch()
+            if control.should_save:
+                mark_pending(Path(args.output_dir) / f"checkpoint-{state.global_step}")
             return control
 
         def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             mark_complete(folder, state.global_step)
-            if self.stop_step is not None:
+            if self.stop_step is not None and self.guard is not None:
                 self.guard.requeue_and_exit(state.global_step)
             return control
 
     return StopAtAgreedStep()
-
-
-def mark_complete(folder: Path, step: int) -> None:
-    """Every rank fsyncs what is in the folder (its own files among them); once all have, rank 0 writes the mark
-    and records the checkpoint in the run folder (found again by a start whose output folder has another name)."""
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            fsync_path(path)
-    maybe_die("save-written", step)  # fault injection (tests): a rank killed inside the save
-    _barrier()
-    if _rank() == 0:
-        write_atomic(folder / COMPLETE, json.dumps({"step": step}), durable=True)
-        (folder / PENDING).unlink(missing_ok=True)
-        run = _run_folder()
-        if run is not None:
-            write_json_atomic(run.script_checkpoint, {"path": str(folder.resolve()), "step": step})
-    _barrier()
-
-
-def _run_folder() -> RunFolder | None:
-    contract = LaunchContract.current()
-    return RunFolder(contract.run_dir) if contract and contract.run_dir else None
-
-
-def _say(line: str) -> None:
-    if _rank() == 0:
-        print(f"hpcjobs: {line}", flush=True)
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def _barrier() -> None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.barrier()

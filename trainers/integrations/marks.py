@@ -1,0 +1,102 @@
+"""hpcjobs's marks on the checkpoint folders a user's training library writes (`checkpoint-N`), shared by every
+integration (hf_trainer, lightning): which folders a save left incomplete, which complete one is newest, and the
+two marks that tell them apart.
+
+A save begins with `.hpcjobs-pending` in its folder (rank 0, before any file of the save). Once the library has
+written its files, every rank fsyncs what is in the folder and, once all have, rank 0 writes `hpcjobs-complete.json`
+(fsynced) and drops the pending mark: only then is the checkpoint complete. A save that dies halfway leaves the
+pending mark and no completion mark; the next start moves it aside to `incomplete/` with one line and resumes the
+newest complete one before it. A folder with neither mark was written without hpcjobs and is taken as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from hpcjobs.protocol.atomic import fsync_path, write_atomic
+from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
+from trainers.faults import maybe_die
+
+COMPLETE = "hpcjobs-complete.json"
+PENDING = ".hpcjobs-pending"
+ASIDE = "incomplete"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()] \
+        if output_dir.is_dir() else []
+    return sorted(found)
+
+
+def incomplete(folder: Path) -> bool:
+    return (folder / PENDING).exists() and not (folder / COMPLETE).exists()
+
+
+def settle(root: Path) -> Path | None:
+    """The newest complete checkpoint of `root`; rank 0 moves the incomplete ones aside, once every rank chose."""
+    found = checkpoints(root)
+    newest = next((p for _, p in reversed(found) if not incomplete(p)), None)
+    bad = [p for _, p in found if incomplete(p)]
+    barrier()
+    if bad and rank() == 0:
+        aside = root / ASIDE
+        aside.mkdir(exist_ok=True)
+        for p in bad:
+            target, n = aside / p.name, 0
+            while target.exists():
+                n += 1
+                target = aside / f"{p.name}.{n}"
+            os.rename(p, target)
+            say(f"{p} was left incomplete by a save that did not finish; moved to {target}")
+    barrier()
+    return newest
+
+
+def mark_pending(folder: Path) -> None:
+    """Rank 0, before the save writes anything into `folder`."""
+    if rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / PENDING).touch()
+
+
+def mark_complete(folder: Path, step: int) -> None:
+    """Every rank fsyncs what is in the folder (its own files among them); once all have, rank 0 writes the mark
+    and records the checkpoint in the run folder (found again by a start whose output folder has another name)."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            fsync_path(path)
+    maybe_die("save-written", step)  # fault injection (tests): a rank killed inside the save
+    barrier()
+    if rank() == 0:
+        write_atomic(folder / COMPLETE, json.dumps({"step": step}), durable=True)
+        (folder / PENDING).unlink(missing_ok=True)
+        run = run_folder()
+        if run is not None:
+            write_json_atomic(run.script_checkpoint, {"path": str(folder.resolve()), "step": step})
+    barrier()
+
+
+def run_folder() -> RunFolder | None:
+    contract = LaunchContract.current()
+    return RunFolder(contract.run_dir) if contract and contract.run_dir else None
+
+
+def say(line: str) -> None:
+    if rank() == 0:
+        print(f"hpcjobs: {line}", flush=True)
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def barrier() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
