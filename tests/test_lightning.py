@@ -153,6 +153,17 @@ def test_fit_runs_with_lightnings_own_stop_handling_off_and_gives_the_signals_ba
     assert {n: signal.getsignal(n) for n in before} == before
 
 
+
+@pytest.fixture(autouse=True)
+def _signals_given_back() -> Any:
+    """A stop ends fit() with SystemExit and the protocol's handlers still in place (the rank's process ends there);
+    in one test process the next test must start with the handlers it had."""
+    nums = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    saved = {n: signal.getsignal(n) for n in nums}
+    yield
+    for n, handler in saved.items():
+        signal.signal(n, handler)
+
 @pytest.mark.train
 @pytest.mark.parametrize(("asked", "saved"), [(13, 13), (10, 11)])
 def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(tmp_path: Path, asked: int,
