@@ -107,13 +107,11 @@ class Uneven(nn.Module):
         self.blocks = nn.ModuleList(nn.Linear(4, 4 + dist.get_rank()) for _ in range(2))
 
 
-def wrapping_hook(model: nn.Module, mesh: Any) -> None:
+def wrapping_hook(model: nn.Module, shard: Any) -> None:
     """A task's parallelize(): checkpoint-wraps each block (its parameters' names change), then shards it."""
-    from torch.distributed.fsdp import fully_shard
-
     assert strategy.checkpoint_activations(model) == 3
     for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, mesh=mesh)
+        shard(block)
 
 
 def _plain(name: str) -> str:

@@ -16,10 +16,12 @@ from torch import nn
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError
 from trainers.dist import DistContext
+from trainers.sharding import Sharding
 
-ShardHook = Callable[[nn.Module, Any], None]
-"""A task's own sharding: parallelize(model, mesh) calls fully_shard on the modules it wants as units (the root is
-sharded by the trainer afterwards)."""
+ShardHook = Callable[[nn.Module, Sharding], None]
+"""A task's own sharding: parallelize(model, shard) calls shard(module) on the modules it wants as units
+(trainers.sharding: the mesh, mixed precision, offload and --compile come with it); the trainer shards the root
+afterwards."""
 
 
 class Strategy(Protocol):
@@ -102,13 +104,13 @@ class Fsdp:
         # Keyed by the module that holds each, not by its name, which a task's hook may change (a wrapper).
         full = ({(id(m), n): p.detach() for _, m, n, p in _registrations(model, "parameters")}
                 if spread and ctx.rank == 0 else None)
+        # Every unit, the task hook's too, through one sharding function: compiled (if asked) before it is sharded.
+        self.sharding = Sharding(model, {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}, cfg.compile)
         if hook is not None:
-            hook(model, mesh)
+            hook(model, self.sharding)
         else:
             for unit in units(model):
-                if cfg.compile:
-                    unit.compile()
-                fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
+                self.sharding(unit)
         # The root's outputs in fp32, as autocast leaves a loss: the loss and its softmax never run in bf16/fp16.
         root = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
         fully_shard(model, mesh=mesh, mp_policy=root, offload_policy=offload)
