@@ -47,17 +47,22 @@ def units(model: nn.Module) -> list[nn.Module]:
     return [c for c in biggest.children() if any(True for _ in c.parameters())]
 
 
-def checkpoint_activations(model: nn.Module) -> int:
-    """Wrap each unit (see `units`) so its activations are recomputed in the backward instead of kept; returns how
-    many. Non-reentrant checkpointing replays the RNG state, so dropout masks are the same in the recomputation."""
+def checkpoint_activations(model: nn.Module, mode: str = "full", every: int = 1) -> int:
+    """Wrap every `every`-th unit (see `units`; the 1st, (every+1)-th, ...) so its activations are recomputed in the
+    backward instead of kept, whole (mode full) or all but the matmuls' and attention's outputs (selective,
+    trainers.activations); returns how many. Non-reentrant checkpointing replays the RNG state, so dropout masks
+    are the same in the recomputation."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    targets = {id(u) for u in units(model)}
+    from trainers.activations import checkpoint_kwargs
+
+    targets = {id(u) for i, u in enumerate(units(model)) if i % every == 0}
     wrapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in targets:
-                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=True))
+                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=True,
+                                                                **checkpoint_kwargs(mode)))
                 wrapped += 1
     return wrapped
 
@@ -263,7 +268,7 @@ def make(model: nn.Module, ctx: DistContext, cfg: TrainConfig, precision: str,
         raise ConfigError("--cpu-offload on a rank without a GPU; valid: --cpu-offload on GPU ranks. HINT: on the "
                           "CPU everything is already in host memory: drop --cpu-offload")
     if cfg.activation_checkpointing:
-        checkpoint_activations(model)
+        checkpoint_activations(model, cfg.ac_mode, cfg.ac_every)
     if cfg.strategy == "ddp":
         return Ddp(model, ctx, cfg)
     if not dist.is_initialized():

@@ -21,7 +21,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, ResumeError
-from trainers import checkpoint, faults, memory, perf, preemption, startup, strategy
+from trainers import activations, checkpoint, faults, memory, perf, preemption, startup, strategy
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
@@ -140,7 +140,7 @@ class Training:
     def describe(self) -> str:
         cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
-        extras = (self.math, "compiled" * cfg.compile, "activation checkpointing" * cfg.activation_checkpointing,
+        extras = (self.math, "compiled" * cfg.compile, activations.words(cfg),
                   "model built on rank 0" * strategy.from_rank0(cfg, world),
                   "CPU offload" * cfg.cpu_offload,
                   memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))

@@ -14,6 +14,7 @@ from typing import Any
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
 LR_SCALING = ("none", "linear", "sqrt")
+AC_MODES = ("full", "selective")
 TRACKERS: dict[str, str | None] = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """--tracker's names, each with the package it needs (its pip extra of hpcjobs has the tracker's name). metrics.jsonl
 (jsonl) is the Meter's own and always written; every other tracker NAME is trainers/tracking/NAME_run.py."""
@@ -100,8 +101,19 @@ class TrainConfig:
     then each rank holds an unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B
     model), which can be what does not fit; with it, --grad-accum reduce-scatters per step instead of one."""
     activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward instead of keeping them (both strategies): less memory,
-    about a third more compute."""
+    """Recompute blocks' activations in the backward instead of keeping them (both strategies): less memory, more
+    compute (about a third more with --ac-mode full on every block). Which blocks and which activations:
+    --ac-every, --ac-mode."""
+    ac_mode: str = field(default="full", metadata={
+        "choices": AC_MODES,
+        "hint": "full recomputes the whole block (least memory); selective keeps the matmuls' and attention's "
+                "outputs and recomputes the cheap rest (norms, activations, dropout)."})
+    """With --activation-checkpointing: full (keep only each checkpointed block's input, recompute the rest) or
+    selective (keep the outputs of the matrix multiplications and attention, recompute the elementwise ops: most of
+    the saving at a fraction of the recompute; torchtitan's op-level selective checkpointing)."""
+    ac_every: int = field(default=1, metadata={"min": 1, "note": "1: every block", "example": "2"})
+    """With --activation-checkpointing: checkpoint every N-th block only (the others keep their activations): a
+    step between no checkpointing and all of it (torchtitan's layer-level selective checkpointing)."""
     async_save: bool = True
     """Periodic checkpoints are written in the background: training waits only while the state is copied to host
     memory. At most one save is in flight; a stop and the end of training wait for it, then save in the foreground."""
@@ -125,6 +137,11 @@ class TrainConfig:
     def trackers(self) -> tuple[str, ...]:
         """--tracker's names in the order given, each once; jsonl among them or not (it is always written)."""
         return tuple(dict.fromkeys(name.strip() for name in self.tracker.split(",") if name.strip()))
+
+    def checkpoints_all_of_every_block(self) -> bool:
+        """Whether every block's activations are recomputed whole: what the memory plan models as checkpointing
+        (a selective or every-N-th checkpointing is planned as none, an upper bound)."""
+        return self.activation_checkpointing and self.ac_mode == "full" and self.ac_every == 1
 
     def lr_factor(self, world_size: int) -> float:
         return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
