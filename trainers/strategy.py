@@ -93,12 +93,11 @@ class Fsdp:
 
     def __init__(self, model: nn.Module, ctx: DistContext, cfg: TrainConfig, precision: str,
                  hook: ShardHook | None = None) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.model = model
         self.reduce_each = cfg.reduce_each_micro_batch
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = device_mesh(ctx, cfg.replicate_degree)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         # Parameters cast to bf16/fp16 for the forward and backward; gradients reduced and kept in fp32.
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
@@ -110,7 +109,8 @@ class Fsdp:
         full = ({(id(m), n): p.detach() for _, m, n, p in _registrations(model, "parameters")}
                 if spread and ctx.rank == 0 else None)
         # Every unit, the task hook's too, through one sharding function: compiled (if asked) before it is sharded.
-        self.sharding = Sharding(model, {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}, cfg.compile)
+        self.sharding = Sharding(model, {"mesh": mesh, "mp_policy": policy, "offload_policy": offload,
+                                         "reshard_after_forward": cfg.reshard_after_forward}, cfg.compile)
         if hook is not None:
             hook(model, self.sharding)
         else:
@@ -131,6 +131,31 @@ class Fsdp:
         # Returned as computed (a DTensor): reducing it to a number costs an all-reduce, which the Meter does only
         # at log steps (it had been one more all-reduce every step).
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+def device_mesh(ctx: DistContext, replicate: int) -> Any:
+    """FSDP2's mesh: 1-D over every rank, or under --replicate-degree R a 2-D (replicate, shard) mesh of R groups of
+    world/R consecutive ranks (a node's ranks are consecutive: with R = nodes each node shards one replica)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = ctx.world_size
+    if replicate == 1:
+        return init_device_mesh(ctx.device.type, (world,))
+    if world % replicate or replicate == world:
+        raise ConfigError(f"--replicate-degree {replicate} with {world} rank(s); valid: a divisor of {world} "
+                          f"below it. HINT: the number of nodes (each node's ranks shard one replica), or drop the "
+                          "flag to shard over all ranks")
+    return init_device_mesh(ctx.device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+
+
+def layout_words(cfg: TrainConfig, world: int) -> str:
+    """The start line's words for how fsdp lays the model out ("" for the defaults)."""
+    words = ["model built on rank 0" * from_rank0(cfg, world)]
+    if cfg.strategy == "fsdp" and cfg.replicate_degree > 1:
+        words.append(f"hybrid sharding: {cfg.replicate_degree} replicas × {world // cfg.replicate_degree} shards")
+    if cfg.strategy == "fsdp" and not cfg.reshard_after_forward:
+        words.append("gathered blocks kept from forward to backward")
+    return ", ".join(w for w in words if w)
 
 
 def from_rank0(cfg: TrainConfig, world_size: int) -> bool:

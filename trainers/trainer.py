@@ -141,7 +141,7 @@ class Training:
         cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
         extras = (self.math, "compiled" * cfg.compile, activations.words(cfg),
-                  "model built on rank 0" * strategy.from_rank0(cfg, world),
+                  strategy.layout_words(cfg, world),
                   "CPU offload" * cfg.cpu_offload,
                   memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))
         return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "

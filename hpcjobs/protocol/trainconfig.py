@@ -100,6 +100,16 @@ class TrainConfig:
     holds its shard of them. Without it the gradients are reduced once per step, on the last micro-batch, and until
     then each rank holds an unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B
     model), which can be what does not fit; with it, --grad-accum reduce-scatters per step instead of one."""
+    reshard_after_forward: bool = True
+    """fsdp: free each block's gathered parameters after its forward and gather them again for its backward (FSDP2's
+    reshard_after_forward). --no-reshard-after-forward keeps them gathered from the forward to the backward: one
+    all-gather a block per step instead of two, for the memory of every block's whole parameters (ZeRO-2-like)."""
+    replicate_degree: int = field(default=1, metadata={"min": 1, "note": "1: shard over all ranks",
+                                                       "example": "2"})
+    """fsdp: hybrid sharding (HSDP) over a 2-D mesh of replicate_degree × (world / replicate_degree) ranks: each
+    group of world / replicate_degree consecutive ranks shards the model, and the groups hold replicas whose
+    gradients are all-reduced. With the number of nodes (e.g. 2 on 2 × 8 GPUs) the sharding collectives stay inside
+    a node (NVLink) and only one all-reduce of the shards crosses the slower fabric. Must divide the world size."""
     activation_checkpointing: bool = False
     """Recompute blocks' activations in the backward instead of keeping them (both strategies): less memory, more
     compute (about a third more with --ac-mode full on every block). Which blocks and which activations:
