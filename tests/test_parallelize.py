@@ -130,3 +130,42 @@ def test_per_block_compile_of_the_hooks_units_makes_one_graph_per_block_and_matc
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], rtol=2e-2, atol=2e-3) for k in a), \
         max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _offloaded_optimizer(rank: int, store: str, out: str) -> None:
+    """What --cpu-offload's ranks hold: sharded parameters (DTensors) in host memory; the default optimizer for them."""
+    import torch.distributed as dist
+
+    from trainers.trainer import default_optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    ctx = DistContext(DistEnv(rank, rank, 2, 2, "localhost", 0, "test", 0, "single"), torch.device("cpu"), "gloo")
+    model = Net()
+    strategy.make(model, ctx, TrainConfig(strategy="fsdp"), "fp32")
+    calls = []
+    fused_kernel = torch._fused_adamw_
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(len(args[0]))
+        return fused_kernel(*args, **kwargs)
+
+    torch._fused_adamw_ = counted
+    optimizer = default_optimizer(model, 1e-2, TrainConfig(strategy="fsdp", cpu_offload=True))
+    before = [p.full_tensor().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    model(torch.randint(0, 11, (2, 4))).sum().backward()
+    optimizer.step()
+    after = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+    torch.save({"fused": optimizer.defaults["fused"], "calls": calls,
+                "moved": all(not torch.equal(a, b) for a, b in zip(before, after, strict=True))}, f"{out}-{rank}")
+    release_groups()
+    dist.destroy_process_group()
+
+
+@pytest.mark.train
+def test_the_optimizer_of_offloaded_parameters_is_adamws_fused_cpu_kernel(tmp_path: Path) -> None:
+    """--cpu-offload (issue 28): torch's default for CPU tensors is a per-parameter Python loop; the default
+    optimizer asks for the fused kernel, which updates the host-memory shards (CPU DTensors) group by group."""
+    out = str(tmp_path / "offload")
+    mp.spawn(_offloaded_optimizer, args=(str(tmp_path / "store"), out), nprocs=2)
+    got = torch.load(f"{out}-0")
+    assert got["fused"] is True and got["calls"] == [2 * BLOCKS + 2, 2 * BLOCKS + 1] and got["moved"], got

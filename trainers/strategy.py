@@ -286,9 +286,6 @@ def make(model: nn.Module, ctx: DistContext, cfg: TrainConfig, precision: str,
     if cfg.cpu_offload and cfg.strategy != "fsdp":
         raise ConfigError("--cpu-offload with --strategy ddp; valid: --cpu-offload with --strategy fsdp. HINT: FSDP2 "
                           "offloads the sharded parameters and optimizer state, DDP has nothing to offload")
-    if cfg.reduce_each_micro_batch and cfg.strategy != "fsdp":
-        raise ConfigError("--reduce-each-micro-batch with --strategy ddp; valid: with --strategy fsdp. HINT: DDP holds "
-                          "whole gradients on every rank anyway: reducing them more often only costs time")
     if cfg.cpu_offload and ctx.device.type != "cuda":
         raise ConfigError("--cpu-offload on a rank without a GPU; valid: --cpu-offload on GPU ranks. HINT: on the "
                           "CPU everything is already in host memory: drop --cpu-offload")

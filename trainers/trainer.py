@@ -56,9 +56,9 @@ def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.op
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused CUDA kernel updates every parameter in one launch per group (torch's default is the foreach path).
-    on_cuda = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if on_cuda else None)
+    # Fused: one launch per group on CUDA; under --cpu-offload a vectorised CPU kernel, not a per-parameter loop.
+    fused = cfg.cpu_offload or all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if fused else None)
 
 
 def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, device: torch.device,

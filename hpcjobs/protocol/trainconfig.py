@@ -95,11 +95,12 @@ class TrainConfig:
     then holds one full copy of the model while the job starts instead of one per rank (8 × 28 GB for a 7B model in
     fp32 on an 8-GPU node). The weights are the same either way. --no-meta-init builds it on every rank, for a
     task whose model() must compute with real tensors (e.g. calls .item() on one)."""
-    reduce_each_micro_batch: bool = False
-    """fsdp with --grad-accum above 1: reduce-scatter the gradients after every micro-batch, so each rank only ever
-    holds its shard of them. Without it the gradients are reduced once per step, on the last micro-batch, and until
-    then each rank holds an unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B
-    model), which can be what does not fit; with it, --grad-accum reduce-scatters per step instead of one."""
+    reduce_each_micro_batch: bool = True
+    """fsdp with --grad-accum above 1: reduce-scatter the gradients after every micro-batch (the default, as
+    torchtitan does), so each rank only ever holds its shard of them. --no-reduce-each-micro-batch reduces once per
+    step, on the last micro-batch: one collective instead of --grad-accum, but until then each rank holds an
+    unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B model). ddp reduces once per
+    step either way."""
     reshard_after_forward: bool = True
     """fsdp: free each block's gathered parameters after its forward and gather them again for its backward (FSDP2's
     reshard_after_forward). --no-reshard-after-forward keeps them gathered from the forward to the backward: one
