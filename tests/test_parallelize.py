@@ -123,9 +123,9 @@ def test_per_block_compile_of_the_hooks_units_makes_one_graph_per_block_and_matc
     assert compiled["compiled"] == ["FSDPOptimizedModule"] * BLOCKS
     assert not stats.get("graph_break"), stats.get("graph_break")
     assert not stats.get("recompile_limit_hit") and not any("limit" in k for k in stats.get("frames", {}))
-    # One graph for the blocks' shared body (the blocks differ only in their parameters, inputs to it) per pass
-    # dynamo sees: far fewer than the blocks; a frame per block (the old in-place compile) would make more.
-    assert 1 <= stats["stats"]["unique_graphs"] <= 2, stats["stats"]
+    # One graph for the blocks' shared body (they differ only in their parameters, inputs to it), measured: 10
+    # blocks, 1 frame, 1 graph. The old in-place compile broke the graph at FSDP's hooks inside the frame.
+    assert stats["stats"]["unique_graphs"] == 1 and stats["frames"]["total"] == 1, stats
     a, b = eager["weights"], compiled["weights"]
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], rtol=2e-2, atol=2e-3) for k in a), \

@@ -40,7 +40,6 @@ class Sharding:
     def __init__(self, root: nn.Module, kwargs: dict[str, Any], compile: bool) -> None:
         self.root, self.kwargs, self.compile = root, kwargs, compile
         self.mesh = kwargs["mesh"]
-        self.units: list[nn.Module] = []
 
     def __call__(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -48,7 +47,6 @@ class Sharding:
         if self.compile:
             module = compile_in_place(self.root, module)
         fully_shard(module, **self.kwargs)
-        self.units.append(module)
         return module
 
     def __getattr__(self, name: str) -> Any:
