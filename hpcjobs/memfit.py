@@ -64,7 +64,7 @@ def job_plan(target: str, args: tuple[str, ...] | list[str], ranks: int) -> JobP
     c = dataclasses.replace(SIZES[size], seq_len=int(seq) if seq else SIZES[size].seq_len)
     setup = Setup(strategy=cfg.strategy, ranks=ranks, micro_batch=micro, seq_len=c.seq_len,
                   precision="bf16" if cfg.precision == "auto" else cfg.precision,
-                  activation_checkpointing=cfg.activation_checkpointing, grad_accum=cfg.grad_accum,
+                  activation_checkpointing=cfg.checkpoints_all_of_every_block(), grad_accum=cfg.grad_accum,
                   reduce_each_micro_batch=cfg.reduce_each_micro_batch, cpu_offload=cfg.cpu_offload)
     return JobPlan(size, c, setup, plan(c, setup))
 

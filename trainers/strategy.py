@@ -16,10 +16,12 @@ from torch import nn
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError
 from trainers.dist import DistContext
+from trainers.sharding import Sharding
 
-ShardHook = Callable[[nn.Module, Any], None]
-"""A task's own sharding: parallelize(model, mesh) calls fully_shard on the modules it wants as units (the root is
-sharded by the trainer afterwards)."""
+ShardHook = Callable[[nn.Module, Sharding], None]
+"""A task's own sharding: parallelize(model, shard) calls shard(module) on the modules it wants as units
+(trainers.sharding: the mesh, mixed precision, offload and --compile come with it); the trainer shards the root
+afterwards."""
 
 
 class Strategy(Protocol):
@@ -45,17 +47,22 @@ def units(model: nn.Module) -> list[nn.Module]:
     return [c for c in biggest.children() if any(True for _ in c.parameters())]
 
 
-def checkpoint_activations(model: nn.Module) -> int:
-    """Wrap each unit (see `units`) so its activations are recomputed in the backward instead of kept; returns how
-    many. Non-reentrant checkpointing replays the RNG state, so dropout masks are the same in the recomputation."""
+def checkpoint_activations(model: nn.Module, mode: str = "full", every: int = 1) -> int:
+    """Wrap every `every`-th unit (see `units`; the 1st, (every+1)-th, ...) so its activations are recomputed in the
+    backward instead of kept, whole (mode full) or all but the matmuls' and attention's outputs (selective,
+    trainers.activations); returns how many. Non-reentrant checkpointing replays the RNG state, so dropout masks
+    are the same in the recomputation."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    targets = {id(u) for u in units(model)}
+    from trainers.activations import checkpoint_kwargs
+
+    targets = {id(u) for i, u in enumerate(units(model)) if i % every == 0}
     wrapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in targets:
-                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=True))
+                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=True,
+                                                                **checkpoint_kwargs(mode)))
                 wrapped += 1
     return wrapped
 
@@ -86,12 +93,11 @@ class Fsdp:
 
     def __init__(self, model: nn.Module, ctx: DistContext, cfg: TrainConfig, precision: str,
                  hook: ShardHook | None = None) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.model = model
         self.reduce_each = cfg.reduce_each_micro_batch
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = device_mesh(ctx, cfg.replicate_degree)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         # Parameters cast to bf16/fp16 for the forward and backward; gradients reduced and kept in fp32.
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
@@ -102,13 +108,14 @@ class Fsdp:
         # Keyed by the module that holds each, not by its name, which a task's hook may change (a wrapper).
         full = ({(id(m), n): p.detach() for _, m, n, p in _registrations(model, "parameters")}
                 if spread and ctx.rank == 0 else None)
+        # Every unit, the task hook's too, through one sharding function: compiled (if asked) before it is sharded.
+        self.sharding = Sharding(model, {"mesh": mesh, "mp_policy": policy, "offload_policy": offload,
+                                         "reshard_after_forward": cfg.reshard_after_forward}, cfg.compile)
         if hook is not None:
-            hook(model, mesh)
+            hook(model, self.sharding)
         else:
             for unit in units(model):
-                if cfg.compile:
-                    unit.compile()
-                fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
+                self.sharding(unit)
         # The root's outputs in fp32, as autocast leaves a loss: the loss and its softmax never run in bf16/fp16.
         root = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
         fully_shard(model, mesh=mesh, mp_policy=root, offload_policy=offload)
@@ -124,6 +131,31 @@ class Fsdp:
         # Returned as computed (a DTensor): reducing it to a number costs an all-reduce, which the Meter does only
         # at log steps (it had been one more all-reduce every step).
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+def device_mesh(ctx: DistContext, replicate: int) -> Any:
+    """FSDP2's mesh: 1-D over every rank, or under --replicate-degree R a 2-D (replicate, shard) mesh of R groups of
+    world/R consecutive ranks (a node's ranks are consecutive: with R = nodes each node shards one replica)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = ctx.world_size
+    if replicate == 1:
+        return init_device_mesh(ctx.device.type, (world,))
+    if world % replicate or replicate == world:
+        raise ConfigError(f"--replicate-degree {replicate} with {world} rank(s); valid: a divisor of {world} "
+                          f"below it. HINT: the number of nodes (each node's ranks shard one replica), or drop the "
+                          "flag to shard over all ranks")
+    return init_device_mesh(ctx.device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+
+
+def layout_words(cfg: TrainConfig, world: int) -> str:
+    """The start line's words for how fsdp lays the model out ("" for the defaults)."""
+    words = ["model built on rank 0" * from_rank0(cfg, world)]
+    if cfg.strategy == "fsdp" and cfg.replicate_degree > 1:
+        words.append(f"hybrid sharding: {cfg.replicate_degree} replicas × {world // cfg.replicate_degree} shards")
+    if cfg.strategy == "fsdp" and not cfg.reshard_after_forward:
+        words.append("gathered blocks kept from forward to backward")
+    return ", ".join(w for w in words if w)
 
 
 def from_rank0(cfg: TrainConfig, world_size: int) -> bool:
@@ -254,14 +286,11 @@ def make(model: nn.Module, ctx: DistContext, cfg: TrainConfig, precision: str,
     if cfg.cpu_offload and cfg.strategy != "fsdp":
         raise ConfigError("--cpu-offload with --strategy ddp; valid: --cpu-offload with --strategy fsdp. HINT: FSDP2 "
                           "offloads the sharded parameters and optimizer state, DDP has nothing to offload")
-    if cfg.reduce_each_micro_batch and cfg.strategy != "fsdp":
-        raise ConfigError("--reduce-each-micro-batch with --strategy ddp; valid: with --strategy fsdp. HINT: DDP holds "
-                          "whole gradients on every rank anyway: reducing them more often only costs time")
     if cfg.cpu_offload and ctx.device.type != "cuda":
         raise ConfigError("--cpu-offload on a rank without a GPU; valid: --cpu-offload on GPU ranks. HINT: on the "
                           "CPU everything is already in host memory: drop --cpu-offload")
     if cfg.activation_checkpointing:
-        checkpoint_activations(model)
+        checkpoint_activations(model, cfg.ac_mode, cfg.ac_every)
     if cfg.strategy == "ddp":
         return Ddp(model, ctx, cfg)
     if not dist.is_initialized():

@@ -57,9 +57,12 @@ class Task:
     defaults: dict[str, Any] = field(default_factory=dict)
     """Trainer settings this task suggests (e.g. lr); flags on the command line still win."""
     parallelize: Callable[[nn.Module, Any], None] | None = None
-    """parallelize(model, mesh): the task's own FSDP2 sharding under --strategy fsdp, calling
-    torch.distributed.fsdp.fully_shard on the modules it wants sharded one by one (the trainer shards the root after).
-    Default: each entry of the ModuleList holding most parameters (trainers.strategy.units)."""
+    """parallelize(model, shard): the task's own FSDP2 sharding under --strategy fsdp, calling shard(module) on the
+    modules it wants sharded one by one (the trainer shards the root after). shard (trainers.sharding.Sharding)
+    carries the run's mesh, mixed-precision and offload policies, and compiles the module first under --compile
+    (returning the compiled wrapper the model now holds); shard.kwargs are fully_shard's keywords, for grouping
+    several modules into one unit. Default: each entry of the ModuleList holding most parameters
+    (trainers.strategy.units)."""
     save_frozen: bool = True
     """False: checkpoints and `hpcjobs export` hold only the parameters that train (requires_grad) and the buffers,
     e.g. a LoRA task's adapters; model() must then rebuild the frozen ones identically on every start."""

@@ -21,7 +21,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, ResumeError
-from trainers import checkpoint, faults, memory, perf, preemption, startup, strategy
+from trainers import activations, checkpoint, faults, memory, perf, preemption, startup, strategy
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
@@ -56,9 +56,9 @@ def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.op
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused CUDA kernel updates every parameter in one launch per group (torch's default is the foreach path).
-    on_cuda = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if on_cuda else None)
+    # Fused: one launch per group on CUDA; under --cpu-offload a vectorised CPU kernel, not a per-parameter loop.
+    fused = cfg.cpu_offload or all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if fused else None)
 
 
 def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, device: torch.device,
@@ -140,8 +140,8 @@ class Training:
     def describe(self) -> str:
         cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
-        extras = (self.math, "compiled" * cfg.compile, "activation checkpointing" * cfg.activation_checkpointing,
-                  "model built on rank 0" * strategy.from_rank0(cfg, world),
+        extras = (self.math, "compiled" * cfg.compile, activations.words(cfg),
+                  strategy.layout_words(cfg, world),
                   "CPU offload" * cfg.cpu_offload,
                   memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))
         return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "

@@ -14,6 +14,7 @@ from typing import Any
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
 LR_SCALING = ("none", "linear", "sqrt")
+AC_MODES = ("full", "selective")
 TRACKERS: dict[str, str | None] = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """--tracker's names, each with the package it needs (its pip extra of hpcjobs has the tracker's name). metrics.jsonl
 (jsonl) is the Meter's own and always written; every other tracker NAME is trainers/tracking/NAME_run.py."""
@@ -94,14 +95,36 @@ class TrainConfig:
     then holds one full copy of the model while the job starts instead of one per rank (8 × 28 GB for a 7B model in
     fp32 on an 8-GPU node). The weights are the same either way. --no-meta-init builds it on every rank, for a
     task whose model() must compute with real tensors (e.g. calls .item() on one)."""
-    reduce_each_micro_batch: bool = False
-    """fsdp with --grad-accum above 1: reduce-scatter the gradients after every micro-batch, so each rank only ever
-    holds its shard of them. Without it the gradients are reduced once per step, on the last micro-batch, and until
-    then each rank holds an unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B
-    model), which can be what does not fit; with it, --grad-accum reduce-scatters per step instead of one."""
+    reduce_each_micro_batch: bool = True
+    """fsdp with --grad-accum above 1: reduce-scatter the gradients after every micro-batch (the default, as
+    torchtitan does), so each rank only ever holds its shard of them. --no-reduce-each-micro-batch reduces once per
+    step, on the last micro-batch: one collective instead of --grad-accum, but until then each rank holds an
+    unsharded fp32 gradient of the whole model (4 bytes per parameter: 28 GB for a 7B model). ddp reduces once per
+    step either way."""
+    reshard_after_forward: bool = True
+    """fsdp: free each block's gathered parameters after its forward and gather them again for its backward (FSDP2's
+    reshard_after_forward). --no-reshard-after-forward keeps them gathered from the forward to the backward: one
+    all-gather a block per step instead of two, for the memory of every block's whole parameters (ZeRO-2-like)."""
+    replicate_degree: int = field(default=1, metadata={"min": 1, "note": "1: shard over all ranks",
+                                                       "example": "2"})
+    """fsdp: hybrid sharding (HSDP) over a 2-D mesh of replicate_degree × (world / replicate_degree) ranks: each
+    group of world / replicate_degree consecutive ranks shards the model, and the groups hold replicas whose
+    gradients are all-reduced. With the number of nodes (e.g. 2 on 2 × 8 GPUs) the sharding collectives stay inside
+    a node (NVLink) and only one all-reduce of the shards crosses the slower fabric. Must divide the world size."""
     activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward instead of keeping them (both strategies): less memory,
-    about a third more compute."""
+    """Recompute blocks' activations in the backward instead of keeping them (both strategies): less memory, more
+    compute (about a third more with --ac-mode full on every block). Which blocks and which activations:
+    --ac-every, --ac-mode."""
+    ac_mode: str = field(default="full", metadata={
+        "choices": AC_MODES,
+        "hint": "full recomputes the whole block (least memory); selective keeps the matmuls' and attention's "
+                "outputs and recomputes the cheap rest (norms, activations, dropout)."})
+    """With --activation-checkpointing: full (keep only each checkpointed block's input, recompute the rest) or
+    selective (keep the outputs of the matrix multiplications and attention, recompute the elementwise ops: most of
+    the saving at a fraction of the recompute; torchtitan's op-level selective checkpointing)."""
+    ac_every: int = field(default=1, metadata={"min": 1, "note": "1: every block", "example": "2"})
+    """With --activation-checkpointing: checkpoint every N-th block only (the others keep their activations): a
+    step between no checkpointing and all of it (torchtitan's layer-level selective checkpointing)."""
     async_save: bool = True
     """Periodic checkpoints are written in the background: training waits only while the state is copied to host
     memory. At most one save is in flight; a stop and the end of training wait for it, then save in the foreground."""
@@ -125,6 +148,11 @@ class TrainConfig:
     def trackers(self) -> tuple[str, ...]:
         """--tracker's names in the order given, each once; jsonl among them or not (it is always written)."""
         return tuple(dict.fromkeys(name.strip() for name in self.tracker.split(",") if name.strip()))
+
+    def checkpoints_all_of_every_block(self) -> bool:
+        """Whether every block's activations are recomputed whole: what the memory plan models as checkpointing
+        (a selective or every-N-th checkpointing is planned as none, an upper bound)."""
+        return self.activation_checkpointing and self.ac_mode == "full" and self.ac_every == 1
 
     def lr_factor(self, world_size: int) -> float:
         return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]

@@ -252,6 +252,15 @@ def _check_together(cfg: TrainConfig) -> None:
     if cfg.keep_best and not cfg.eval_every:
         raise _error("--keep-best without --eval-every", "--keep-best --eval-every N (best by val_loss)",
                      "add --eval-every 100")
+    fsdp_only = [flag for flag, on in (("--no-reshard-after-forward", not cfg.reshard_after_forward),
+                                       (f"--replicate-degree {cfg.replicate_degree}", cfg.replicate_degree > 1)) if on]
+    if fsdp_only and cfg.strategy != "fsdp":
+        raise _error(f"{fsdp_only[0]} with --strategy {cfg.strategy}", f"{fsdp_only[0]} with --strategy fsdp",
+                     "DDP holds the whole model on every rank: it has nothing to reshard or to shard hybridly")
+    if not cfg.activation_checkpointing and (cfg.ac_mode != "full" or cfg.ac_every != 1):
+        given = f"--ac-mode {cfg.ac_mode}" if cfg.ac_mode != "full" else f"--ac-every {cfg.ac_every}"
+        raise _error(f"{given} without --activation-checkpointing", f"{given} --activation-checkpointing",
+                     "add --activation-checkpointing (it says which blocks and activations it recomputes)")
 
 
 def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) -> tuple[TrainConfig, list[str]]:
