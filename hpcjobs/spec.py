@@ -165,7 +165,7 @@ def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
     pass. With `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where
     the flags decide it: a task's own default batch size is known on the node only)."""
     from hpcjobs.protocol.trainconfig import TrainConfig
-    from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
+    from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
 
     try:
         cfg, _ = parse_trainer_args(list(args))
@@ -174,6 +174,12 @@ def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
         message, _, hint = text.partition(" HINT: ")
         raise UsageError(f"trainer flag {message}", hint or "`python -m trainers.launch --run-dir DIR --kind task "
                          "-- trainers.tasks.lm --help` lists the trainer's flags.") from None
+    if ranks is not None:
+        try:
+            check_world(cfg, ranks)
+        except ConfigError as e:
+            message, _, hint = str(e).partition(" HINT: ")
+            raise UsageError(f"trainer flag {message}", hint) from None
     if ranks is not None and (cfg.global_batch_size or cfg.batch_size != TrainConfig().batch_size):
         try:
             cfg.micro_batch(ranks)

@@ -27,6 +27,8 @@ CASES = [
     (["--sweep", "lrr=1e-3,3e-3", "trainers.tasks.lm"], "--lrr 1e-3 is not a flag of this task or of the trainer"),
     (["trainers.tasks.lora", "--targets", "qkv,nope"], "--targets qkv,nope: 'nope' is not a Linear layer"),
     (["trainers.tasks.lora", "--rank", "4096"], "--rank 4096 is out of range; valid: --rank R with 1 ≤ R ≤ 64"),
+    (["trainers.tasks.lm", "--strategy", "fsdp", "--replicate-degree", "2"],
+     "--replicate-degree 2 with 1 rank(s); valid: a divisor of 1 below it"),
     (["trainers.tasks.classifier", "--hidden", "x"], "--hidden: 'x' is not a whole number; valid: --hidden N with"),
 ]
 

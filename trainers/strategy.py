@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError
+from hpcjobs.protocol.trainflags import ConfigError, check_world
 from trainers.dist import DistContext
 from trainers.sharding import Sharding
 
@@ -97,7 +97,7 @@ class Fsdp:
 
         self.model = model
         self.reduce_each = cfg.reduce_each_micro_batch
-        mesh = device_mesh(ctx, cfg.replicate_degree)
+        mesh = device_mesh(ctx, cfg)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         # Parameters cast to bf16/fp16 for the forward and backward; gradients reduced and kept in fp32.
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
@@ -133,18 +133,15 @@ class Fsdp:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
 
-def device_mesh(ctx: DistContext, replicate: int) -> Any:
+def device_mesh(ctx: DistContext, cfg: TrainConfig) -> Any:
     """FSDP2's mesh: 1-D over every rank, or under --replicate-degree R a 2-D (replicate, shard) mesh of R groups of
     world/R consecutive ranks (a node's ranks are consecutive: with R = nodes each node shards one replica)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = ctx.world_size
+    world, replicate = ctx.world_size, cfg.replicate_degree
     if replicate == 1:
         return init_device_mesh(ctx.device.type, (world,))
-    if world % replicate or replicate == world:
-        raise ConfigError(f"--replicate-degree {replicate} with {world} rank(s); valid: a divisor of {world} "
-                          f"below it. HINT: the number of nodes (each node's ranks shard one replica), or drop the "
-                          "flag to shard over all ranks")
+    check_world(cfg, world)
     return init_device_mesh(ctx.device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 

@@ -302,6 +302,16 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
     return cfg, rest
 
 
+def check_world(cfg: TrainConfig, world: int) -> None:
+    """Settings that are wrong for this many ranks, said where the world size is known: by the submit side before
+    queueing (the request's ranks) and by the ranks at their start."""
+    replicate = cfg.replicate_degree
+    if cfg.strategy == "fsdp" and replicate > 1 and (world % replicate or replicate == world):
+        raise ConfigError(f"--replicate-degree {replicate} with {world} rank(s); valid: a divisor of {world} below it. "
+                          "HINT: the number of nodes (each node's ranks shard one replica), or drop the flag to "
+                          "shard over all ranks")
+
+
 def trainer_flag_names() -> list[str]:
     """Every exact trainer flag (`--steps`, `--no-compile`, ...), in TrainConfig's order: a task's parser names them
     when it meets a flag it does not know, and suggests the closest."""
