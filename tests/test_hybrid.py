@@ -12,11 +12,13 @@ import torch
 from test_reshard import ARGS, probe
 
 from conftest import REPO, hpcjobs, newest_log
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
+from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
 from trainers import checkpoint
 from trainers.checkpoint.sharded import model_weights
 
-HYBRID = ("--strategy", "fsdp", "--replicate-degree", "2", "--no-reshard-after-forward")
+# Synchronous saves: the run killed after step 5 must have committed its step-3 checkpoint (a background save under
+# a loaded machine was still writing when the kill came, and the resume started at step 0).
+HYBRID = ("--strategy", "fsdp", "--replicate-degree", "2", "--no-reshard-after-forward", "--no-async-save")
 
 
 def start(run: Path, ranks: int, *extra: str, fault: str = "") -> int:
@@ -52,6 +54,10 @@ def test_hybrid_sharding_on_a_2x2_mesh_resumes_exactly_and_reshards_to_2_ranks(t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     got = probe(copy, 2, "--strategy", "fsdp", "--steps", "6", "--reshard")  # the step-3 checkpoint, on 2 ranks
     assert got["unequal"] == [] and got["counts"][0] == got["counts"][1] > 10 and got["position"][0] == 3
+    # A degree that does not divide the ranks: refused before anything starts (the submit side knows the ranks)...
     bad = start(tmp_path / "odd", 4, "--strategy", "fsdp", "--replicate-degree", "3")
-    log = newest_log(tmp_path / "odd")
-    assert bad == 2 and "--replicate-degree 3 with 4 rank(s); valid: a divisor of 4 below it. HINT:" in log
+    assert bad == 2 and not (tmp_path / "odd").exists()
+    # ...and by the ranks' mesh, where a launcher other than hpcjobs started them (torchrun)
+    cfg, _ = parse_trainer_args(["--strategy", "fsdp", "--replicate-degree", "3"])
+    with pytest.raises(ConfigError, match=r"--replicate-degree 3 with 4 rank\(s\); valid: a divisor of 4 below it"):
+        check_world(cfg, 4)
