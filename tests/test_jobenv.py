@@ -65,8 +65,8 @@ TORCHRUN_RANK = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD
 
 
 def test_current_chooses_slurm_then_a_launcher_then_a_single_process() -> None:
-    assert [jobenv.current(env).name for env in (SRUN_RANK, TORCHRUN_RANK, {}, {**TORCHRUN_RANK, **SRUN_RANK})] == \
-        ["slurm", "torchrun", "single", "slurm"]
+    envs = (SRUN_RANK, TORCHRUN_RANK, {}, {**TORCHRUN_RANK, **SRUN_RANK}, {**TORCHRUN_RANK, "SLURM_CONF": "/s.conf"})
+    assert [jobenv.current(env).name for env in envs] == ["slurm", "torchrun", "single", "slurm", "torchrun"]
     srun = jobenv.current(SRUN_RANK).layout()
     assert (srun.rank, srun.local_rank, srun.world_size, srun.local_world_size, srun.source) == (9, 1, 16, 8, "slurm")
     # a launcher inside a Slurm job (hpcjobs's own for a script, torchrun in sbatch): its layout, Slurm's job

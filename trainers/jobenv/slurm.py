@@ -84,11 +84,16 @@ GPU_ALLOCATION_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS"
 """What Slurm sets on a node when it gave the job GPUs there (the first that is set and not 0 says so)."""
 
 
+CLIENT_SETTINGS = ("SLURM_CONF",)
+"""Slurm variables that configure its commands, not a job: a local run on a host that sets them is no Slurm job
+(the local backend keeps them too, hpcjobs.backends.environment)."""
+
+
 def applies(env: Mapping[str, str]) -> bool:
-    """Any of Slurm's variables is set: a rank of a Slurm job, or a process inside an allocation (an `salloc`
+    """Any of a job's Slurm variables is set: a rank of a Slurm job, or a process inside an allocation (an `salloc`
     shell). Each fact below is read from its own variable, as it was before this seam: a variable alone (a test's
     SLURM_RESTART_COUNT) still counts, and only SLURM_JOB_ID makes the job Slurm's to requeue."""
-    return any(name.startswith("SLURM_") for name in env)
+    return any(name.startswith("SLURM_") and name not in CLIENT_SETTINGS for name in env)
 
 
 def srun_task(env: Mapping[str, str]) -> bool:
