@@ -445,7 +445,8 @@ def test_contract_round_trips_and_refuses_garbage() -> None:
     assert LaunchContract.from_json(c.to_json()) == c
     started = c.started({"SLURM_JOB_ID": "9"}, 100.0)
     assert started.run_dir == "/r/x-9" and started.start_time == 100.0
-    assert started.signal_due({"SLURM_JOB_ID": "9"}) == 100 + 3600 - 120
+    assert started.signal_due(None) == 100 + 3600 - 120  # no end stated by the scheduler: start + limit
+    assert started.signal_due(5000) == 5000 - 120
     from hpcjobs.protocol.contract import ContractError
     for bad in ("", "{", '{"run_dir": ""}', '{"run_dir": "/r", "surprise": 1}', '{"preemption": {"x": 1}}'):
         with pytest.raises(ContractError):

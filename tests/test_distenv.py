@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from hpcjobs.protocol.ports import port_for_job, shell_port_expr
-from trainers.distenv import DistEnvError, expand_nodelist, from_environ
+from trainers.distenv import DistEnvError, from_environ
+from trainers.jobenv.slurm import expand_nodelist
 
 
 @pytest.mark.parametrize("nodelist,first,count", [

@@ -20,7 +20,7 @@ import pytest
 from conftest import BIN, REPO, hpcjobs
 from hpcjobs.protocol.contract import LaunchContract, Preemption
 from hpcjobs.protocol.states import StopOutcome
-from trainers import checkpoint, preemption, standby
+from trainers import checkpoint, jobenv, preemption, standby
 
 PLAIN = """import os, sys, time
 from pathlib import Path
@@ -287,7 +287,7 @@ def test_a_lost_signal_is_acted_on_at_the_time_it_was_due(tmp_path: Path, capfd:
     contract = LaunchContract(run_dir=str(tmp_path), preemption=Preemption(signal="USR1", seconds_before=60),
                               time_limit_s=600, start_time=time.time() - 590)  # due 50 s ago
     env = {"SLURM_JOB_ID": "7", "RANK": "0"}
-    due = contract.signal_due(env)
+    due = jobenv.current(env).signal_due(contract)
     assert due is not None
     ended = Scontrol()
     ended.state = "RUNNING EndTime=" + time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(due + 60))

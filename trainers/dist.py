@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers import startup
+from trainers import jobenv, startup
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, setting_seconds
 
 
@@ -72,19 +72,6 @@ def flight_recorder_env(trace_prefix: Path) -> dict[str, str]:
     return {**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_prefix)}
 
 
-GPU_ALLOCATION_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
-"""What Slurm sets on a node when it gave the job GPUs there (the first that is set and not 0 says so)."""
-
-
-def allocated_gpus(environ: Mapping[str, str]) -> str | None:
-    """`NAME=value` of the variable saying Slurm allocated GPUs on this node, or None."""
-    for name in GPU_ALLOCATION_VARS:
-        value = environ.get(name, "").strip()
-        if value and value != "0":
-            return f"{name}={value}"
-    return None
-
-
 def cuda_missing_reason() -> str:
     try:
         torch.cuda.init()
@@ -95,17 +82,18 @@ def cuda_missing_reason() -> str:
 
 def pick_backend(env: DistEnv, environ: Mapping[str, str] = os.environ) -> tuple[str, torch.device]:
     """NCCL on this rank's GPU when CUDA works; gloo on the CPU when there is none to use, or HPCJOBS_BACKEND=gloo
-    says so. A rank without CUDA on a node where Slurm allocated GPUs is an error: falling back to gloo there would
-    leave the other ranks (on NCCL) waiting for it until the rendezvous times out, with a message about the wrong
-    thing."""
+    says so. A rank without CUDA on a node where the scheduler allocated GPUs is an error: falling back to gloo there
+    would leave the other ranks (on NCCL) waiting for it until the rendezvous times out, with a message about the
+    wrong thing."""
     forced = environ.get("HPCJOBS_BACKEND")
     if forced == "gloo":
         return "gloo", torch.device("cpu")
     if not torch.cuda.is_available():
-        allocated = allocated_gpus(environ)
+        job = jobenv.current(environ)
+        allocated = job.allocated_gpus()
         if forced is None and allocated is None:
             return "gloo", torch.device("cpu")
-        why = f"HPCJOBS_BACKEND={forced}" if forced is not None else f"Slurm allocated GPUs ({allocated})"
+        why = f"HPCJOBS_BACKEND={forced}" if forced is not None else f"{job.scheduler} allocated GPUs ({allocated})"
         raise RendezvousError(
             f"rank {env.rank} (local {env.local_rank}) on {os.uname().nodename}: {why} but CUDA is unavailable "
             f"to torch {torch.__version__} ({cuda_missing_reason()}); valid: a node where torch sees its GPUs. "
@@ -129,14 +117,14 @@ def rank_gpu(env: DistEnv, visible: int) -> int:
 
 
 def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
-    """Threads per rank, never more than the CPUs this process may run on (`usable`: its affinity mask): Slurm's
-    CPUs per task when it says (srun binds each task to them, or, under task/none, they are its share), else the
-    mask shared among this node's ranks. More threads than CPUs only makes them take turns."""
+    """Threads per rank, never more than the CPUs this process may run on (`usable`: its affinity mask): the
+    scheduler's CPUs per task when it says (Slurm's: srun binds each task to them, or, under task/none, they are
+    its share), else the mask shared among this node's ranks. More threads than CPUs only makes them take turns."""
     if usable is None:
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    per_task = os.environ.get("SLURM_CPUS_PER_TASK")
-    if per_task and per_task.isdigit():
-        return max(1, min(int(per_task), usable))
+    per_task = jobenv.current().cpus_per_task()
+    if per_task is not None:
+        return max(1, min(per_task, usable))
     return max(1, usable // max(1, env.local_world_size))  # a mask the node's ranks share (salloc -c, a cpuset)
 
 

@@ -35,13 +35,15 @@ from typing import Any
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
-from trainers.jobenv.slurm import end_time, job_fields, preempted_with_sigterm, requeue_job
+from trainers import jobenv
+from trainers.jobenv.base import JobEnv
 
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
 _joined: list[bool] = []  # non-empty once install() ran: the entry takes part in the protocol
-# Set by install(): (when to stop if no signal came, job id, seconds_before); empty when no time limit is known.
-_deadline: list[tuple[float, str, int]] = []
+# Set by install(): (when to stop if no signal came, the job's environment, seconds_before); empty when no time limit
+# is known.
+_deadline: list[tuple[float, JobEnv, int]] = []
 EARLY_SIGNAL_S = 75
 """How long before it is due the profile's signal may come and still mean the time limit: Slurm checks limits on
 its event resolution (up to a minute; 30 s measured on 22.05), so the signal comes early rather than late."""
@@ -74,10 +76,10 @@ def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> l
     for num in nums:
         signal.signal(num, _handler)
     _joined[:] = [True]
-    env = os.environ if env is None else env
-    due = contract.signal_due(env)
+    job = jobenv.current(env)
+    due = job.signal_due(contract)
     warn = contract.preemption.seconds_before
-    _deadline[:] = [] if due is None else [(due, env.get("SLURM_JOB_ID", ""), warn)]
+    _deadline[:] = [] if due is None else [(due, job, warn)]
     return nums
 
 
@@ -103,10 +105,10 @@ def requested_locally(now: float | None = None, runner: Callable[..., Any] = sub
     """Has this rank been asked to stop? Also true once the time-limit signal is overdue: then, once, Slurm is asked
     for the job's EndTime first, since the limit may have been extended (`scontrol update`) since the start."""
     if not _requested and _deadline and (now or time.time()) >= _deadline[0][0]:
-        due, job_id, warn = _deadline[0]
-        end = end_time(job_fields(job_id, runner))
+        due, job, warn = _deadline[0]
+        end = job.end_time_now(runner)
         if end is not None and end - warn > due + 1:
-            _deadline[0] = (end - warn, job_id, warn)
+            _deadline[0] = (end - warn, job, warn)
         else:
             _requested.append((DEADLINE, time.time()))
     return bool(_requested)
@@ -140,20 +142,20 @@ def reset() -> None:
 
 def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None,
                 now: float | None = None) -> StopReason | None:
-    """Why we were asked to stop (None: we were not): TERMINATED (SIGTERM under Slurm), TIMEOUT when the time limit
-    is near, PREEMPTION for the profile's signal otherwise, INTERRUPT for a local run (Ctrl-C)."""
+    """Why we were asked to stop (None: we were not): TERMINATED (SIGTERM under a scheduler), TIMEOUT when the time
+    limit is near, PREEMPTION for the profile's signal otherwise, INTERRUPT for a local run (Ctrl-C)."""
     if not _requested:
         return None
-    env = os.environ if env is None else env
-    under_slurm = "SLURM_JOB_ID" in env
-    if _requested[0][0] == signal.SIGTERM and under_slurm:
+    job = jobenv.current(env)
+    scheduled = bool(job.scheduler_job_id())
+    if _requested[0][0] == signal.SIGTERM and scheduled:
         return StopReason.TERMINATED  # preemption without the user signal, scontrol requeue, or scancel: Slurm decides
     if _requested[0][0] == DEADLINE:
         return StopReason.TIMEOUT
-    due = contract.signal_due(env)
+    due = job.signal_due(contract)
     if due is not None and (now or time.time()) >= due - EARLY_SIGNAL_S:
         return StopReason.TIMEOUT
-    return StopReason.PREEMPTION if under_slurm else StopReason.INTERRUPT  # local runs stop only when asked to
+    return StopReason.PREEMPTION if scheduled else StopReason.INTERRUPT  # local runs stop only when asked to
 
 
 class Agreement:
@@ -325,7 +327,8 @@ def _barrier(group: Any = None) -> None:
 
 
 def decide(reason: StopReason, job_id: str, restart: int, cap: int) -> StopOutcome:
-    """What a start does once its stop checkpoint is committed, from why it stopped and where it runs."""
+    """What a start does once its stop checkpoint is committed, from why it stopped and where it runs (`job_id`: the
+    scheduler's, trainers.jobenv's `scheduler_job_id`; empty where none owns the job)."""
     if not job_id:
         return StopOutcome.LOCAL
     if reason == StopReason.TERMINATED:
@@ -346,9 +349,10 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     rank = int(env.get("RANK", "0"))
     restart = int(env.get("HPCJOBS_RESTART", "0"))
     cap = contract.preemption.max_restarts
-    job_id = env.get("SLURM_JOB_ID", "")
+    job = jobenv.current(env)
+    job_id = job.scheduler_job_id()
     reason = stop_reason(contract, env) or StopReason.INTERRUPT  # asked to finish a stop nobody requested: by hand
-    if reason == StopReason.TERMINATED and rank == 0 and preempted_with_sigterm(job_id, runner):
+    if reason == StopReason.TERMINATED and rank == 0 and job.preempted_with_sigterm(runner):
         reason = StopReason.PREEMPTION
     outcome = decide(reason, job_id, restart, cap)
     if rank != 0:
@@ -356,7 +360,7 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
     _record_stop(run, reason, step, restart, contract)
     if outcome == StopOutcome.REQUEUED:
-        err = requeue_job(job_id, runner)
+        err = job.requeue(runner)
         print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "
               f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", flush=True)
         if err:

@@ -32,8 +32,7 @@ from typing import Any
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import StopOutcome, StopReason
-from trainers import preemption
-from trainers.jobenv.slurm import end_time, job_fields, requeue_job
+from trainers import jobenv, preemption
 
 _contract: list[LaunchContract] = []
 """Set by stand_by(): what the handler reads (a handler takes no arguments of ours)."""
@@ -56,8 +55,9 @@ def arm_deadline(contract: LaunchContract, env: Mapping[str, str] | None = None)
     """On rank 0 under Slurm with a known time limit: a daemon timer that calls `overdue` when the profile's signal
     was due at the latest. None where nothing is armed."""
     env = os.environ if env is None else env
-    due = contract.signal_due(env)
-    if due is None or env.get("RANK", "0") != "0" or not env.get("SLURM_JOB_ID"):
+    job = jobenv.current(env)
+    due = job.signal_due(contract)
+    if due is None or env.get("RANK", "0") != "0" or not job.scheduler_job_id():
         return None
     return _start_timer(due, contract)
 
@@ -88,7 +88,7 @@ def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None 
         return None
     env = os.environ if env is None else env
     warn = contract.preemption.seconds_before
-    end = end_time(job_fields(env.get("SLURM_JOB_ID", ""), runner))
+    end = jobenv.current(env).end_time_now(runner)
     if end is not None and end - warn > due + 1:
         _start_timer(end - warn, contract)
         return None
@@ -103,7 +103,7 @@ def outcome(env: Mapping[str, str], cap: int) -> StopOutcome:
     Ctrl-C would), REQUEUED (rank 0 requeues, then Slurm stops every rank and starts the job again), STOPPED
     (another rank under Slurm: rank 0 acts for the job, Slurm's SIGTERM ends this one) or CAP (rank 0 past the
     restart cap: the script runs on until Slurm ends the job). From the protocol's own `decide`."""
-    got = preemption.decide(StopReason.PREEMPTION, env.get("SLURM_JOB_ID", ""),
+    got = preemption.decide(StopReason.PREEMPTION, jobenv.current(env).scheduler_job_id(),
                             int(env.get("HPCJOBS_RESTART", "0")), cap)
     if got != StopOutcome.LOCAL and env.get("RANK", "0") != "0":
         return StopOutcome.STOPPED
@@ -115,7 +115,7 @@ def _handler(signum: int, frame: Any) -> None:
     run folder. Under Slurm the job is requeued once, however many signals come."""
     first = not preemption._requested
     preemption.request_stop(signum)  # first_request() names it, and the launcher writes no FINISHED for the start
-    if first or "SLURM_JOB_ID" not in os.environ:
+    if first or not jobenv.current().scheduler_job_id():
         act(signum, _contract[0])
 
 
@@ -129,7 +129,8 @@ def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = N
         raise KeyboardInterrupt  # the launcher says what happened, once the script has unwound
     if got == StopOutcome.STOPPED:
         return got
-    name, job_id = name or signal.Signals(signum).name, env.get("SLURM_JOB_ID", "")
+    job = jobenv.current(env)
+    name, job_id = name or signal.Signals(signum).name, job.scheduler_job_id()
     why = preemption.stop_reason(contract, env) or StopReason.PREEMPTION
     nothing = ("this script has not joined hpcjobs's stop protocol (no StopGuard), so hpcjobs saved nothing: it goes "
                "on only from what it saved itself")
@@ -137,7 +138,7 @@ def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = N
         _say(f"hpcjobs: {name} ({why}): restart cap {contract.preemption.max_restarts} reached, not requeuing job "
              f"{job_id}; the script runs on until Slurm ends the job ({nothing})")
         return got
-    err = requeue_job(job_id, runner)
+    err = job.requeue(runner)
     if err:
         _say(f"hpcjobs: {name} ({why}): requeue of job {job_id} failed ({err}); the script runs on until Slurm ends "
              "the job")

@@ -37,10 +37,10 @@ def process_started() -> float | None:
 
 def launched_at() -> float:
     """The earliest moment this rank's start is known to have existed: its process's start, or now where /proc
-    cannot say. Where Slurm gives no SLURM_JOB_END_TIME, a rank's time limit counts from here, so what this process
-    did before Python reached hpcjobs (a `sitecustomize`, imports from a slow filesystem) does not make its own stop
-    late; what happened before the process existed (a wrapper that starts it as a child, the job script's own work)
-    still does."""
+    cannot say. Where the scheduler states no end (trainers.jobenv's `stated_end`: SLURM_JOB_END_TIME on newer
+    Slurm), a rank's time limit counts from here, so what this process did before Python reached hpcjobs (a
+    `sitecustomize`, imports from a slow filesystem) does not make its own stop late; what happened before the
+    process existed (a wrapper that starts it as a child, the job script's own work) still does."""
     now = time.time()
     started = process_started()
     return now if started is None else min(now, started)

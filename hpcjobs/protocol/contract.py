@@ -108,18 +108,19 @@ class LaunchContract:
         text = (os.environ if environ is None else environ).get(ENV_VAR)
         return cls.from_json(text) if text else None
 
-    def job_end(self, env: Mapping[str, str]) -> int | None:
-        """When Slurm ends this start of the job (epoch seconds): SLURM_JOB_END_TIME on newer Slurm, else the
-        start time plus the time limit (late by the job script's own work before it launched this rank's process:
-        the start time is that process's, see trainers.startup.launched_at)."""
-        end = env.get("SLURM_JOB_END_TIME", "")
-        if end.isdigit():
-            return int(end)
+    def job_end(self, stated_end: int | None) -> int | None:
+        """When the scheduler ends this start of the job (epoch seconds): `stated_end` where the rank's environment
+        says it (trainers.jobenv: SLURM_JOB_END_TIME on newer Slurm), else the start time plus the time limit (late
+        by the job script's own work before it launched this rank's process: the start time is that process's, see
+        trainers.startup.launched_at)."""
+        if stated_end is not None:
+            return stated_end
         if self.start_time and self.time_limit_s > 0:  # local runs too: their --time is enforced as Slurm does
             return int(self.start_time) + self.time_limit_s
         return None
 
-    def signal_due(self, env: Mapping[str, str]) -> float | None:
-        """When the profile's signal is due at the latest (`seconds_before` the end); None without a time limit."""
-        end = self.job_end(env)
+    def signal_due(self, stated_end: int | None) -> float | None:
+        """When the profile's signal is due at the latest (`seconds_before` the end); None without a time limit.
+        `stated_end`: as for `job_end` (a rank asks trainers.jobenv's `signal_due`, which passes it)."""
+        end = self.job_end(stated_end)
         return None if end is None else float(end - self.preemption.seconds_before)

@@ -1,19 +1,23 @@
-"""What a running rank asks of Slurm: `scontrol show job -o` (why a SIGTERM came, when the job ends) and
-`scontrol requeue`. Torch-free; every function takes the command runner (`subprocess.run` by default) so that tests
-can feed it recorded `scontrol` output.
+"""A rank of a Slurm job: who it is (srun's task variables, unless a launcher inside the job set torch's), when it
+must stop (SLURM_JOB_END_TIME, `scontrol show job -o`: EndTime, and why a SIGTERM came), how it requeues
+(`scontrol requeue`), and what Slurm gave its node (GPUs, CPUs per task). The only module of the node side that
+reads Slurm's variables or runs scontrol. Torch-free; every function that runs scontrol takes the command runner
+(`subprocess.run` by default) so that tests can feed it recorded `scontrol` output.
 
-The node side (trainers.preemption) calls these from rank 0 after a stop was agreed, never from a signal handler.
+The node side (trainers.preemption) asks scontrol from rank 0 after a stop was agreed, never from a signal handler.
 """
 
 from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
 
-Runner = Callable[..., Any]
-"""`subprocess.run`, or a stand-in taking (argv, **kwargs) and returning an object with returncode/stdout/stderr."""
+import hostlist
+
+from trainers.jobenv import single, torchrun
+from trainers.jobenv.base import JobEnv, JobEnvError, Layout, Runner, whole_number
+
 SCONTROL_TIMEOUT_S = 60
 """A busy slurmctld answers slowly; a rank waiting on it only delays its own exit, never a collective."""
 
@@ -74,3 +78,107 @@ def requeue_job(job_id: str, runner: Runner = subprocess.run) -> str:
     if state and state != "RUNNING":
         return ""
     return (out.stderr or out.stdout or "").strip() or f"scontrol requeue exited {out.returncode}"
+
+
+GPU_ALLOCATION_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+"""What Slurm sets on a node when it gave the job GPUs there (the first that is set and not 0 says so)."""
+
+
+CLIENT_SETTINGS = ("SLURM_CONF",)
+"""Slurm variables that configure its commands, not a job: a local run on a host that sets them is no Slurm job
+(the local backend keeps them too, hpcjobs.backends.environment)."""
+
+
+def applies(env: Mapping[str, str]) -> bool:
+    """Any of a job's Slurm variables is set: a rank of a Slurm job, or a process inside an allocation (an `salloc`
+    shell). Each fact below is read from its own variable, as it was before this seam: a variable alone (a test's
+    SLURM_RESTART_COUNT) still counts, and only SLURM_JOB_ID makes the job Slurm's to requeue."""
+    return any(name.startswith("SLURM_") and name not in CLIENT_SETTINGS for name in env)
+
+
+def srun_task(env: Mapping[str, str]) -> bool:
+    return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM_JOB_NODELIST's hosts in order (python-hostlist, a kept parser: padded and unpadded ranges)."""
+    try:
+        hosts = hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as e:
+        raise JobEnvError(f"cannot expand node list {nodelist!r}: {e}") from None
+    if not hosts:
+        raise JobEnvError(f"node list {nodelist!r} names no host")
+    return hosts
+
+
+class SlurmJob(JobEnv):
+    name = "slurm"
+    scheduler = "Slurm"
+
+    def _launcher(self) -> JobEnv:
+        """What the process would be without Slurm: ranks a launcher inside the job started, or a single one."""
+        return torchrun.Launched(self.env) if torchrun.applies(self.env) else single.Single(self.env)
+
+    def _srun_layout(self) -> bool:
+        """One task per rank under srun, and no launcher inside the job set torch's variables (theirs win)."""
+        return srun_task(self.env) and not torchrun.applies(self.env)
+
+    def layout(self) -> Layout:
+        if not self._srun_layout():
+            return self._launcher().layout()
+        env = self.env
+        rank, world = whole_number(env, "SLURM_PROCID"), whole_number(env, "SLURM_NTASKS")
+        local_rank = whole_number(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        nnodes = whole_number(env, "SLURM_NNODES") if "SLURM_NNODES" in env else 1
+        return Layout(rank, local_rank, world, world // nnodes if nnodes else world, "slurm")
+
+    def own_id(self) -> str:
+        return self.env.get("SLURM_JOB_ID") or self._launcher().own_id()
+
+    def job_id(self) -> str:
+        """An array task's records name it as the login node knows it (the job store, `status 57_1`): its own
+        number (SLURM_JOB_ID, 59) is known only here, and once Slurm forgot the job nothing could join the two."""
+        array, task = self.env.get("SLURM_ARRAY_JOB_ID"), self.env.get("SLURM_ARRAY_TASK_ID")
+        return f"{array}_{task}" if self.env.get("SLURM_JOB_ID") and array and task else self.own_id()
+
+    def restart(self) -> int:
+        """Slurm's requeue count (SLURM_RESTART_COUNT), else the launcher's HPCJOBS_RESTART."""
+        return int(self.env.get("SLURM_RESTART_COUNT") or self.env.get("HPCJOBS_RESTART") or 0)
+
+    def requeues(self) -> int:
+        return int(self.env.get("SLURM_RESTART_COUNT") or 0)
+
+    def first_host(self) -> str | None:
+        """The first host of SLURM_JOB_NODELIST, for ranks srun started (a launcher sets MASTER_ADDR itself)."""
+        nodelist = self.env.get("SLURM_JOB_NODELIST")
+        return expand_nodelist(nodelist)[0] if nodelist and self._srun_layout() else None
+
+    def scheduler_job_id(self) -> str:
+        return self.env.get("SLURM_JOB_ID", "")
+
+    def stated_end(self) -> int | None:
+        """SLURM_JOB_END_TIME, which newer Slurm sets (22.05 does not)."""
+        end = self.env.get("SLURM_JOB_END_TIME", "")
+        return int(end) if end.isdigit() else None
+
+    def end_time_now(self, runner: Runner = subprocess.run) -> float | None:
+        """EndTime of `scontrol show job`: a limit extended since the start (`scontrol update`) moved it."""
+        return end_time(job_fields(self.scheduler_job_id(), runner))
+
+    def preempted_with_sigterm(self, runner: Runner = subprocess.run) -> bool:
+        return preempted_with_sigterm(self.scheduler_job_id(), runner)
+
+    def requeue(self, runner: Runner = subprocess.run) -> str:
+        return requeue_job(self.scheduler_job_id(), runner)
+
+    def allocated_gpus(self) -> str | None:
+        for name in GPU_ALLOCATION_VARS:
+            value = self.env.get(name, "").strip()
+            if value and value != "0":
+                return f"{name}={value}"
+        return None
+
+    def cpus_per_task(self) -> int | None:
+        """SLURM_CPUS_PER_TASK: srun binds each task to them, or, under task/none, they are its share."""
+        per_task = self.env.get("SLURM_CPUS_PER_TASK")
+        return int(per_task) if per_task and per_task.isdigit() else None
