@@ -78,8 +78,6 @@ def test_every_rank_trains_inside_the_image(tmp_path: Path) -> None:
     assert all(p.read_text() == "inside the test image\n" for p in (tmp_path / "proof").iterdir())
 
 
-@pytest.mark.xfail(reason="rank 0 writes HPCJOBS_REQUEUE_FILE only once trainers/ does (it runs scontrol today)",
-                   strict=True)
 def test_a_stop_inside_the_image_is_requeued_by_the_batch_script(tmp_path: Path) -> None:
     job, run = script(tmp_path, 5000)
     proc = start(tmp_path, job, "4243")

@@ -20,10 +20,10 @@ from __future__ import annotations
 import shlex
 
 from hpcjobs.container import Image
+from hpcjobs.protocol.contract import REQUEUE_FILE_VAR
 from hpcjobs.spec import JobSpec
 
-REQUEUE_FILE = "HPCJOBS_REQUEUE_FILE"
-"""The variable naming the file rank 0 writes to ask the batch script for a requeue (see the module's doc)."""
+REQUEUE_FILE = REQUEUE_FILE_VAR  # the file rank 0 writes to ask the batch script for a requeue (the module's doc)
 NODES_VAR = "HPCJOBS_NODES"
 """oci only: the job's hosts in order, from which each rank finds its node index (see OCI_IDENTITY)."""
 OCI_IDENTITY = ('i=0; for n in $HPCJOBS_NODES; do [ "$n" = "$(uname -n)" ] && break; i=$((i+1)); done; '

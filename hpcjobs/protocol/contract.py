@@ -22,6 +22,10 @@ SIGNALS = ("USR1", DEFAULT_SIGNAL, "TERM", "INT", "HUP", "URG")
 """Signals a profile may ask Slurm to send before it stops a job (`--signal`)."""
 ENV_VAR = "HPCJOBS_CONTRACT"
 """Where the launcher leaves the resolved contract for the rest of the rank (and its child processes)."""
+REQUEUE_FILE_VAR = "HPCJOBS_REQUEUE_FILE"
+"""Set by a batch script whose ranks run inside a container image (no Slurm client there): the file rank 0 writes
+`requeue` into instead of running scontrol; the script, outside the image, requeues once srun returned
+(hpcjobs/backends/slurm_container.py)."""
 RUN_DIR_VAR = "HPCJOBS_RUN_DIR"
 """The rank's run folder, resolved (%j and the like filled in), for a user's script to read: a place for its own
 outputs that a requeue finds again. Written beside the contract, never read by hpcjobs (the contract holds it)."""

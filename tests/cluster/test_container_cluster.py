@@ -6,9 +6,8 @@ charliecloud's `ch-run` takes Apptainer's place (Apptainer is not packaged for D
 shared containers doc): several ranks per node. Slurm's own `--container` (oci) needs the cluster's oci.conf and a
 bundle; it is not set up by testcluster.sh yet, so its case is skipped unless HPCJOBS_TEST_OCI_BUNDLE names one.
 
-NOT YET RUN (written while another session held the cluster): every case is marked slow. The time-limit and the
-user-signal preemption cases need the rank's side of the requeue hand-off (trainers/, HPCJOBS_REQUEUE_FILE), which is
-not there yet: they are expected to fail until it is (xfail, not strict)."""
+Marked slow until they have run on the cluster (written while another session held it); the rank's side of the
+requeue hand-off (trainers/jobenv/slurm.py writes HPCJOBS_REQUEUE_FILE) is in."""
 
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ from conftest import REPO, slurm, wait_for_state, wait_for_step
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 CH_RUN = pytest.mark.skipif(shutil.which("ch-run") is None, reason="charliecloud (ch-run) is not installed")
-NEEDS_RANK_HANDOFF = pytest.mark.xfail(reason="rank 0 writes HPCJOBS_REQUEUE_FILE only once trainers/ does",
-                                       strict=False)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +58,8 @@ def test_the_image_has_no_slurm_client_and_every_rank_runs_inside(folder: Path) 
 
 
 @pytest.mark.parametrize("trigger", [
-    pytest.param("preemption", marks=NEEDS_RANK_HANDOFF),  # the test cluster sends the user signal at preemption
-    pytest.param("time-limit", marks=NEEDS_RANK_HANDOFF),
+    "preemption",  # the test cluster sends the user signal at preemption
+    "time-limit",
 ])
 @pytest.mark.parametrize("path", ["submit", "sbatch"])
 @CH_RUN

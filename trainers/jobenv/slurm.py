@@ -12,9 +12,12 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import hostlist
 
+from hpcjobs.protocol.atomic import write_atomic
+from hpcjobs.protocol.contract import REQUEUE_FILE_VAR
 from trainers.jobenv import single, torchrun
 from trainers.jobenv.base import JobEnv, JobEnvError, Layout, Runner, whole_number
 
@@ -169,6 +172,15 @@ class SlurmJob(JobEnv):
         return preempted_with_sigterm(self.scheduler_job_id(), runner)
 
     def requeue(self, runner: Runner = subprocess.run) -> str:
+        """scontrol requeue; inside a container image (no Slurm client), the batch script outside it requeues once
+        the ranks left: rank 0 only writes `requeue` into the file the script named."""
+        handoff = self.env.get(REQUEUE_FILE_VAR)
+        if handoff:
+            try:
+                write_atomic(Path(handoff), "requeue\n")
+            except OSError as e:
+                return f"cannot ask the batch script for a requeue through {handoff}: {e.strerror or e}"
+            return ""
         return requeue_job(self.scheduler_job_id(), runner)
 
     def allocated_gpus(self) -> str | None:
