@@ -111,3 +111,16 @@ def test_what_slurm_gave_the_node() -> None:
 def test_a_value_that_is_no_number_is_refused_naming_it(env: dict[str, str]) -> None:
     with pytest.raises(JobEnvError, match="is not a whole number"):
         jobenv.current(env).layout()
+
+
+def test_every_job_environment_is_named_once_in_the_shared_list_and_the_last_always_applies() -> None:
+    """A new scheduler is a module on each side and its name in hpcjobs/protocol/schedulers.py: the node side's list
+    is exactly the modules of trainers/jobenv/ that define ENVIRONMENT, and asking ends at `single`."""
+    import importlib
+
+    from hpcjobs.protocol.schedulers import JOB_ENVIRONMENTS
+
+    folder = Path(jobenv.__file__).parent
+    assert set(JOB_ENVIRONMENTS) == {p.stem for p in folder.glob("*.py") if "\nENVIRONMENT = " in p.read_text()}
+    last = importlib.import_module(f"trainers.jobenv.{JOB_ENVIRONMENTS[-1]}")
+    assert last.applies({}) and type(jobenv.current({})) is last.ENVIRONMENT

@@ -28,8 +28,7 @@ if TYPE_CHECKING:
     from hpcjobs.spec import JobSpec
     from hpcjobs.store import JobRecord
 
-SCHEDULERS = ("slurm", "local")
-"""The `scheduler` values a profile may name: one module each, hpcjobs/backends/<name>.py, defining BACKEND."""
+from hpcjobs.protocol.schedulers import SCHEDULERS as SCHEDULERS  # re-exported: the profile's choices, the lookups
 
 
 @dataclass(frozen=True)

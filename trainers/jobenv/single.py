@@ -4,8 +4,19 @@ Everything it answers is the base's (trainers.jobenv.base.JobEnv)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from trainers.jobenv.base import JobEnv
 
 
 class Single(JobEnv):
     name = "single"
+
+
+def applies(env: Mapping[str, str]) -> bool:
+    """Always: a process no scheduler or launcher owns (the last environment asked)."""
+    return True
+
+
+ENVIRONMENT = Single
+"""The class hpcjobs.protocol.schedulers.JOB_ENVIRONMENTS names this module for."""

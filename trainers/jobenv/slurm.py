@@ -194,3 +194,7 @@ class SlurmJob(JobEnv):
         """SLURM_CPUS_PER_TASK: srun binds each task to them, or, under task/none, they are its share."""
         per_task = self.env.get("SLURM_CPUS_PER_TASK")
         return int(per_task) if per_task and per_task.isdigit() else None
+
+
+ENVIRONMENT = SlurmJob
+"""The class hpcjobs.protocol.schedulers.JOB_ENVIRONMENTS names this module for."""

@@ -31,3 +31,7 @@ class Launched(JobEnv):
     def own_id(self) -> str:
         """HPCJOBS_JOB_ID (the local launcher's), else torchrun's run id."""
         return self.env.get("HPCJOBS_JOB_ID") or self.env.get("TORCHELASTIC_RUN_ID") or "0"
+
+
+ENVIRONMENT = Launched
+"""The class hpcjobs.protocol.schedulers.JOB_ENVIRONMENTS names this module for."""
