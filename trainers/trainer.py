@@ -20,11 +20,11 @@ from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError, ResumeError
+from hpcjobs.protocol.trainflags import ConfigError
 from trainers import activations, checkpoint, faults, memory, perf, preemption, startup, strategy
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
-from trainers.checkpoint.sharded import METADATA, Checkpointer, Parts, tensors_of
+from trainers.checkpoint.sharded import Checkpointer, Parts, tensors_of
 from trainers.checkpoint.state import Position, reseed, rng_state, seed_all, set_rng_state
 from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
@@ -215,16 +215,9 @@ class Training:
 
     def load(self, found: Resumed) -> None:
         """Every rank: the checkpoint's model and optimizer tensors, read straight into this rank's (sharded)
-        tensors, then the optimizer's param groups. A checkpoint of save_checkpoint's single-file layout (written
-        before the sharded one) loads whole under ddp."""
+        tensors, then the optimizer's param groups. (The trainer's single-file layout, from before the sharded one,
+        is no longer read: no released version wrote it.)"""
         self.dirty = True
-        if not (found.ref.path / METADATA).is_file() and "model" in found.shared:
-            if self.cfg.strategy != "ddp":
-                raise ResumeError(f"checkpoint {found.ref.path} is a single-file one; valid: --strategy ddp to "
-                                  "resume it. HINT: resume with ddp, the next checkpoint is sharded")
-            self.model.load_state_dict(found.shared["model"])
-            self.optimizer.load_state_dict(found.shared["optimizer"])
-            return
         tensors, _ = tensors_of(self.model, self.optimizer, self.state_options)
         self.checkpointer.load(found.ref, tensors)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
