@@ -188,7 +188,7 @@ def _one_line(v: str) -> bool:
 
 def _check_str(meta: Mapping[str, Any], key: str) -> Check:
     choices: tuple[str, ...] | None = meta.get("choices")
-    parse: Callable[[Any, str], object] = meta.get("parse") or (lambda entry, key: None)
+    parse: Callable[[Any, str], object] | None = meta.get("parse")  # None: the value must be a string as it is
 
     def check(v: Any) -> str:
         if choices is not None and v not in choices:

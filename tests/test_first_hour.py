@@ -139,11 +139,16 @@ def test_entry_help_lists_the_flags_and_touches_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.train
 def test_a_bad_task_argument_is_one_line_not_a_traceback_per_rank(tmp_path: Path) -> None:
-    """`--size huge` printed the same traceback once per rank (100+ lines)."""
+    """`--size huge` printed the same traceback once per rank (100+ lines). The submit side now refuses it before
+    anything starts; what only the nodes can know (7b needs CUDA) is one line from rank 0."""
     out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / "r"),
                   "trainers.tasks.lm", "--size", "huge", cwd=REPO, timeout=300)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out
+    assert "invalid choice: 'huge'" in out.stderr and not (tmp_path / "r").exists()
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / "r"),
+                  "trainers.tasks.lm", "--size", "7b", cwd=REPO, timeout=300)
     said = out.stdout + out.stderr
     assert out.returncode == 2 and "Traceback" not in said, said
-    errors = [line for line in said.splitlines() if "invalid choice: 'huge'" in line]
+    errors = [line for line in said.splitlines() if "--size 7b needs GPUs" in line]
     assert errors and all("rank 0" in line for line in errors) and len(said.splitlines()) <= 6, said
     assert "Traceback" in (tmp_path / "r" / "logs" / "restart-0" / "rank-0.log").read_text()  # kept for debugging

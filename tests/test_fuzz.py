@@ -459,6 +459,9 @@ def test_any_profile_is_used_or_refused_in_one_line(sandbox: Sandbox, content: b
             # what a dry run accepts, a submission submits: once, recorded, its script whole
             submitted = run_cli(sandbox, work, ["submit", *argv[3:]])
             assert_contract(submitted)
+            if dry["spec"]["scheduler"] == "local" and dry["spec"]["python"] != sys.executable \
+                    and submitted.code == 2 and "cannot start the ranks" in submitted.err:
+                return  # a local run asks its python: first (a dry run starts no Python): refused in one line
             assert submitted.code == 0, submitted
             assert_submitted_once(submitted)
         if command == "submit" and o.code == 0:

@@ -296,3 +296,13 @@ def test_console_script_refuses_an_unreadable_profile(tmp_path: Path, sbatch_log
     prof.chmod(0)
     out = _submit(prof)
     assert_refused(out, "cannot be read (Permission denied)", sbatch_log)
+
+
+def test_a_string_key_given_a_list_is_refused_not_turned_into_text(tmp_path: Path) -> None:
+    """A string key (partition) that holds a list was taken as the list's text: with YAML aliases nesting it (the
+    fuzz test's case, 10 aliases a level), str() of it filled 24 GB and the CI run was killed."""
+    levels = ['  - &l0 ["xxxxxxxx", "x", "x"]'] + [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 4)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("partition:\n" + "\n".join(levels) + "\n")
+    with pytest.raises(profiles.ProfileError, match="partition .*valid: a string"):
+        profiles.load_profile(str(path))
