@@ -10,7 +10,8 @@ from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.helpflags import asks_help
 from hpcjobs.protocol.taskargs import TaskArgError
 from hpcjobs.protocol.taskflags import BUNDLED
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
+from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
 
 
 def check_task_flags(target: str, args: tuple[str, ...], python: str) -> None:
@@ -42,22 +43,14 @@ def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
     is refused before the job waits in the queue (hpcjobs.protocol.trainflags, torch-free). The task's own flags
     pass. With `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where
     the flags decide it: a task's own default batch size is known on the node only)."""
-    from hpcjobs.protocol.trainconfig import TrainConfig
-    from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
-
     try:
         cfg, _ = parse_trainer_args(list(args))
+        if ranks is not None:
+            check_world(cfg, ranks)
     except ConfigError as e:
-        text = str(e)
-        message, _, hint = text.partition(" HINT: ")
+        message, _, hint = str(e).partition(" HINT: ")
         raise UsageError(f"trainer flag {message}", hint or "`python -m trainers.launch --run-dir DIR --kind task "
                          "-- trainers.tasks.lm --help` lists the trainer's flags.") from None
-    if ranks is not None:
-        try:
-            check_world(cfg, ranks)
-        except ConfigError as e:
-            message, _, hint = str(e).partition(" HINT: ")
-            raise UsageError(f"trainer flag {message}", hint) from None
     if ranks is not None and (cfg.global_batch_size or cfg.batch_size != TrainConfig().batch_size):
         try:
             cfg.micro_batch(ranks)
