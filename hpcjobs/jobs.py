@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.backends import SCHEDULERS, Backend, backend_for
-from hpcjobs.diagnosis import diagnose
+from hpcjobs.protocol.diagnosis import diagnose
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, JobState, StopReason
@@ -43,7 +43,7 @@ class JobStatus:
     nccl_traces: str | None = None
     """The folder of NCCL flight recorder dumps, when a collective timed out and some rank wrote one."""
     first_failure: str | None = None
-    """The rank that failed first, its host and why (hpcjobs.diagnosis), when one failed."""
+    """The rank that failed first, its host and why (hpcjobs.protocol.diagnosis), when one failed."""
     failure_log: str | None = None
     failure_tail: tuple[str, ...] = ()
     """The last lines of that rank's log."""

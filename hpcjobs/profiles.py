@@ -40,7 +40,7 @@ from hpcjobs import yamlfile
 from hpcjobs.backends import SCHEDULERS
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.container import Container
-from hpcjobs.protocol.contract import Preemption
+from hpcjobs.protocol.contract import Preemption, Recovery
 from hpcjobs.protocol.errors import ProfileError, UsageError, shown
 from hpcjobs.protocol.memplan import parse_gpu_memory
 from hpcjobs.resources import data_dir
@@ -49,8 +49,8 @@ from hpcjobs.slurmtime import parse_mem_mb, parse_time
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
 MAX_NODES = 100_000
 """The most nodes any job may ask for, whatever the profile (larger than any cluster; Slurm's own node count)."""
-PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, preemption, "
-                             "container)", ProfileError)
+PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, "
+                             "preemption, recovery, container)", ProfileError)
 MAX_ITEMS = 200
 """The most entries of a list or mapping key (setup, srun_args, env, nccl)."""
 MAX_STRING = 4096
@@ -114,6 +114,9 @@ class ClusterProfile:
     or `TORCH_NCCL_`."""
     preemption: Preemption = field(default_factory=Preemption)
     """Signal, warning time and restart cap (see Preemption)."""
+    recovery: Recovery = field(default_factory=Recovery)
+    """Recovery cap, spare nodes and the hang bound's floor (see Recovery; `--max-recoveries` and `--spare-nodes`
+    override the first two per job)."""
     runs_dir: str = "~/hpcjobs-runs"
     """Where run folders go (a shared filesystem on a cluster); `~` and `$VARS` are expanded."""
     python: str | None = field(default=None,

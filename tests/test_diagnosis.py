@@ -1,12 +1,12 @@
-"""Which rank failed first (hpcjobs.diagnosis) from the ranks' own records, srun's lines and the silent ranks; the
-real-cluster versions of these faults are in tests/cluster/test_faults_cluster.py."""
+"""Which rank failed first (hpcjobs.protocol.diagnosis) from the ranks' own records, srun's lines and the silent
+ranks; the real-cluster versions of these faults are in tests/cluster/test_faults_cluster.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from hpcjobs.backends.slurm import srun_failures, task_ids
-from hpcjobs.diagnosis import diagnose
+from hpcjobs.protocol.diagnosis import diagnose
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 
 

@@ -27,7 +27,7 @@ from hpcjobs.profiles import (
     load_profile,
     parse_profile,
 )
-from hpcjobs.protocol.contract import Preemption
+from hpcjobs.protocol.contract import Preemption, Recovery
 from hpcjobs.protocol.errors import ProfileError
 from hpcjobs.yamlfile import MAX_FILE_BYTES
 from test_bad_inputs import GOOD, assert_refused
@@ -81,8 +81,10 @@ def test_every_field_is_accepted_with_its_default(tmp_path: Path) -> None:
 
 def test_every_key_appears_in_the_reference_table() -> None:
     table = reference_table()
-    keys = [f.name for f in dataclasses.fields(ClusterProfile) if f.name not in ("source", "preemption", "container")]
+    nested = ("source", "preemption", "recovery", "container")
+    keys = [f.name for f in dataclasses.fields(ClusterProfile) if f.name not in nested]
     keys += [f"preemption.{f.name}" for f in dataclasses.fields(Preemption)]
+    keys += [f"recovery.{f.name}" for f in dataclasses.fields(Recovery)]
     keys += [f"container.{f.name}" for f in dataclasses.fields(Container)]
     for key in keys:
         assert f"| `{key}` |" in table, key
@@ -107,7 +109,7 @@ def test_the_docs_hold_exactly_the_reference_table() -> None:
 
 def test_every_number_has_bounds() -> None:
     """An absurd number (gpus_per_node: 100000) is refused at load time, not by Slurm an hour later."""
-    for cls in (ClusterProfile, Preemption):
+    for cls in (ClusterProfile, Preemption, Recovery):
         for f in dataclasses.fields(cls):
             if f.type in ("int", "int | None"):
                 assert "min" in f.metadata and "max" in f.metadata, f"{cls.__name__}.{f.name} has no bounds"

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
-    from hpcjobs.diagnosis import Failure
     from hpcjobs.doctor import Check
+    from hpcjobs.protocol.diagnosis import Failure
     from hpcjobs.protocol.states import JobState
     from hpcjobs.spec import JobSpec
     from hpcjobs.store import JobRecord
@@ -92,7 +92,7 @@ class Backend(Protocol):
     def cancel(self, rec: JobRecord) -> str: ...
     def logs(self, rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path: ...
     def reported_failures(self, rec: JobRecord) -> list[Failure]: ...
-    """What the scheduler said about ranks that ended badly (Slurm: srun's lines), for hpcjobs.diagnosis."""
+    """What the scheduler said about ranks that ended badly (Slurm: srun's lines), for hpcjobs.protocol.diagnosis."""
     def allocations(self, rec: JobRecord, run: Any = None) -> list[Times]: ...
     """(eligible, start, end) of each allocation the scheduler recorded for the job, a requeued job's earlier ones
     included (Slurm: its accounting); [] where it records none. `run`: the command runner (tests pass stand-ins)."""

@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hpcjobs.diagnosis import Failure
+from hpcjobs.protocol.diagnosis import Failure
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.paths import RUN_DIR_HINT, run_folder_place
 from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic

@@ -35,8 +35,8 @@ from hpcjobs.backends.slurm_render import (
     submitit_parameters,
     submitit_python,
 )
-from hpcjobs.diagnosis import Failure, read_text
 from hpcjobs.doctor import Check
+from hpcjobs.protocol.diagnosis import Failure, read_text
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.runfolder import (
     TASK_INDEX,

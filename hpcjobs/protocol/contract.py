@@ -49,6 +49,22 @@ class Preemption:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """What the job does by itself when a rank or node fails and it is nobody's bug (hpcjobs.protocol.faults): its
+    ranks start again, as a new step of the same allocation, from the newest finished checkpoint (trainers/recover.py).
+    The field metadata are the profile's constraints on the `recovery:` keys."""
+
+    max_recoveries: int = field(default=3, metadata={"min": 0, "max": 1000})
+    """How many recoveries a job may have (in its allocation and by requeue together); 0 turns recovery off. A job
+    that finishes no checkpoint across this many recoveries in a row ends failed, naming the cause that repeats."""
+    spare_nodes: int = field(default=0, metadata={"min": 0, "max": 64})
+    """Extra nodes the job holds to stand in for one that fails (`--spare-nodes`); they run no rank until then."""
+    hang_min_s: int = field(default=300, metadata={"min": 5, "max": 86_400})
+    """The least time without step progress that counts as a hang; the bound grows with the measured step time and
+    with a checkpoint in flight (trainers/watchdog.py)."""
+
+
+@dataclass(frozen=True)
 class LaunchContract:
     """What every rank must know about its job that Slurm's environment does not say."""
 
@@ -57,6 +73,8 @@ class LaunchContract:
     hpcjobs.protocol.runfolder.resolve_run_dir)."""
     preemption: Preemption = field(default_factory=Preemption)
     """Signal, warning seconds and restart cap, from the profile."""
+    recovery: Recovery = field(default_factory=Recovery)
+    """The recovery cap, spare nodes and the hang bound's floor, from the profile and the job's flags."""
     time_limit_s: int = 0
     """The job's time limit in seconds (0: none known, e.g. a local run or a plain torchrun)."""
     start_time: float = 0.0
@@ -74,6 +92,8 @@ class LaunchContract:
             del data["points"]
         if not data["submit_dir"]:  # no snapshot, or the shared trainer: as before
             del data["submit_dir"]
+        if self.recovery == Recovery():  # the defaults: the nodes know them
+            del data["recovery"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -81,8 +101,9 @@ class LaunchContract:
         try:
             data = json.loads(text)
             pre = Preemption(**data.pop("preemption", {}))
+            recovery = Recovery(**data.pop("recovery", {}))
             points = tuple(tuple((str(k), str(v)) for k, v in point) for point in data.pop("points", ()))
-            contract = cls(preemption=pre, points=points, **data)
+            contract = cls(preemption=pre, recovery=recovery, points=points, **data)
         except (ValueError, TypeError) as e:
             raise ContractError(f"the launch contract {text[:200]!r} cannot be read ({e}); the nodes may run "
                                 "another hpcjobs version than the one that submitted the job") from None

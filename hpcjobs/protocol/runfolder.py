@@ -6,7 +6,7 @@ RUN/heartbeat.json        last step and time, rewritten atomically (status witho
 RUN/restarts.jsonl        one line per (re)start: when, restart count, why the previous one stopped
 RUN/startup.jsonl         one line per rank and start: launched, torch imported, group joined, first step done
 RUN/final.json            finished | failed, with the reason
-RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error (hpcjobs.diagnosis)
+RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error (hpcjobs.protocol.diagnosis)
 RUN/saves.jsonl           rank 0, one line per checkpoint save: job, restart, step, when it began, how long the
                           training loop waited for it (hpcjobs.goodput's checkpoint cost)
 RUN/allocations.jsonl     the local backend, one line per job it ran: when its ranks were started and the last ended
@@ -14,6 +14,10 @@ RUN/local-process.json    a local job's launching process (pid, host), so status
 RUN/tracker.json          rank 0: the experiment trackers' run ids (wandb, mlflow), so a requeued or resumed start
                           logs into the same tracker run; also each one's last logged step per metric
 RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
+RUN/stacks/restart-N/rank-R.txt every thread's Python stack of a rank whose hang watchdog fired (trainers/watchdog.py)
+
+A restart's number N counts every start of the job: a requeue's, and a recovery's inside the allocation
+(trainers/recover.py gives each its number before its ranks start, in $HPCJOBS_RESTART).
 
 A run folder given as a pattern (`runs/x-%j`, `sweep-%A/%a`) is resolved by `resolve_run_dir` on every path, once the
 job's ids are known; nothing ever creates a folder with a literal `%j` in its name.
@@ -115,6 +119,9 @@ class RunFolder:
     def rank_log(self, restart: int, rank: int) -> Path:
         return self.logs / f"restart-{restart}" / f"rank-{rank}.log"
 
+    def stack_file(self, restart: int, rank: int) -> Path:
+        return self.path / "stacks" / f"restart-{restart}" / f"rank-{rank}.txt"
+
     def restart_dirs(self) -> list[int]:
         if not self.logs.is_dir():
             return []
@@ -130,7 +137,9 @@ class RunFolder:
                                      "world_size": world_size, **extra})
 
     def record_stop(self, reason: str, step: int, restart: int, **extra: Any) -> None:
-        """Why this (re)start ended without finishing: preemption, timeout, interrupt, cap."""
+        """Why this (re)start ended without finishing: preemption, timeout, interrupt, cap, fault (a recovery: its
+        `recovery` field is how many the job has had, `cause` the failure it recovers from, `how` in the allocation
+        or by a requeue, `exclude` the nodes left out)."""
         append_jsonl(self.restarts, {"time": time.time(), "restart": restart, "stopped": reason, "step": step,
                                      **extra})
 

@@ -24,6 +24,9 @@ class StopReason(_Str):
     """SIGTERM under Slurm that was not a preemption (scancel, an outside `scontrol requeue`): Slurm decides."""
     INTERRUPT = "interrupt"
     """A local run asked to stop (Ctrl-C, SIGTERM)."""
+    FAULT = "fault"
+    """A rank or node failed and it was nobody's bug (hpcjobs.protocol.faults): the job recovers by itself, its
+    ranks started again from the newest finished checkpoint (the line's `recovery` says how)."""
 
 
 class StopOutcome(_Str):

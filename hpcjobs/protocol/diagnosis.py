@@ -16,13 +16,9 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hpcjobs.protocol.faults import PEER_LOST, TIMEOUT
 from hpcjobs.protocol.runfolder import RunFolder
 
-TIMEOUT = re.compile(r"time(d)? ?out|timeout", re.I)
-PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|DistBackendError|DistNetworkError|"
-                       r"NCCL (communicator|error)|ncclRemoteError|ncclSystemError|\[Gloo\]|"
-                       r"failed to recv|Terminated|SIGTERM|SIGKILL", re.I)
-"""What a rank records when a peer went away (the collectives' and the store's words), or when it was ended."""
 TAIL_LINES = 5
 
 
