@@ -8,7 +8,6 @@ next start's (two jobs on one run folder both have a restart 0)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,7 +19,6 @@ _NUM = (int, float)
 STARTUP_FIELDS = {"restart": (int,), **{m: (*_NUM, type(None)) for m in MARKS}}
 SAVE_FIELDS = {"restart": (int,), "step": (int,), "time": _NUM, "blocking_s": _NUM}
 ALLOCATION_FIELDS = {"start": _NUM, "end": _NUM}
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _num(value: Any) -> float | None:
@@ -50,15 +48,6 @@ def start_lines(run: RunFolder) -> list[tuple[dict[str, Any], dict[str, Any] | N
         elif out and out[-1][1] is None and r.get("restart") == out[-1][0].get("restart"):
             out[-1] = (out[-1][0], r)
     return out
-
-
-def newest_checkpoint(run: RunFolder) -> int | None:
-    """The newest finished checkpoint's step: a step-N folder is finished by the protocol (renamed when whole)."""
-    try:
-        steps = [int(m.group(1)) for p in run.checkpoints.iterdir() if (m := _STEP_DIR.match(p.name))]
-    except OSError:
-        return None
-    return max(steps, default=None)
 
 
 def read_starts(run: RunFolder) -> list[tuple[str, Start]]:

@@ -16,7 +16,7 @@ from typing import Any
 from hpcjobs.backends import backend_for
 from hpcjobs.goodput import BUCKETS, STARTUP_PARTS, Allocation, Goodput, Start, compute, total
 from hpcjobs.goodput_advice import advice, step_time
-from hpcjobs.goodput_read import allocations, job_ids, job_times, newest_checkpoint, read_starts, resumed_after
+from hpcjobs.goodput_read import allocations, job_ids, job_times, read_starts, resumed_after
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.states import JobState
@@ -75,7 +75,7 @@ def folder_report(run: RunFolder, record: JobRecord | None, store: JobStore, now
     """Each job on the run folder (with `record`: only that job's): its Goodput, and the starts it read.
     `state_of`: the job's state (whether it still runs), by default status_of's."""
     starts = read_starts(run)
-    resumed = resumed_after([s for _, s in starts], newest_checkpoint(run))
+    resumed = resumed_after([s for _, s in starts], run.newest_checkpoint())
     out: list[Goodput] = []
     mine: list[Start] = []
     for job, rec in jobs_of(run, record, store):

@@ -114,9 +114,7 @@ class ClusterProfile:
     or `TORCH_NCCL_`."""
     preemption: Preemption = field(default_factory=Preemption)
     """Signal, warning time and restart cap (see Preemption)."""
-    recovery: Recovery = field(default_factory=Recovery)
-    """Recovery cap, spare nodes and the hang bound's floor (see Recovery; `--max-recoveries` and `--spare-nodes`
-    override the first two per job)."""
+    recovery: Recovery = field(default_factory=Recovery)  # see Recovery; --max-recoveries, --spare-nodes override
     runs_dir: str = "~/hpcjobs-runs"
     """Where run folders go (a shared filesystem on a cluster); `~` and `$VARS` are expanded."""
     python: str | None = field(default=None,

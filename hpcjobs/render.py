@@ -21,7 +21,8 @@ def signal_guard(spec: JobSpec) -> list[str]:
 def launch_contract(spec: JobSpec) -> LaunchContract:
     """The contract every rank reads (run folder pattern, preemption settings, time limit)."""
     own = spec.snapshot is not None and spec.entry.kind != "task"  # a user's script: its relative paths, as given
-    return LaunchContract(run_dir=spec.run_dir, preemption=spec.profile.preemption, time_limit_s=spec.time_seconds,
+    return LaunchContract(run_dir=spec.run_dir, preemption=spec.profile.preemption, recovery=spec.recovery,
+                          time_limit_s=spec.time_seconds,
                           points=spec.points if spec.array else (),
                           submit_dir=spec.snapshot.origin(spec.workdir) if own and spec.snapshot else "")
 

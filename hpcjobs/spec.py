@@ -7,7 +7,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -17,6 +17,7 @@ from hpcjobs.container import Image, resolve
 from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
+from hpcjobs.protocol.contract import Recovery
 from hpcjobs.protocol.errors import UsageError, shown
 from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
 from hpcjobs.protocol.points import Point, as_args
@@ -69,6 +70,10 @@ class Request:
     """`--after ID[:ok|any|notok]` flags: the jobs this one waits for (hpcjobs.after)."""
     container: str | None = None
     """`--container IMAGE`: the image instead of the profile's container.image."""
+    max_recoveries: int | None = None
+    """`--max-recoveries N`: instead of the profile's recovery.max_recoveries."""
+    spare_nodes: int | None = None
+    """`--spare-nodes K`: instead of the profile's recovery.spare_nodes."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,9 @@ class JobSpec:
     """The jobs this one waits for, and on what (hpcjobs.after): Slurm's --dependency."""
     container: Image | None = None
     """The image every rank runs in (hpcjobs.container); None: the node's own system."""
+    recovery: Recovery = field(default_factory=Recovery)
+    """The profile's recovery settings with the job's flags (--max-recoveries, --spare-nodes): see
+    trainers/recover.py."""
 
     @property
     def array(self) -> bool:
@@ -145,6 +153,7 @@ class JobSpec:
             "snapshot": self.snapshot.as_dict() if self.snapshot else None,
             **({"after": [str(a) for a in self.after]} if self.after else {}),  # only then: spec.json as it was
             "container": self.container.as_dict() if self.container else None,
+            **({"recovery": asdict(self.recovery)} if self.recovery != Recovery() else {}),
         }
 
 
@@ -340,6 +349,23 @@ def _run_dir(profile: ClusterProfile, req: Request, workdir: Path, name: str, st
     return run_dir
 
 
+def _recovery(profile: ClusterProfile, req: Request, nodes_allowed: int | None) -> Recovery:
+    """The profile's recovery settings with the job's flags, each checked against the key's range."""
+    given = {"max_recoveries": req.max_recoveries, "spare_nodes": req.spare_nodes}
+    for name, value in given.items():
+        f = next(f for f in fields(Recovery) if f.name == name)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and not f.metadata["min"] <= value <= f.metadata["max"]:
+            raise UsageError(f"{flag} {value}: valid: {f.metadata['min']} to {f.metadata['max']}.",
+                             f"e.g. {flag} {max(f.metadata['min'], 1)}")
+    recovery = replace(profile.recovery, **{k: v for k, v in given.items() if v is not None})
+    if recovery.spare_nodes and nodes_allowed is not None and req.nodes + recovery.spare_nodes > nodes_allowed:
+        raise UsageError(f"--nodes {req.nodes} with {recovery.spare_nodes} spare node(s) asks for "
+                         f"{req.nodes + recovery.spare_nodes} nodes; valid: at most {nodes_allowed} in all.",
+                         "ask for fewer spare nodes, or fewer nodes.")
+    return recovery
+
+
 def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, workdir: Path | None = None,
                stamp: str | None = None, job_id_in_run_dir: bool = False) -> JobSpec:
     """Validate the request against the profile and freeze it. `caps`: the profile's backend, whose own `check`
@@ -369,4 +395,5 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
         gpu_ranks=caps.requests_gpus and profile.gpu_request != "none", after=parse_all(req.after),
+        recovery=_recovery(profile, req, most_nodes(profile, caps)),
     )

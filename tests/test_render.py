@@ -66,9 +66,13 @@ def test_hostile_strings_reach_the_ranks_unchanged(tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(spec))
     record = tmp_path / "argv"
-    stubs = (f'srun() {{ printf "%s\\0" "$@" > "{record}"; printf "%s" "$WEIRD" > "{record}.env"; }}\n'
-             'scontrol() { echo node7; }\n')
-    env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[7-8]"}
+    srun = tmp_path / "bin" / "srun"  # a program: the recovery (trainers/recover.py) runs it, not the shell
+    srun.parent.mkdir()
+    srun.write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" > "{record}"; printf "%s" "$WEIRD" > "{record}.env"\n')
+    srun.chmod(0o755)
+    stubs = 'scontrol() { echo node7; }\n'
+    env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[7-8]",
+           "PATH": f"{srun.parent}:{os.environ['PATH']}"}
     subprocess.run(["bash", "-c", stubs + f'source "{script}"'], check=True, env=env, cwd=tmp_path)
     words = record.read_bytes().decode().split("\0")[:-1]
     launcher = launcher_argv(spec)
@@ -97,7 +101,13 @@ def test_submitit_parameters_match_the_script() -> None:
     assert f"#SBATCH --time={params['additional_parameters']['time']}" in text
     assert params["setup"][:2] == ["module load cuda/12.4 nccl/2.21", "source ~/venvs/train/bin/activate"]
     missing = [line for line in params["setup"] if line not in text]  # submitit's check imports submitit too
-    assert len(missing) == 1 and "sys.exit(problem); import trainers.launch, submitit'" in missing[0]
+    assert len(missing) == 2 and "sys.exit(problem); import trainers.launch, submitit'" in missing[0]
+    assert missing[1].startswith('export HPCJOBS_RESTART="$("$HPCJOBS_PYTHON" -m trainers.recover --next-start')
+    # the recovery goes on from submitit's own srun with the very step the rendered script runs
+    recovered = '"$HPCJOBS_PYTHON" -u -m trainers.recover --after $? -- '
+    [teardown] = params["teardown"]
+    step = text.split('"$HPCJOBS_PYTHON" -u -m trainers.recover -- ', 1)[1].rstrip("\n").replace(" \\\n  ", " ")
+    assert teardown == recovered + step
     assert params["srun_args"] == ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--cpu-bind=cores"]
 
 

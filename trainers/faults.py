@@ -1,5 +1,7 @@
 """Fault injection for tests: HPCJOBS_FAULT_INJECT=POINT@STEP[:RANK] SIGKILLs this process there, or with
-HPCJOBS_FAULT_ACTION=raise raises RuntimeError (a crashing task), =stop sends it SIGSTOP (a hung rank).
+HPCJOBS_FAULT_ACTION=raise raises RuntimeError (a crashing task), =stop sends it SIGSTOP (a hung rank), =comm raises
+the error a collective raises when its peer's connection broke (an infrastructure fault, which the job recovers from).
+HPCJOBS_FAULT_RESTART=N fires it only in start N (a fault that does not come back after a recovery).
 HPCJOBS_FAULT_SLOW_STEP=SECONDS makes every step that much longer (a bigger model, a slower machine): a test that
 needs a signal to land mid-run then holds however fast the machine running it is.
 
@@ -18,6 +20,7 @@ import time
 
 _SPEC = os.environ.get("HPCJOBS_FAULT_INJECT", "")
 _ACTION = os.environ.get("HPCJOBS_FAULT_ACTION", "kill")
+_ONLY_IN = os.environ.get("HPCJOBS_FAULT_RESTART", "")
 
 
 def _seconds(name: str) -> float:
@@ -37,6 +40,10 @@ class InjectedFault(RuntimeError):
     pass
 
 
+class InjectedCommError(RuntimeError):
+    """Stands for torch's DistBackendError (its words, so the diagnosis and the recovery read it as they would)."""
+
+
 def armed() -> bool:
     return bool(_SPEC) or _SLOW_STEP_S > 0
 
@@ -49,6 +56,11 @@ def maybe_die(point: str, step: int) -> None:
     where, _, rank = _SPEC.partition(":")
     if where != f"{point}@{step}" or (rank and rank != os.environ.get("RANK", "0")):
         return
+    if _ONLY_IN and _ONLY_IN != os.environ.get("HPCJOBS_RESTART", "0"):
+        return
     if _ACTION == "raise":
         raise InjectedFault(f"injected at {point} of step {step}")
+    if _ACTION == "comm":
+        raise InjectedCommError(f"DistBackendError: [Gloo] injected at {point} of step {step}: Connection reset by "
+                                "peer")
     os.kill(os.getpid(), signal.SIGSTOP if _ACTION == "stop" else signal.SIGKILL)

@@ -52,13 +52,6 @@ def local_job_id() -> str:
     return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}" + (f"-{n}" if n else "")
 
 
-def next_restart(run: RunFolder) -> int:
-    """A local job on a run folder that ran before continues its numbering (restart-N logs, `status`'s restarts):
-    each resume its own logs, as a requeue on Slurm gets."""
-    starts = [r.get("restart", 0) for r in run.read_restarts() if "stopped" not in r]
-    return max(starts) + 1 if starts else 0
-
-
 def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str], restart: int = 0,
               ) -> list[dict[str, str]]:
     """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
@@ -333,7 +326,7 @@ class LocalBackend(RunFolderLogs):
         base = dict(os.environ)
         if slot is not None:
             base.update(device_slice(slot, spec.ranks, base))
-        envs = rank_envs(spec, sub.job_id, free_port(), base, next_restart(RunFolder(sub.run_dir)))
+        envs = rank_envs(spec, sub.job_id, free_port(), base, RunFolder(sub.run_dir).next_restart())
         # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
         # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
         return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,

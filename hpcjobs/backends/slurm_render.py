@@ -26,7 +26,7 @@ from hpcjobs.protocol.ports import shell_port_expr
 from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID
 from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
 from hpcjobs.protocol.versions import FLOOR_TEXT
-from hpcjobs.render import launcher_argv, signal_guard
+from hpcjobs.render import launch_contract, launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
 from hpcjobs.spec import JobSpec, snapshot_root
@@ -67,12 +67,15 @@ def slurm_flags(spec: JobSpec) -> dict[str, Any]:
     A flag the profile passes through is a field of ClusterProfile naming it; any other flag is added here."""
     p = spec.profile
     flags: dict[str, Any] = {
-        "job-name": spec.name, "nodes": spec.nodes, "ntasks-per-node": spec.gpus_per_node, "time": spec.time,
+        "job-name": spec.name, "nodes": spec.nodes + spec.recovery.spare_nodes, "ntasks-per-node": spec.gpus_per_node,
+        "time": spec.time,
         "partition": spec.partition, "account": spec.account, "qos": spec.qos,  # flags of the same name override
         "requeue": True, "signal": f"{p.preemption.signal}@{p.preemption.seconds_before}", "open-mode": "append",
         "chdir": spec.workdir, **gpu_flags(spec), **profile_flags(p),
     }
     flags["comment"] = job_comment(spec.run_dir)
+    if spec.recovery.spare_nodes:  # a node that fails leaves the job running on the others (trainers/recover.py)
+        flags["no-kill"] = True
     if spec.array:  # a sweep: one array task per point, each requeued alone (it has its own SLURM_JOB_ID)
         flags["array"] = array_spec(len(spec.points), spec.max_parallel)
     if spec.after:  # Slurm cancels a dependent whose upstream ended so that it can never start (hpcjobs.after)
@@ -185,8 +188,34 @@ def shell_words(words: list[str]) -> str:
 def srun_flags(spec: JobSpec) -> list[str]:
     """Every rank's srun flags. --cpus-per-task again: Slurm 22.05 to 23.02 do not pass sbatch's to srun, and each
     rank would run its `cpus_per_gpu` threads on one core."""
-    return ["--kill-on-bad-exit=1", f"--cpus-per-task={spec.profile.cpus_per_gpu}", *spec.profile.srun_args,
+    spare = [f"--nodes={spec.nodes}", f"--ntasks={spec.ranks}"] if spec.recovery.spare_nodes else []
+    return ["--kill-on-bad-exit=1", f"--cpus-per-task={spec.profile.cpus_per_gpu}", *spare, *spec.profile.srun_args,
             *srun_container_flags(spec.container)]
+
+
+def recovering(spec: JobSpec) -> bool:
+    """Whether the batch script runs the ranks' step under trainers/recover.py. Not with an image: the recovery runs
+    outside srun, where only the image has the nodes' Python (the requeue still brings such a job back)."""
+    return spec.container is None
+
+
+def recover_command(after_first_step: bool = False) -> str:
+    """The batch script's command that runs the ranks' srun step (or, after submitit ran the first, goes on from
+    its exit code) and recovers from faults in the allocation; `srun FLAGS RANK-COMMAND` follows it."""
+    return f'{NODE_PYTHON} -u -m trainers.recover {"--after $? " if after_first_step else ""}--'
+
+
+
+def next_start_argv(spec: JobSpec) -> list[str]:
+    """The number the first step's ranks start under (RunFolder.next_restart), for submitit's script, which runs
+    that step itself."""
+    return [NODE_PYTHON, "-m", "trainers.recover", "--next-start", "--", "--contract",
+            launch_contract(spec).to_json()]
+
+
+def ranks_step(spec: JobSpec) -> list[str]:
+    """The ranks' srun step as the rendered script and the recovery run it."""
+    return ["srun", *srun_flags(spec), *rank_argv(spec, launcher_argv(spec, python=NODE_PYTHON))]
 
 
 def slurm_log_dir(spec: JobSpec) -> str:
@@ -205,6 +234,7 @@ def render_sbatch(spec: JobSpec) -> str:
         directives=[sbatch_directive(k, v) for k, v in sorted(flags.items())], setup=list(spec.profile.setup),
         python=python_lines(spec), environment=environment_lines(spec) + handoff_lines(spec),
         srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
+        recover=recover_command() + " " if recovering(spec) else "",
         launcher=shell_words(rank_argv(spec, launcher_argv(spec, python=NODE_PYTHON))) + "".join(
             f"\n{line}" for line in requeue_lines(spec)).replace("\n", " || hpcjobs_rc=$?\n", 1),
     )
@@ -234,7 +264,10 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
     params["additional_parameters"] = extra
     params["setup"] = [*spec.profile.setup, *environment_lines(spec), *handoff_lines(spec),
                        *python_lines(spec, "trainers.launch, submitit")]
-    if spec.container is not None:  # submitit writes these after its srun line: $? is srun's
+    if recovering(spec):  # submitit runs the first step; the recovery goes on from its exit code ($?)
+        params["setup"].append(f'export HPCJOBS_RESTART="$({shell_words(next_start_argv(spec))})"')
+        params["teardown"] = [f"{recover_command(after_first_step=True)} {shell_words(ranks_step(spec))}"]
+    else:  # submitit writes these after its srun line: $? is srun's
         params["teardown"] = ["hpcjobs_rc=$?", *requeue_lines(spec)]
     params["srun_args"] = srun_flags(spec)
     params["stderr_to_stdout"] = True

@@ -28,7 +28,7 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
                   time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
                   run_dir=ns.run_dir, env=tuple(ns.env), sweep=tuple(ns.sweep), sweep_file=ns.sweep_file,
                   max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot, after=tuple(ns.after),
-                  container=ns.container)
+                  container=ns.container, max_recoveries=ns.max_recoveries, spare_nodes=ns.spare_nodes)
     spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
     backend.check(spec)
     return spec, backend

@@ -136,6 +136,13 @@ def job_flags(entry_optional: bool = False) -> Parser:
     p.add_argument("--after", action="append", default=[], metavar="ID[:ok|any|notok]",
                    help="start once job ID ended: COMPLETED (ok, the default), in any way (any), or badly (notok); "
                         "repeat to wait for several. A requeue is not an end: the wait goes on through it")
+    p.add_argument("--max-recoveries", type=whole_number, metavar="N",
+                   help="recoveries in a row without a new checkpoint before the job ends failed: a rank killed, a "
+                        "hang, a lost peer or a failed node restarts the ranks from the newest checkpoint by itself "
+                        "(default: the profile's recovery.max_recoveries; 0: never)")
+    p.add_argument("--spare-nodes", type=whole_number, metavar="K",
+                   help="hold K more nodes that stand in for a node that fails, so the job recovers without a "
+                        "requeue (default: the profile's recovery.spare_nodes)")
     p.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                    help="run from the working tree instead of a copy of the project's code taken at submission "
                         "(the copy is what every restart runs, whatever is edited after)")

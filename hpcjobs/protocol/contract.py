@@ -55,8 +55,8 @@ class Recovery:
     The field metadata are the profile's constraints on the `recovery:` keys."""
 
     max_recoveries: int = field(default=3, metadata={"min": 0, "max": 1000})
-    """How many recoveries a job may have (in its allocation and by requeue together); 0 turns recovery off. A job
-    that finishes no checkpoint across this many recoveries in a row ends failed, naming the cause that repeats."""
+    """How many recoveries in a row, with no new checkpoint between them, a job may have before it ends failed (one
+    line naming the cause that repeats); 0 turns recovery off. A job that checkpoints between faults goes on."""
     spare_nodes: int = field(default=0, metadata={"min": 0, "max": 64})
     """Extra nodes the job holds to stand in for one that fails (`--spare-nodes`); they run no rank until then."""
     hang_min_s: int = field(default=300, metadata={"min": 5, "max": 86_400})

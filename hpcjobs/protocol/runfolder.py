@@ -93,6 +93,10 @@ def resolve_run_dir(pattern: str, ids: Mapping[str, str]) -> str:
     return _FIELD.sub(value, pattern)
 
 
+CHECKPOINT_DIR = re.compile(r"^step-(\d+)$")
+"""A checkpoint's folder in RUN/checkpoints/: finished by the protocol once it has this name (renamed when whole)."""
+
+
 class RunFolder:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -118,6 +122,20 @@ class RunFolder:
 
     def rank_log(self, restart: int, rank: int) -> Path:
         return self.logs / f"restart-{restart}" / f"rank-{rank}.log"
+
+    def newest_checkpoint(self) -> int | None:
+        """The newest finished checkpoint's step (None: none, or the folder cannot be read)."""
+        try:
+            steps = [int(m.group(1)) for p in self.checkpoints.iterdir() if (m := CHECKPOINT_DIR.match(p.name))]
+        except OSError:
+            return None
+        return max(steps, default=None)
+
+    def next_restart(self) -> int:
+        """The number the next start of the job gets: one past every start the folder has seen (a requeue's, a
+        recovery's, a local resume's), so no two starts share their logs and records."""
+        starts = [r.get("restart", 0) for r in self.read_restarts()]
+        return max([*starts, *self.restart_dirs()]) + 1 if starts or self.restart_dirs() else 0
 
     def stack_file(self, restart: int, rank: int) -> Path:
         return self.path / "stacks" / f"restart-{restart}" / f"rank-{rank}.txt"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.protocol.atomic import fsync_path, write_atomic
+from hpcjobs.protocol.runfolder import CHECKPOINT_DIR
 from trainers.checkpoint.errors import CheckpointSpaceError, CorruptCheckpoint, corrupt, full_disk
 from trainers.faults import maybe_die
 
@@ -22,7 +22,6 @@ FINISHED = "FINISHED"
 SHARED = "shared.pt"
 BEST = "best.json"
 CORRUPT = "corrupt"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def finished(root: Path) -> list[CheckpointRef]:
         return []
     refs = []
     for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
+        m = CHECKPOINT_DIR.match(p.name)
         if m and (p / FINISHED).is_file():
             refs.append(CheckpointRef(int(m.group(1)), p))
     return sorted(refs, key=lambda r: r.step)

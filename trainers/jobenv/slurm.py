@@ -83,6 +83,54 @@ def requeue_job(job_id: str, runner: Runner = subprocess.run) -> str:
     return (out.stderr or out.stdout or "").strip() or f"scontrol requeue exited {out.returncode}"
 
 
+BAD_NODE_STATES = ("down", "drain", "drng", "fail", "maint", "unk", "npc", "boot", "futr")
+"""`sinfo -o %t`'s short states of a node that must not run a rank again (a trailing `*`: not responding)."""
+
+
+def unhealthy_nodes(nodes: list[str], runner: Runner = subprocess.run) -> dict[str, str]:
+    """Which of `nodes` Slurm says are down, draining, failed or not responding, with its reason (`sinfo -R`'s
+    words, or the state); empty when Slurm cannot be asked (the recovery then trusts every node)."""
+    if not nodes:
+        return {}
+    try:
+        out = runner(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%t|%E"], capture_output=True, text=True,
+                     timeout=SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    bad = {}
+    for line in (out.stdout or "").splitlines():
+        node, _, rest = line.partition("|")
+        state, _, reason = rest.partition("|")
+        if state.endswith("*") or state.rstrip("*~#!%$@^-").startswith(BAD_NODE_STATES):
+            bad[node.strip()] = f"{state} ({reason.strip()})" if reason.strip() not in ("", "none") else state
+    return bad
+
+
+def allocation(env: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The job's id and its nodes, in the batch step (trainers/recover.py)."""
+    nodelist = env.get("SLURM_JOB_NODELIST", "")
+    return env.get("SLURM_JOB_ID", ""), expand_nodelist(nodelist) if nodelist else []
+
+
+def step_excluding(argv: list[str], nodes: set[str]) -> list[str]:
+    """An `srun` command line with `nodes` left out of the step (srun's own flags come right after `srun`)."""
+    if not nodes or not argv or Path(argv[0]).name != "srun":
+        return argv
+    return [argv[0], f"--exclude={','.join(sorted(nodes))}", *argv[1:]]
+
+
+def requeue_excluding(job_id: str, nodes: list[str], runner: Runner = subprocess.run) -> str:
+    """Requeue the job with `nodes` left out of its next allocation (`scontrol update ExcNodeList`, then
+    `scontrol requeue`); returns Slurm's complaint, empty when it worked."""
+    if nodes:
+        try:
+            runner(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"], capture_output=True,
+                   text=True, timeout=SCONTROL_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
+    return requeue_job(job_id, runner)
+
+
 GPU_ALLOCATION_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
 """What Slurm sets on a node when it gave the job GPUs there (the first that is set and not 0 says so)."""
 
@@ -145,8 +193,9 @@ class SlurmJob(JobEnv):
         return f"{array}_{task}" if self.env.get("SLURM_JOB_ID") and array and task else self.own_id()
 
     def restart(self) -> int:
-        """Slurm's requeue count (SLURM_RESTART_COUNT), else the launcher's HPCJOBS_RESTART."""
-        return int(self.env.get("SLURM_RESTART_COUNT") or self.env.get("HPCJOBS_RESTART") or 0)
+        """This start's number: HPCJOBS_RESTART, which the batch script sets before each step (trainers/recover.py:
+        it counts requeues and recoveries in the allocation together), else Slurm's requeue count."""
+        return int(self.env.get("HPCJOBS_RESTART") or self.env.get("SLURM_RESTART_COUNT") or 0)
 
     def requeues(self) -> int:
         return int(self.env.get("SLURM_RESTART_COUNT") or 0)

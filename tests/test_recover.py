@@ -1,0 +1,164 @@
+"""The recovery inside the allocation (trainers/recover.py), off the cluster: a fake step (a Python script standing
+in for srun, writing what the ranks write) and recorded Slurm answers (scontrol, sinfo) through the injected runner.
+The real thing, a rank SIGKILLed on the test cluster, is in tests/cluster/test_faults_cluster.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcjobs.protocol.contract import LaunchContract, Recovery
+from hpcjobs.protocol.runfolder import RunFolder
+from trainers import recover
+
+STEP = """
+import json, os, sys, time
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+run = RunFolder(sys.argv[1])
+restart = int(os.environ["HPCJOBS_RESTART"])
+plan = json.loads(sys.argv[2])  # per start: ok, peer, task, silent, stop, or a checkpoint step to make first
+what = plan[min(restart, len(plan) - 1)]
+run.record_start(restart, "42", 2)
+if isinstance(what, int):
+    (run.checkpoints / f"step-{what}").mkdir(parents=True, exist_ok=True)
+    what = "peer"
+if what == "stop":  # the protocol stopped it (a preemption); a rank failed on its way out
+    run.record_stop("preemption", 40, restart)
+    what = "peer"
+errors = {"peer": "RuntimeError: [Gloo] Connection closed by peer", "task": "ValueError: bad batch"}
+if what in errors:
+    append_jsonl(run.failures, {"time": time.time(), "job_id": "42", "restart": restart, "rank": 1,
+                                "host": "node2", "error": errors[what]})
+sys.exit(0 if what == "ok" else 1)
+"""
+
+
+class Slurm:
+    """scontrol and sinfo as the test cluster answers them; every command asked is kept."""
+
+    def __init__(self, down: Sequence[str] = (), state: str = "RUNNING") -> None:
+        self.down, self.state, self.asked = list(down), state, []  # type: list[str], str, list[list[str]]
+
+    def __call__(self, cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        self.asked.append(cmd)
+        if cmd[:3] == ["scontrol", "show", "job"]:
+            out = f"JobId=42 JobName=lm JobState={self.state} Restarts=0"
+        elif cmd[0] == "sinfo":
+            nodes = cmd[cmd.index("-n") + 1].split(",")
+            out = "\n".join(f"{n}|down*|Not responding" if n in self.down else f"{n}|alloc|none" for n in nodes)
+        else:
+            out = ""
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    monkeypatch.delenv("HPCJOBS_RESTART", raising=False)
+    monkeypatch.setattr(recover, "_ended", [])
+    yield tmp_path / "run"
+
+
+DEFAULTS = Recovery()
+
+
+def step(run: Path, plan: list[Any], recovery: Recovery = DEFAULTS) -> list[str]:
+    run.mkdir(exist_ok=True)
+    script = run.parent / "step.py"
+    script.write_text(STEP)
+    contract = LaunchContract(run_dir=str(run), recovery=recovery)
+    return [sys.executable, str(script), str(run), json.dumps(plan), "--contract", contract.to_json()]
+
+
+def faults(run: Path) -> list[dict[str, Any]]:
+    return [r for r in RunFolder(run).read_restarts() if r.get("stopped") == "fault"]
+
+
+def test_a_lost_peer_is_recovered_in_the_allocation_as_a_new_numbered_start(job: Path) -> None:
+    slurm = Slurm()
+    assert recover.supervise(step(job, ["peer", "ok"]), None, slurm) == 0
+    starts = [r["restart"] for r in RunFolder(job).read_restarts() if "stopped" not in r]
+    assert starts == [0, 1]  # the recovery's start has a number of its own: its own logs
+    [fault] = faults(job)
+    assert (fault["restart"], fault["recovery"], fault["how"], fault["exclude"], fault["step"]) == \
+        (0, 1, "allocation", [], -1)
+    assert "rank 1 on node2: RuntimeError: [Gloo] Connection closed by peer" in fault["cause"]
+    assert not any(c[:2] == ["scontrol", "requeue"] for c in slurm.asked)
+
+
+def test_a_tasks_own_exception_is_never_recovered(job: Path) -> None:
+    assert recover.supervise(step(job, ["task", "ok"]), None, Slurm()) == 1
+    assert faults(job) == [] and len(RunFolder(job).read_restarts()) == 1
+
+
+def test_a_step_that_ended_after_the_first_ran_goes_on_from_its_exit_code(job: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit's path: its own srun ran start 0 (HPCJOBS_RESTART exported before it); the recovery takes over."""
+    argv = step(job, ["silent", "ok"])
+    monkeypatch.setenv("HPCJOBS_RESTART", "0")
+    subprocess.run(argv, check=False)
+    assert recover.supervise(argv, 1, Slurm()) == 0
+    [fault] = faults(job)
+    assert "no rank recorded why" in fault["cause"]
+
+
+def test_no_new_checkpoint_across_max_recoveries_ends_the_job_failed_naming_the_cause(job: Path,
+                                                                                     capsys: Any) -> None:
+    assert recover.supervise(step(job, ["peer"], Recovery(max_recoveries=2)), None, Slurm()) == 1
+    assert len(faults(job)) == 2
+    final = json.loads((job / "final.json").read_text())
+    assert final["state"] == "failed" and "no new checkpoint across 2 recoveries in a row" in final["reason"]
+    assert "Connection closed by peer" in final["reason"]
+    assert "ends failed: no new checkpoint across 2" in capsys.readouterr().err
+
+
+def test_a_job_that_makes_checkpoints_between_faults_goes_on_recovering(job: Path) -> None:
+    """Three faults with max_recoveries 1: each came after a new checkpoint, so none is a repeat without progress."""
+    assert recover.supervise(step(job, [10, 20, 30, "ok"], Recovery(max_recoveries=1)), None, Slurm()) == 0
+    assert [f["step"] for f in faults(job)] == [10, 20, 30]
+
+
+def test_a_down_node_without_a_spare_requeues_the_job_with_it_left_out(job: Path) -> None:
+    slurm = Slurm(down=["node2"])
+    assert recover.supervise(step(job, ["peer", "ok"]), None, slurm) == 0
+    [fault] = faults(job)
+    assert (fault["how"], fault["exclude"]) == ("requeue", ["node2"])
+    assert ["scontrol", "update", "JobId=42", "ExcNodeList=node2"] in slurm.asked
+    assert ["scontrol", "requeue", "42"] in slurm.asked
+    assert [r["restart"] for r in RunFolder(job).read_restarts() if "stopped" not in r] == [0]  # Slurm starts it
+
+
+def test_a_spare_node_stands_in_for_a_down_one(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-3]")
+    assert recover.supervise(step(job, ["peer", "ok"], Recovery(spare_nodes=1)), None, Slurm(down=["node3"])) == 0
+    [fault] = faults(job)
+    assert (fault["how"], fault["exclude"]) == ("allocation", ["node3"])
+    alloc = recover.Allocation("42", ["node1", "node2", "node3"], 1)
+    assert recover.step_argv(["srun", "--nodes=2", "x"], alloc, ["node3"]) == \
+        ["srun", "--exclude=node3", "--nodes=2", "x"]
+
+
+@pytest.mark.parametrize("why", ["scancelled", "stopped by the protocol", "recovery off"])
+def test_nothing_is_recovered_when_the_job_is_being_ended(job: Path, why: str) -> None:
+    first = "stop" if why == "stopped by the protocol" else "peer"
+    argv = step(job, [first, "ok"], Recovery(max_recoveries=0 if why == "recovery off" else 3))
+    slurm = Slurm(state="CANCELLED" if why == "scancelled" else "RUNNING")
+    assert recover.supervise(argv, None, slurm) == 1
+    assert faults(job) == []
+
+
+def test_the_next_start_number_counts_every_start_the_folder_has_seen(job: Path, capsys: Any) -> None:
+    argv = step(job, ["ok"])
+    run = RunFolder(job)
+    run.record_start(0, "41", 2)
+    run.record_stop("fault", -1, 0, recovery=1)
+    run.record_start(1, "41", 2)
+    assert recover.main(["--next-start", "--", *argv[4:]]) == 0
+    assert capsys.readouterr().out.strip() == "2"

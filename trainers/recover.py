@@ -1,0 +1,207 @@
+"""Recovery inside the allocation: the batch script runs the ranks' srun step through this module, on the job's
+first node, outside srun. When a step ends badly and it was nobody's bug (hpcjobs.protocol.faults: a rank killed by
+a signal, a peer lost, a hang, a node that failed, a device error), the ranks start again as a new step of the same
+job, from the newest finished checkpoint, without going back to the queue: a requeue waits for the scheduler and,
+on Slurm's defaults, holds the job 121 s before it may start (cred_expire), where a new step starts at once. A node
+that Slurm says is down, draining or not responding is left out; with spare nodes (`--spare-nodes K`, the
+allocation is K nodes larger than the ranks need, and `--no-kill` keeps it when a node fails) one stands in. When
+too few good nodes are left, the job is requeued with the bad ones excluded.
+
+Bounded: a job that finishes no new checkpoint across `max_recoveries` recoveries in a row ends failed, with one
+line naming the cause that repeats. A task's own exception is never recovered: it would fail the same way again.
+Each recovery is a `stopped: fault` line in RUN/restarts.jsonl and a line in the job's log; each start gets its own
+number (RunFolder.next_restart, exported as HPCJOBS_RESTART), so no two starts share their logs.
+
+Torch-free (it runs beside the ranks, in the batch step); the only Slurm words are in trainers/jobenv/slurm.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hpcjobs.protocol.contract import ContractError, LaunchContract
+from hpcjobs.protocol.diagnosis import diagnose
+from hpcjobs.protocol.faults import FaultKind, kind_of
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.states import FinalState, StopReason
+from trainers.jobenv.base import Runner
+from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, step_excluding, unhealthy_nodes
+
+REFUSED_EXIT = 2
+"""A refused start (a flag, a run folder in use, a resume that would not continue the run): never recovered."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    """`end` (the job ends with the step's exit code), `relaunch` (a new step in the allocation) or `requeue`."""
+    why: str = ""
+    exclude: tuple[str, ...] = ()
+    step: int = -1
+    """The newest finished checkpoint's step, which the next start resumes from (-1: none)."""
+
+
+@dataclass
+class Allocation:
+    """What the loop knows of the job: its id, nodes and spare count, and the nodes it has left out so far."""
+
+    job_id: str
+    nodes: list[str]
+    spare: int
+    excluded: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, env: Mapping[str, str], spare: int) -> Allocation:
+        return cls(*allocation(env), spare)
+
+
+def faults_in_a_row(run: RunFolder, job_id: str, step: int) -> list[dict[str, object]]:
+    """This job's recoveries since its newest finished checkpoint was made (those that left it at `step`)."""
+    lines = [r for r in run.read_restarts() if str(r.get("job_id")) == job_id]
+    row: list[dict[str, object]] = []
+    for r in reversed(lines):
+        if r.get("stopped") != str(StopReason.FAULT):
+            continue
+        if r.get("step") != step:
+            break
+        row.append(r)
+    return row
+
+
+def stopped_on_purpose(run: RunFolder, restart: int) -> bool:
+    """The start stopped by the protocol (preemption, time limit, cancel, Ctrl-C): the scheduler decides, not us."""
+    return any(r.get("restart") == restart and "stopped" in r and r["stopped"] != str(StopReason.FAULT)
+               for r in run.read_restarts())
+
+
+def decide(run: RunFolder, contract: LaunchContract, alloc: Allocation, restart: int, rc: int,
+           runner: Runner = subprocess.run) -> Decision:
+    """What to do after the step of start `restart` ended with `rc`."""
+    cap = contract.recovery.max_recoveries
+    if rc == 0 or rc == REFUSED_EXIT or cap == 0 or stopped_on_purpose(run, restart):
+        return Decision("end")
+    state = job_fields(alloc.job_id, runner).get("JobState", "RUNNING")
+    if state != "RUNNING":  # cancelled, preempted, requeued or timed out while the step ended: Slurm decides
+        return Decision("end")
+    found = diagnose(run, alloc.job_id, [])
+    started = any(r.get("restart") == restart and "stopped" not in r for r in run.read_restarts())
+    if found is not None and found.first is not None and started:
+        first = found.first
+        if kind_of(first.error, first.source not in ("rank", "timeouts")) is FaultKind.TASK:
+            return Decision("end")
+        why = first.describe()
+    else:
+        why = f"the step ended with exit code {rc} and no rank recorded why" if started else \
+            f"the ranks of restart {restart} did not start (srun exit code {rc})"
+    step = run.newest_checkpoint()
+    step = -1 if step is None else step
+    row = faults_in_a_row(run, alloc.job_id, step)
+    if len(row) >= cap:
+        causes = "; ".join(dict.fromkeys(str(r.get("cause")) for r in reversed(row)))
+        return Decision("fail", f"no new checkpoint across {len(row)} recoveries in a row (max_recoveries {cap}); "
+                                f"each time: {causes}; now: {why}", step=step)
+    bad = set(unhealthy_nodes(alloc.nodes, runner)) | alloc.excluded
+    good = [n for n in alloc.nodes if n not in bad]
+    if len(good) >= len(alloc.nodes) - alloc.spare:
+        return Decision("relaunch", why, tuple(sorted(bad)), step)
+    return Decision("requeue", why, tuple(sorted(bad)), step)
+
+
+def record(run: RunFolder, alloc: Allocation, restart: int, d: Decision) -> int:
+    """The recovery's line in restarts.jsonl and the job's log; returns its number."""
+    number = 1 + sum(1 for r in run.read_restarts()
+                     if r.get("stopped") == str(StopReason.FAULT) and str(r.get("job_id")) == alloc.job_id)
+    how = "allocation" if d.action == "relaunch" else "requeue"
+    run.record_stop(str(StopReason.FAULT), d.step, restart, job_id=alloc.job_id, recovery=number, cause=d.why,
+                    how=how, exclude=list(d.exclude))
+    where = "in the allocation" if how == "allocation" else "by a requeue"
+    left_out = f", leaving out {', '.join(d.exclude)}" if d.exclude else ""
+    start = f"step {d.step}" if d.step >= 0 else "the beginning (no finished checkpoint yet)"
+    print(f"hpcjobs: recovery {number} of job {alloc.job_id}: {d.why}; the ranks start again {where} from {start}"
+          f"{left_out}", file=sys.stderr, flush=True)
+    return number
+
+
+def step_argv(argv: Sequence[str], alloc: Allocation, exclude: Sequence[str]) -> list[str]:
+    """The step's command line with every node left out so far."""
+    alloc.excluded.update(exclude)
+    return step_excluding(list(argv), alloc.excluded)
+
+
+def contract_of(argv: Sequence[str]) -> LaunchContract:
+    """The launch contract the ranks' command line carries (`--contract JSON`), resolved for this job."""
+    text = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--contract"), None)
+    if text is None:
+        raise ContractError(f"no --contract in the ranks' command line {' '.join(argv)[:200]!r}")
+    return LaunchContract.from_json(text).started(os.environ, time.time())
+
+
+def supervise(argv: Sequence[str], rc: int | None, runner: Runner = subprocess.run) -> int:
+    """Run the step (unless it ran already and ended with `rc`), then recover until it ends for good."""
+    contract = contract_of(argv)
+    run = RunFolder(contract.run_dir)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):  # the job is being ended (scancel, preemption): srun hears it too
+        signal.signal(getattr(signal, name), _ending)
+    alloc = Allocation.of(os.environ, contract.recovery.spare_nodes)
+    restart = int(os.environ.get("HPCJOBS_RESTART") or run.next_restart())
+    if rc is None:
+        rc = launch(argv, restart)
+    while True:
+        d = decide(run, contract, alloc, restart, rc, runner) if not _ended else Decision("end")
+        if d.action == "end":
+            return rc
+        if d.action == "fail":
+            print(f"hpcjobs: job {alloc.job_id} ends failed: {d.why}", file=sys.stderr, flush=True)
+            run.write_final(FinalState.FAILED, d.why, job_id=alloc.job_id)
+            return rc
+        record(run, alloc, restart, d)
+        if d.action == "requeue":
+            said = requeue_excluding(alloc.job_id, list(d.exclude), runner)
+            if said:
+                print(f"hpcjobs: the requeue failed ({said}); the job ends failed", file=sys.stderr, flush=True)
+                return rc
+            return 0
+        restart = run.next_restart()
+        rc = launch(step_argv(argv, alloc, d.exclude), restart)
+
+
+_ended: list[int] = []
+
+
+def _ending(signum: int, _frame: object) -> None:
+    """Slurm is ending the job (it signals the batch step as well as the ranks): no recovery after this step."""
+    _ended.append(signum)
+
+
+def launch(argv: Sequence[str], restart: int) -> int:
+    """One step of the ranks, numbered `restart` (their logs and records); its exit code."""
+    return subprocess.run(list(argv), env={**os.environ, "HPCJOBS_RESTART": str(restart)}, check=False).returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainers.recover", description=__doc__.split("\n\n")[0])
+    p.add_argument("--after", type=int, default=None, metavar="RC",
+                   help="the first step already ran (submitit's) and ended with this exit code")
+    p.add_argument("--next-start", action="store_true", help="print the number the next start gets, and exit")
+    p.add_argument("step", nargs=argparse.REMAINDER, help="-- srun FLAGS RANK-COMMAND")
+    ns = p.parse_args(argv)
+    step = ns.step[1:] if ns.step[:1] == ["--"] else ns.step
+    try:
+        if ns.next_start:
+            print(RunFolder(contract_of(step).run_dir).next_restart())
+            return 0
+        return supervise(step, ns.after)
+    except ContractError as e:
+        print(f"hpcjobs: {e}", file=sys.stderr, flush=True)
+        return REFUSED_EXIT
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
