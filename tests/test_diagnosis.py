@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcjobs.backends.slurm import srun_failures, task_ids
 from hpcjobs.protocol.diagnosis import diagnose
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.srunwords import srun_failures, task_ids
 
 
 def run_with(tmp_path: Path, failures: list[tuple[float, int, str]], world: int = 4) -> RunFolder:

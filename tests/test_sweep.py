@@ -282,7 +282,8 @@ def test_the_submit_folder_reaches_a_scripts_ranks_only_with_a_snapshot() -> Non
     snap = Snapshot(source="/home/u/proj", files=(), digest="d", folder="/runs/.snapshots/d")
 
     def contract(kind: str, snapshot: Snapshot | None = snap, workdir: str = "/runs/.snapshots/d/sub") -> Any:
-        spec: Any = SimpleNamespace(run_dir="r", profile=load_profile("local"), time_seconds=0, points=(),
+        profile = load_profile("local")
+        spec: Any = SimpleNamespace(run_dir="r", profile=profile, recovery=profile.recovery, time_seconds=0, points=(),
                                     array=False, snapshot=snapshot, workdir=workdir, entry=SimpleNamespace(kind=kind))
         return launch_contract(spec)
 

@@ -18,8 +18,10 @@ Torch-free (it runs beside the ranks, in the batch step); the only Slurm words a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -27,9 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hpcjobs.protocol.contract import ContractError, LaunchContract
-from hpcjobs.protocol.diagnosis import diagnose
+from hpcjobs.protocol.diagnosis import Failure, diagnose
 from hpcjobs.protocol.faults import FaultKind, kind_of
 from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.srunwords import srun_failures
 from hpcjobs.protocol.states import FinalState, StopReason
 from trainers.jobenv.base import Runner
 from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, step_excluding, unhealthy_nodes
@@ -82,15 +85,15 @@ def stopped_on_purpose(run: RunFolder, restart: int) -> bool:
 
 
 def decide(run: RunFolder, contract: LaunchContract, alloc: Allocation, restart: int, rc: int,
-           runner: Runner = subprocess.run) -> Decision:
-    """What to do after the step of start `restart` ended with `rc`."""
+           runner: Runner = subprocess.run, said: Sequence[Failure] = ()) -> Decision:
+    """What to do after the step of start `restart` ended with `rc`; `said`: srun's words about its tasks."""
     cap = contract.recovery.max_recoveries
     if rc == 0 or rc == REFUSED_EXIT or cap == 0 or stopped_on_purpose(run, restart):
         return Decision("end")
     state = job_fields(alloc.job_id, runner).get("JobState", "RUNNING")
     if state != "RUNNING":  # cancelled, preempted, requeued or timed out while the step ended: Slurm decides
         return Decision("end")
-    found = diagnose(run, alloc.job_id, [])
+    found = diagnose(run, alloc.job_id, list(said))
     started = any(r.get("restart") == restart and "stopped" not in r for r in run.read_restarts())
     if found is not None and found.first is not None and started:
         first = found.first
@@ -151,10 +154,13 @@ def supervise(argv: Sequence[str], rc: int | None, runner: Runner = subprocess.r
         signal.signal(getattr(signal, name), _ending)
     alloc = Allocation.of(os.environ, contract.recovery.spare_nodes)
     restart = int(os.environ.get("HPCJOBS_RESTART") or run.next_restart())
+    output = Output.of_stderr()
     if rc is None:
+        output.step_begins()
         rc = launch(argv, restart)
     while True:
-        d = decide(run, contract, alloc, restart, rc, runner) if not _ended else Decision("end")
+        said = output.srun_said()
+        d = decide(run, contract, alloc, restart, rc, runner, said) if not _ended else Decision("end")
         if d.action == "end":
             return rc
         if d.action == "fail":
@@ -163,13 +169,54 @@ def supervise(argv: Sequence[str], rc: int | None, runner: Runner = subprocess.r
             return rc
         record(run, alloc, restart, d)
         if d.action == "requeue":
-            said = requeue_excluding(alloc.job_id, list(d.exclude), runner)
-            if said:
-                print(f"hpcjobs: the requeue failed ({said}); the job ends failed", file=sys.stderr, flush=True)
+            complaint = requeue_excluding(alloc.job_id, list(d.exclude), runner)
+            if complaint:
+                print(f"hpcjobs: the requeue failed ({complaint}); the job ends failed", file=sys.stderr, flush=True)
                 return rc
             return 0
         restart = run.next_restart()
+        output.step_begins()
         rc = launch(step_argv(argv, alloc, d.exclude), restart)
+
+
+STEP_MARK = "hpcjobs: job "
+"""How the batch script's line before the first step begins (`hpcjobs: job 42 restart 0 on ...`): srun's words
+after the last such line are about the step that followed it."""
+
+
+@dataclass
+class Output:
+    """The batch step's own output file (its stderr, where srun writes `srun: error: node2: task 3: Killed`), and
+    where the running step's part of it begins."""
+
+    path: str | None
+    since: int | None = None
+
+    @classmethod
+    def of_stderr(cls) -> Output:
+        try:
+            path = os.readlink("/proc/self/fd/2")
+            return cls(path if stat.S_ISREG(os.stat(path).st_mode) else None)
+        except OSError:
+            return cls(None)
+
+    def step_begins(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.since = os.stat(self.path).st_size
+
+    def srun_said(self) -> list[Failure]:
+        if self.path is None:
+            return []
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.since or 0)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        if self.since is None:  # the first step ran before this process (submitit's): from the script's last mark
+            text = text[text.rfind(STEP_MARK) + 1:] if STEP_MARK in text else ""
+        return srun_failures(text)
 
 
 _ended: list[int] = []
@@ -186,7 +233,8 @@ def launch(argv: Sequence[str], restart: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainers.recover", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainers.recover", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--after", type=int, default=None, metavar="RC",
                    help="the first step already ran (submitit's) and ended with this exit code")
     p.add_argument("--next-start", action="store_true", help="print the number the next start gets, and exit")

@@ -47,6 +47,7 @@ from hpcjobs.protocol.runfolder import (
     resolve_run_dir,
     split_task_id,
 )
+from hpcjobs.protocol.srunwords import srun_failures
 from hpcjobs.protocol.states import JobState
 from hpcjobs.slurmtime import format_time
 from hpcjobs.spec import JobSpec
@@ -136,25 +137,6 @@ def record_of(job_id: str, run_dir: str, spec: dict[str, Any], fields: dict[str,
     logs = {"slurm": fields["StdOut"]} if fields.get("StdOut") else {}
     return JobRecord(job_id, str(spec.get("name") or fields.get("JobName") or "?"),
                      str(spec.get("profile") or "?"), "slurm", nodes, gpus, run_dir, logs, spec, when)
-
-
-SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)$", re.M)
-
-
-def task_ids(spec: str) -> list[int]:
-    """srun's task list: `3`, `0-1`, `0,2-3`."""
-    out: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def srun_failures(text: str) -> list[Failure]:
-    """srun's lines about tasks that ended badly, in the order srun saw them. A task's number is its global rank
-    (one srun task per rank)."""
-    return [Failure(rank, m["host"], m["what"].strip(), "srun") for m in SRUN_TASK.finditer(text)
-            for rank in task_ids(m["tasks"])]
 
 
 def sbatch_refusal(error: BaseException) -> str:

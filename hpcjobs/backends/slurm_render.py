@@ -193,6 +193,12 @@ def srun_flags(spec: JobSpec) -> list[str]:
             *srun_container_flags(spec.container)]
 
 
+ANNOUNCE = ('echo "hpcjobs: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, rendezvous '
+            '$MASTER_ADDR:$MASTER_PORT"')
+"""The batch script's line before the ranks' first step; the recovery reads srun's words after it
+(trainers/recover.py's STEP_MARK)."""
+
+
 def recovering(spec: JobSpec) -> bool:
     """Whether the batch script runs the ranks' step under trainers/recover.py. Not with an image: the recovery runs
     outside srun, where only the image has the nodes' Python (the requeue still brings such a job back)."""
@@ -234,7 +240,7 @@ def render_sbatch(spec: JobSpec) -> str:
         directives=[sbatch_directive(k, v) for k, v in sorted(flags.items())], setup=list(spec.profile.setup),
         python=python_lines(spec), environment=environment_lines(spec) + handoff_lines(spec),
         srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
-        recover=recover_command() + " " if recovering(spec) else "",
+        recover=recover_command() + " " if recovering(spec) else "", announce=ANNOUNCE,
         launcher=shell_words(rank_argv(spec, launcher_argv(spec, python=NODE_PYTHON))) + "".join(
             f"\n{line}" for line in requeue_lines(spec)).replace("\n", " || hpcjobs_rc=$?\n", 1),
     )
@@ -265,7 +271,7 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
     params["setup"] = [*spec.profile.setup, *environment_lines(spec), *handoff_lines(spec),
                        *python_lines(spec, "trainers.launch, submitit")]
     if recovering(spec):  # submitit runs the first step; the recovery goes on from its exit code ($?)
-        params["setup"].append(f'export HPCJOBS_RESTART="$({shell_words(next_start_argv(spec))})"')
+        params["setup"] += [f'export HPCJOBS_RESTART="$({shell_words(next_start_argv(spec))})"', ANNOUNCE]
         params["teardown"] = [f"{recover_command(after_first_step=True)} {shell_words(ranks_step(spec))}"]
     else:  # submitit writes these after its srun line: $? is srun's
         params["teardown"] = ["hpcjobs_rc=$?", *requeue_lines(spec)]
