@@ -142,7 +142,7 @@ def test_a_spare_node_stands_in_for_a_down_one(job: Path, monkeypatch: pytest.Mo
     assert (fault["how"], fault["exclude"]) == ("allocation", ["node3"])
     alloc = recover.Allocation("42", ["node1", "node2", "node3"], 1)
     assert recover.step_argv(["srun", "--nodes=2", "x"], alloc, ["node3"]) == \
-        ["srun", "--exclude=node3", "--nodes=2", "x"]
+        ["srun", "--overlap", "--exclude=node3", "--nodes=2", "x"]
 
 
 @pytest.mark.parametrize("why", ["scancelled", "stopped by the protocol", "recovery off"])

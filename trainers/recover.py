@@ -35,7 +35,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.srunwords import srun_failures
 from hpcjobs.protocol.states import FinalState, StopReason
 from trainers.jobenv.base import Runner
-from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, step_excluding, unhealthy_nodes
+from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, step_again, unhealthy_nodes
 
 REFUSED_EXIT = 2
 """A refused start (a flag, a run folder in use, a resume that would not continue the run): never recovered."""
@@ -135,7 +135,7 @@ def record(run: RunFolder, alloc: Allocation, restart: int, d: Decision) -> int:
 def step_argv(argv: Sequence[str], alloc: Allocation, exclude: Sequence[str]) -> list[str]:
     """The step's command line with every node left out so far."""
     alloc.excluded.update(exclude)
-    return step_excluding(list(argv), alloc.excluded)
+    return step_again(list(argv), alloc.excluded)
 
 
 def contract_of(argv: Sequence[str]) -> LaunchContract:

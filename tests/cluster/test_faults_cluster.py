@@ -88,9 +88,9 @@ RECOVERED = ["trainers.tasks.lm", "--size", "tiny", "--steps", "100", "--log-eve
 """A run that a fault at step 60 sets back to its checkpoint at step 40."""
 
 
-def final_weights(run: Path) -> dict[str, torch.Tensor]:
+def final_weights(run: Path, steps: int = 100) -> dict[str, torch.Tensor]:
     ref = checkpoint.latest(run / "checkpoints")
-    assert ref is not None and ref.step == 100, ref
+    assert ref is not None and ref.step == steps, ref
     return model_weights(ref)
 
 
@@ -258,6 +258,60 @@ def test_a_dead_node_requeues_the_job_and_it_resumes_with_at_most_a_checkpoint_i
     resumed = re.search(r"resumed from .* \(step (\d+),", (run / "logs" / f"restart-{last}" / "rank-0.log").read_text())
     assert resumed is not None and died - int(resumed.group(1)) <= 20, (died, resumed)
     print(f"FAULT REPORT node death: heartbeat step {died} at the death, resumed from step {resumed.group(1)}")
+
+
+def kill_node(victim: str) -> None:
+    """A node dies: its link goes down first (a dead host sends no reset), then its slurmd and every process on it."""
+    subprocess.run(["nsenter", f"--net=/run/netns/hpcj-{victim}", "ip", "link", "set", "eth0", "down"], check=True)
+    pids = subprocess.run(["ip", "netns", "pids", f"hpcj-{victim}"], capture_output=True, text=True).stdout.split()
+    subprocess.run(["kill", "-KILL", *pids], check=False)
+
+
+def revive_node(victim: str) -> None:
+    """Link up, slurmd again (ReturnToService=2 returns it to service)."""
+    subprocess.run(["nsenter", f"--net=/run/netns/hpcj-{victim}", "ip", "link", "set", "eth0", "up"], check=True)
+    subprocess.run([str(TESTCLUSTER), "node", victim.removeprefix("node"), "slurmd", "-N", victim], check=True)
+
+
+@pytest.mark.slow
+def test_a_spare_node_stands_in_for_a_dead_one_without_a_requeue(folder: Path) -> None:
+    """2 nodes × 2 ranks plus one spare (`--spare-nodes 1`: 3 nodes, `--no-kill`); a node of the ranks dies at step
+    ~60: the recovery leaves it out and starts the ranks on the spare, in the same allocation, from step 40; the
+    final weights equal an uninterrupted run's. Needs a cluster of 3 nodes (HPCJOBS_CLUSTER_NODES=3)."""
+    assert len(slurm("sinfo", "-h", "-N", "-p", "low", "-o", "%N").split()) >= 3, \
+        "this test needs 3 nodes: HPCJOBS_CLUSTER_NODES=3 tests/cluster/testcluster.sh up"
+    data = yaml.safe_load((folder / "profile.yaml").read_text())
+    (folder / "profile3.yaml").write_text(yaml.safe_dump({**data, "max_nodes": 3}))
+    entry = [*RECOVERED[:4], "200", *RECOVERED[5:]]
+    twin_job, twin = submit(folder, "spare-twin", entry=entry)
+    run = folder / "runs" / "spare"
+    out = hpcjobs("submit", "--profile", str(folder / "profile3.yaml"), "--nodes", "2", "--gpus", "2", "--spare-nodes",
+                  "1", "--run-dir", str(run), "--env=HPCJOBS_COLLECTIVE_TIMEOUT=15", "--json", *entry, cwd=REPO,
+                  env={"HPCJOBS_HOME": str(folder)})
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)["job_id"]
+    wait_for_state(job, {"RUNNING"}, timeout=120)
+    deadline = time.time() + 180
+    while time.time() < deadline and (json.loads(run.joinpath("heartbeat.json").read_text() or "{}")
+                                      if run.joinpath("heartbeat.json").exists() else {}).get("step", 0) < 60:
+        time.sleep(0.3)
+    ranks_hosts = {json.loads(line)["host"] for line in (run / "startup.jsonl").read_text().splitlines()} or \
+        set(job_nodes(job)[:2])
+    victim = sorted(ranks_hosts - {job_nodes(job)[0]})[0]  # not the batch host: the job lives there
+    died = time.time()
+    kill_node(victim)
+    try:
+        assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
+    finally:
+        revive_node(victim)
+    assert restarts_of(job) == 0  # no requeue
+    faults = [r for r in RunFolder(run).read_restarts() if r.get("stopped") == "fault"]
+    assert faults and faults[-1]["how"] == "allocation" and victim in faults[-1]["exclude"], faults
+    assert wait_for_state(twin_job, DONE, timeout=400) == "COMPLETED"
+    got, reference = final_weights(run, 200), final_weights(twin, 200)
+    assert all(torch.equal(got[k], reference[k]) for k in got)
+    print(f"FAULT REPORT spare node: {victim} died, {len(faults)} recoveries ({faults[-1]['cause']}); "
+          f"first resumed step {recovery_seconds(run, died):.1f} s after the death")
 
 
 def test_every_way_a_job_ends_leaves_its_final_state_in_the_run_folder(folder: Path) -> None:

@@ -112,11 +112,14 @@ def allocation(env: Mapping[str, str]) -> tuple[str, list[str]]:
     return env.get("SLURM_JOB_ID", ""), expand_nodelist(nodelist) if nodelist else []
 
 
-def step_excluding(argv: list[str], nodes: set[str]) -> list[str]:
-    """An `srun` command line with `nodes` left out of the step (srun's own flags come right after `srun`)."""
-    if not nodes or not argv or Path(argv[0]).name != "srun":
+def step_again(argv: list[str], nodes: set[str]) -> list[str]:
+    """The ranks' `srun` command line for a step after a failed one, with `nodes` left out. `--overlap`: a step
+    with ranks on a node that died stays RUNNING for slurmctld, holding its CPUs and memory on the nodes that live,
+    and a new step there waits for ever ("Requested nodes are busy", seen on 22.05 with --no-kill); its processes
+    are gone, so nothing really shares them."""
+    if not argv or Path(argv[0]).name != "srun":
         return argv
-    return [argv[0], f"--exclude={','.join(sorted(nodes))}", *argv[1:]]
+    return [argv[0], "--overlap", *([f"--exclude={','.join(sorted(nodes))}"] if nodes else []), *argv[1:]]
 
 
 def requeue_excluding(job_id: str, nodes: list[str], runner: Runner = subprocess.run) -> str:
