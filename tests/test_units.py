@@ -167,8 +167,9 @@ def test_a_stray_signal_under_slurm_is_neither_an_interrupt_nor_a_preemption(tmp
     finally:
         preemption.reset()
         _restore_handlers(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-    assert preemption.unasked_reason({"SLURM_JOB_ID": "1"}) == StopReason.SIGNAL
-    assert preemption.unasked_reason({}) == StopReason.INTERRUPT
+    assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}, unasked=True) == StopReason.SIGNAL
+    assert preemption.stop_reason(usr1, {}, unasked=True) == StopReason.INTERRUPT
+    assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}) is None
     for name in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(name)
     run = RunFolder(tmp_path)

@@ -191,7 +191,7 @@ def interrupted(env: DistEnv, run: RunFolder, tee: Tee, contract: LaunchContract
     first = preemption.first_request()
     by = first[0] if first else "SIGINT"
     if env.rank == 0:
-        reason = preemption.stop_reason(contract) or preemption.unasked_reason()
+        reason = preemption.stop_reason(contract, unasked=True)
         run.record_stop(str(reason), -1, env.restart, signal=by, saved_by_hpcjobs=False)
     say(env, tee, f"hpcjobs: stopped by {by} (KeyboardInterrupt in the script): it has not joined hpcjobs's stop "
                   "protocol (no StopGuard), so hpcjobs saved nothing; run again, it goes on only from what it saved "
