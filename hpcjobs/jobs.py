@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hpcjobs.backends import SCHEDULERS, Backend, backend_for
-from hpcjobs.protocol.diagnosis import diagnose
+from hpcjobs.protocol.diagnosis import NODE, diagnose
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, JobState, StopReason
@@ -164,12 +164,15 @@ def with_faults(rec: JobRecord, run: RunFolder, backend: Backend, state: JobStat
     found = diagnose(run, rec.job_id, backend.reported_failures(rec), facts.node_faults) \
         if ended_badly or going_on or facts.node_faults else None
     first = found.first if found else None
+    faults = list(facts.node_faults)
+    if first and first.source == NODE and len(faults[-1].nodes) > 1 and first.host in faults[-1].nodes:
+        faults[-1] = replace(faults[-1], nodes=(first.host,))  # the node whose ranks recorded nothing
     count, last = recoveries(run.read_restarts(), rec.job_id)
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
                      restart_count(run, rec.job_id, facts.restarts, state in WAITING), step, age, reason,
                      rec.run_dir, rec.logs, rec.submitted, traces, first.describe() if first else None,
                      first.log if first else None, found.tail if found else (),
-                     tuple(f.describe() for f in facts.node_faults), facts.restarts, count, last)
+                     tuple(f.describe() for f in faults), facts.restarts, count, last)
 
 
 def last_step(run: RunFolder) -> tuple[int | None, float | None]:

@@ -126,8 +126,10 @@ def test_a_node_failure_while_slurm_cleans_up_and_after_the_node_came_back(tmp_p
                  scontrol_show_node=(0, f"{NODE1}\n{NODE2_BACK}\n"))
     st = status_of(rec, SlurmBackend(back))
     assert st.first_failure is not None and st.first_failure.startswith(
-        "node node2 failed: its reason is gone (the node is up again)"), st.first_failure
+        "node node2 failed: its reason is gone: the node is up again"), st.first_failure
     assert "ranks 2, 3 on it recorded nothing" in st.first_failure
+    assert st.node_faults == ("node2: its reason is gone: the node is up again (sacct: the job's allocation ended "
+                              "NODE_FAIL; Slurm requeued the job)",)  # sacct named node[1-2]: the ranks tell which
 
 
 def test_a_job_that_ended_node_fail_is_diagnosed_with_its_node_not_the_peers_reset(tmp_path: Path) -> None:

@@ -108,5 +108,5 @@ def node_fault(nodes: tuple[str, ...], said: str, end: float, requeued: bool,
     if sick:
         why = reason or f"State={states[sick[0]][0]}"
     else:
-        why = "its reason is gone (the node is up again)" if states else "its reason unknown"
+        why = "its reason is gone: the node is up again" if states else "its reason unknown"
     return NodeFault(sick or nodes, why, said, end, requeued)
