@@ -109,12 +109,13 @@ WAITING = frozenset({JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD,
 
 def recoveries(history: list[dict[str, Any]], job_id: str) -> tuple[int, str | None]:
     """How often the job recovered from a fault by itself, and the newest recovery in words: restarts.jsonl's
-    `fault` stops (RunFolder.record_stop: cause, how, exclude), each after the start of this job that failed."""
+    `fault` stops (trainers/recover.py: cause, how, exclude), of this job by their job_id, else by the start they
+    follow."""
     owner, found = None, []
     for r in history:
         if "stopped" not in r:
             owner = str(r.get("job_id"))
-        elif r.get("stopped") == StopReason.FAULT and owner == job_id:
+        elif r.get("stopped") == StopReason.FAULT and str(r.get("job_id", owner)) == job_id:
             found.append(r)
     if not found:
         return 0, None

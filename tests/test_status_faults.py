@@ -191,8 +191,13 @@ def test_recoveries_show_with_their_cause_and_are_neither_a_stop_nor_the_jobs_en
     assert "recoveries:  1; the last after restart 0: rank 3 on node2" in out and "ended:" not in out, out
     assert folder_only_state(run)[0] == JobState.UNKNOWN  # compare: still going, not STOPPED
     run.record_stop(str(StopReason.FAULT), 280, 1, recovery=2, cause="rank 0 on node1: Killed", how="requeue",
-                    exclude=[])
+                    exclude=[], job_id="42")
     assert folder_only_state(run)[0] == JobState.UNKNOWN
+    run.record_stop(str(StopReason.FAULT), 280, 1, recovery=1, cause="another job's", how="requeue", exclude=[],
+                    job_id="43")
+    st = status_of(rec, SlurmBackend(running))
+    assert st.recoveries == 2 and st.last_recovery is not None and st.last_recovery.startswith(
+        "after restart 1: rank 0 on node1: Killed; requeued, from step 280"), st.last_recovery
 
 
 def test_a_local_job_has_no_scheduler_facts(tmp_path: Path) -> None:
