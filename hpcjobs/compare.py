@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcjobs.jobs import FOLDER_STATES, last_step, restart_count, status_of
+from hpcjobs.jobs import folder_state, last_step, restart_count, status_of
 from hpcjobs.protocol.atomic import replacing
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.paths import refuse_output
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
-from hpcjobs.protocol.states import JobState
+from hpcjobs.protocol.states import JobState, StopReason
 from hpcjobs.store import JobRecord, JobStore
 
 if TYPE_CHECKING:
@@ -116,10 +116,10 @@ def folder_only_state(run: RunFolder) -> tuple[JobState, str]:
     """The state when no job record is known: final.json's word, else a stop at a checkpoint, else nothing can tell
     a run that is still going from one that was killed (only the scheduler or the launching process knows)."""
     final = run.read("final")
-    if isinstance(final, dict):
-        return FOLDER_STATES.get(str(final.get("state")), JobState.FAILED), "run folder (final.json)"
+    if isinstance(final, dict) and (state := folder_state(run, str(final.get("job_id")))[0]) is not None:
+        return state, "run folder (final.json)"  # not a failure the job recovered from: it started again since
     history = run.read_restarts()
-    if history and "stopped" in history[-1]:
+    if history and "stopped" in history[-1] and history[-1]["stopped"] != StopReason.FAULT:  # a fault: recovering
         return JobState.STOPPED, f"run folder (stopped: {history[-1]['stopped']}; resumable)"
     return JobState.UNKNOWN, "run folder (no job record and no final word: running, or killed)"
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hpcjobs.backends import SCHEDULERS, Backend, backend_for
-from hpcjobs.protocol.diagnosis import diagnose
+from hpcjobs.protocol.diagnosis import NODE, diagnose
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, JobState, StopReason
@@ -47,6 +47,14 @@ class JobStatus:
     failure_log: str | None = None
     failure_tail: tuple[str, ...] = ()
     """The last lines of that rank's log."""
+    node_faults: tuple[str, ...] = ()
+    """Nodes of the job that failed, as the scheduler says (hpcjobs.protocol.diagnosis.NodeFault), oldest first."""
+    scheduler_restarts: int | None = None
+    """The scheduler's own restart count (Slurm's `Restarts=`), where it knows the job."""
+    recoveries: int = 0
+    """How often the job recovered from a fault by itself (restarts.jsonl's `fault` stops)."""
+    last_recovery: str | None = None
+    """The newest recovery: its cause, how (in the allocation or by a requeue) and the nodes it left out."""
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": str(self.state)}
@@ -56,9 +64,14 @@ def folder_state(run: RunFolder, job_id: str) -> tuple[JobState | None, str | No
     """The run's own final word (final.json), if this job wrote it: a later job on the same folder (a resume, or a
     start that was refused) must not inherit an earlier job's ending, nor the earlier job the later one's."""
     final = run.final_of(job_id)
-    if isinstance(final, dict):
-        return FOLDER_STATES.get(str(final.get("state")), JobState.FAILED), final.get("reason")
-    return None, None
+    if not isinstance(final, dict):
+        return None, None
+    state = FOLDER_STATES.get(str(final.get("state")), JobState.FAILED)
+    began = [float(r.get("time", 0)) for r in run.read_restarts() if "stopped" not in r
+             and str(r.get("job_id")) == job_id]
+    if state == JobState.FAILED and began and max(began) > float(final.get("time") or 0):
+        return None, None  # a start that failed, and the job started again since (a recovery, a requeue)
+    return state, final.get("reason")
 
 
 FOLDER_STATES: dict[str, JobState] = {FinalState.FINISHED: JobState.COMPLETED, FinalState.FAILED: JobState.FAILED}
@@ -75,12 +88,45 @@ def stopped_for_good(history: list[dict[str, Any]], job_id: str) -> bool:
     return bool(after) and after[-1].get("stopped") == StopReason.TERMINATED
 
 
-def restart_count(run: RunFolder, job_id: str | None = None) -> int:
+def restart_count(run: RunFolder, job_id: str | None = None, scheduler: int | None = None,
+                  waiting: bool = False) -> int:
     """The newest restart number of the job's starts (of the folder's, when none is the job's): a resume on the
-    same run folder numbers on, and an earlier job keeps its own."""
+    same run folder numbers on, and an earlier job keeps its own. `scheduler`: the scheduler's own count (Slurm's
+    Restarts=), which knows a requeue before its start records it: while the job `waiting` (pending again after a
+    requeue) its next start is counted. A restart number counts recoveries inside the allocation too, which the
+    scheduler never saw: the larger count wins."""
     starts = [r for r in run.read_restarts() if "stopped" not in r]
-    own = [r for r in starts if str(r.get("job_id")) == job_id] or starts
-    return max((r.get("restart", 0) for r in own), default=0)
+    own = [r for r in starts if str(r.get("job_id")) == job_id]
+    newest = max((r.get("restart", 0) for r in own or starts), default=0)
+    if not scheduler:
+        return newest
+    return max(scheduler, newest + 1 if waiting and own else newest)
+
+
+WAITING = frozenset({JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD, JobState.REQUEUE_FED})
+"""States of a job that waits to start (again)."""
+
+
+def recoveries(history: list[dict[str, Any]], job_id: str) -> tuple[int, str | None]:
+    """How often the job recovered from a fault by itself, and the newest recovery in words: restarts.jsonl's
+    `fault` stops (trainers/recover.py: cause, how, exclude), of this job by their job_id, else by the start they
+    follow."""
+    owner, found = None, []
+    for r in history:
+        if "stopped" not in r:
+            owner = str(r.get("job_id"))
+        elif r.get("stopped") == StopReason.FAULT and str(r.get("job_id", owner)) == job_id:
+            found.append(r)
+    if not found:
+        return 0, None
+    last = found[-1]
+    how = {"allocation": "relaunched in the allocation", "requeue": "requeued"}.get(str(last.get("how")),
+                                                                                  str(last.get("how") or "?"))
+    left = [str(n) for n in last.get("exclude") or []]
+    step = last.get("step")
+    return len(found), (f"after restart {last.get('restart', '?')}: {last.get('cause') or 'cause unknown'}; {how}"
+                        + (f", leaving out {', '.join(left)}" if left else "")
+                        + (f", from step {step}" if isinstance(step, int) and step >= 0 else ", from the start"))
 
 
 def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
@@ -100,23 +146,42 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
         source += f"; the run folder says {fstate}"  # e.g. the ranks finished but the job script failed after
     if state == JobState.UNKNOWN and not reason and not any(str(r.get("job_id")) == rec.job_id for r in history):
         reason = "no rank of this job ever started (cancelled while pending, or it never ran)"
+    return with_faults(rec, run, backend, state, source, reason, fstate)
+
+
+def with_faults(rec: JobRecord, run: RunFolder, backend: Backend, state: JobState, source: str, reason: str | None,
+                fstate: JobState | None) -> JobStatus:
+    """The status, with what failed: the first failure of the last start (the scheduler's failed node before any
+    rank's record), the scheduler's restart count and the job's recoveries. A start's failure recorded while the
+    scheduler says the job goes on (requeued, recovering) is not how the job ended: it shows as the first failure."""
     step, when = last_step(run)
     age = time.time() - when if when is not None else None
     traces = str(run.nccl_traces) if run.nccl_traces.is_dir() and any(run.nccl_traces.iterdir()) else None
+    facts = backend.scheduler_facts(rec)
+    going_on = fstate == JobState.FAILED and not state.finished
+    if going_on:
+        reason = None
     ended_badly = state.finished and state != JobState.COMPLETED
-    found = diagnose(run, rec.job_id, backend.reported_failures(rec)) if ended_badly else None
+    found = diagnose(run, rec.job_id, backend.reported_failures(rec), facts.node_faults) \
+        if ended_badly or going_on or facts.node_faults else None
     first = found.first if found else None
+    faults = list(facts.node_faults)
+    if first and first.source == NODE and len(faults[-1].nodes) > 1 and first.host in faults[-1].nodes:
+        faults[-1] = replace(faults[-1], nodes=(first.host,))  # the node whose ranks recorded nothing
+    count, last = recoveries(run.read_restarts(), rec.job_id)
     return JobStatus(rec.job_id, rec.name, rec.profile, rec.nodes, rec.gpus_per_node, state, source,
-                     restart_count(run, rec.job_id), step, age, reason, rec.run_dir, rec.logs, rec.submitted, traces,
-                     first.describe() if first else None, first.log if first else None,
-                     found.tail if found else ())
+                     restart_count(run, rec.job_id, facts.restarts, state in WAITING), step, age, reason,
+                     rec.run_dir, rec.logs, rec.submitted, traces, first.describe() if first else None,
+                     first.log if first else None, found.tail if found else (),
+                     tuple(f.describe() for f in faults), facts.restarts, count, last)
 
 
 def last_step(run: RunFolder) -> tuple[int | None, float | None]:
     """The newest step the run reached and when: a stop's committed checkpoint or the final step, when either is
-    newer than the last heartbeat (logged only every --log-every steps)."""
+    newer than the last heartbeat (logged only every --log-every steps). A recovery's stop names the checkpoint the
+    next start goes on from, not a step reached."""
     marks = [run.read("heartbeat") or {}, run.read("final") or {}]
-    stops = [r for r in run.read_restarts() if "stopped" in r]
+    stops = [r for r in run.read_restarts() if "stopped" in r and r["stopped"] != StopReason.FAULT]
     marks += stops[-1:]  # also once the next start began: until it logs, the step must not go back to a heartbeat
     known = [m for m in marks if isinstance(m, dict) and isinstance(m.get("step"), int) and m["step"] >= 0]
     newest = max(known, key=lambda m: (m.get("time", 0), m["step"]), default=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcjobs.protocol.diagnosis import diagnose
+from hpcjobs.protocol.diagnosis import NodeFault, diagnose
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from hpcjobs.protocol.srunwords import srun_failures, task_ids
 
@@ -83,3 +83,76 @@ def test_a_ranks_own_exception_comes_before_the_kills_srun_did_after_it(tmp_path
     found = diagnose(run, "7", said)
     assert found is not None and found.first is not None
     assert found.first.describe() == "rank 3 on node2: InjectedFault: injected at step of step 20"
+
+
+# --- hang watchdogs' records (trainers/watchdog.py: `hung: ...` on every rank whose step progress stopped) -------
+
+HUNG_WAITING = "hung: no step progress for 45 s (step 285; bound 45 s from 0.4 s steps)"
+
+
+def test_the_rank_whose_watchdog_never_recorded_is_the_hung_one(tmp_path: Path) -> None:
+    """Rank 3 SIGSTOPped: the healthy ranks' watchdogs fire together; the hung one records nothing (killed)."""
+    waits = [(10.0 + 0.1 * r, r, HUNG_WAITING) for r in (0, 1, 2)]
+    found = diagnose(run_with(tmp_path, waits), "7", [])
+    assert found is not None and found.first is not None
+    assert found.first.describe().startswith("rank 3 on node2: hung: the other ranks stopped (their hang watchdogs "
+                                             "fired) waiting for it"), found.first.describe()
+    said = srun_failures("srun: error: node1: tasks 0-2: Exited with exit code 124\n"
+                         "srun: error: node2: task 3: Killed\n")
+    found = diagnose(run_with(tmp_path / "b", waits), "7", said)
+    assert found is not None and found.first is not None and found.first.rank == 3
+
+
+def test_the_rank_whose_watchdog_recorded_last_after_the_others_is_the_hung_one(tmp_path: Path) -> None:
+    """Slurm's SIGCONT, when it ends the step, wakes the SIGSTOPped rank 3: its watchdog records last, seconds after
+    the others' (which came within a second of each other). Rank 0's record came first: the old diagnosis named it."""
+    waits = [(10.0, 0, HUNG_WAITING), (10.3, 1, HUNG_WAITING), (10.6, 2, HUNG_WAITING),
+             (16.0, 3, "hung: no step progress for 51 s (step 285)")]
+    found = diagnose(run_with(tmp_path, waits), "7", [])
+    assert found is not None and found.first is not None
+    assert found.first.describe().startswith("rank 3 on node2: hung: no step progress for 51 s"), found.first
+    assert "came last" in found.first.describe() and found.tail[-1] == "last words of rank 3"
+    # Woken, it failed on the closed connections instead of recording its hang: still the hung one.
+    woken = [*waits[:3], (16.0, 3, "RuntimeError: Connection closed by peer")]
+    found = diagnose(run_with(tmp_path / "b", woken), "7", [])
+    assert found is not None and found.first is not None and found.first.rank == 3
+
+
+def test_hang_records_close_together_name_no_rank_as_hung(tmp_path: Path) -> None:
+    """Every rank stalled at once (a filesystem, say): no rank is the one the others waited for."""
+    waits = [(10.0 + 0.2 * r, r, HUNG_WAITING) for r in range(4)]
+    found = diagnose(run_with(tmp_path, waits), "7", [])
+    assert found is not None and found.first is not None
+    assert found.first.describe() == f"rank 0 on node1: {HUNG_WAITING}"
+    one = diagnose(run_with(tmp_path / "b", [(1.0, 0, HUNG_WAITING)], world=1), "7", [])
+    assert one is not None and one.first is not None and one.first.describe() == f"rank 0 on node1: {HUNG_WAITING}"
+
+
+# --- a node that failed (the scheduler's word, hpcjobs.backends.slurm_faults) ------------------------------------
+
+def test_a_failed_node_comes_before_the_healthy_peers_connection_reset(tmp_path: Path) -> None:
+    """Measured: node2 killed with its link up; ranks 0 and 1 on node1 recorded `Connection reset by peer`, ranks 2
+    and 3 nothing, and Slurm said NODE_FAIL. The old diagnosis named rank 1 on node1."""
+    reset = [(5.0, 1, "DistBackendError: [Gloo] ... Connection reset by peer"),
+             (5.1, 0, "DistBackendError: [Gloo] ... Connection reset by peer")]
+    fault = NodeFault(("node1", "node2"), "Not responding [slurm@2026-11-25T10:04:12]",
+                      "sacct: the allocation ended NODE_FAIL", time=0.0, requeued=True)
+    found = diagnose(run_with(tmp_path, reset), "7", [], [fault])
+    assert found is not None and found.first is not None
+    text = found.first.describe()
+    assert text == ("node node2 failed: Not responding [slurm@2026-11-25T10:04:12] (sacct: the allocation ended "
+                    "NODE_FAIL; Slurm requeued the job); ranks 2, 3 on it recorded nothing"), text
+    assert "reset" not in text and found.first.log == str(run_with(tmp_path, []).rank_log(0, 2))
+    # Nothing recorded at all (the rank 0 node died): the node still answers.
+    found = diagnose(run_with(tmp_path / "b", []), "7", [], [NodeFault(("node1",), "Not responding", "job NODE_FAIL")])
+    assert found is not None and found.first is not None
+    assert found.first.describe().startswith("node node1 failed: Not responding (job NODE_FAIL); ranks 0, 1 on it")
+
+
+def test_a_node_that_failed_before_the_last_start_is_an_earlier_starts(tmp_path: Path) -> None:
+    run = run_with(tmp_path, [(5.0, 1, "ValueError: x")])
+    start = run.read_restarts()[-1]["time"]
+    earlier = NodeFault(("node2",), "Not responding", "sacct: the allocation ended NODE_FAIL", time=start - 60)
+    found = diagnose(run, "7", [], [earlier])
+    assert found is not None and found.first is not None and found.first.describe() == "rank 1 on node1: ValueError: x"
+    assert diagnose(run_with(tmp_path / "b", []), "7", [], [earlier]) is None

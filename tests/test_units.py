@@ -147,6 +147,42 @@ def test_the_handler_only_sets_a_flag() -> None:
         _restore_handlers(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
+def test_a_stray_signal_under_slurm_is_neither_an_interrupt_nor_a_preemption(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured on the test cluster: a SIGINT to a rank after its node came back was recorded as `interrupt`, the
+    word of a local Ctrl-C. Under Slurm a signal that is not the profile's is `signal`; a local Ctrl-C stays
+    `interrupt`. Fails on the old code: PREEMPTION from the trainer's handler, INTERRUPT from a script's own
+    KeyboardInterrupt (trainers.launch.interrupted)."""
+    from hpcjobs.protocol.runfolder import RunFolder
+    from trainers import launch
+    from trainers.distenv import DistEnv
+
+    usr1 = LaunchContract(run_dir=str(tmp_path), preemption=Preemption(signal="USR1"))
+    preemption.reset()
+    preemption.install(usr1, {})
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}) == StopReason.SIGNAL == "signal"
+        assert preemption.stop_reason(usr1, {}) == StopReason.INTERRUPT
+    finally:
+        preemption.reset()
+        _restore_handlers(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}, unasked=True) == StopReason.SIGNAL
+    assert preemption.stop_reason(usr1, {}, unasked=True) == StopReason.INTERRUPT
+    assert preemption.stop_reason(usr1, {"SLURM_JOB_ID": "1"}) is None
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    run = RunFolder(tmp_path)
+    rank0 = DistEnv(0, 0, 1, 1, "localhost", 29500, "42", 0, "slurm")
+    quiet = SimpleNamespace(log_only=lambda text: None)
+    for env, word in (({"SLURM_JOB_ID": "42"}, "signal"), ({}, "interrupt")):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert launch.interrupted(rank0, run, quiet, usr1) == launch.INTERRUPTED_EXIT  # type: ignore[arg-type]
+        assert run.read_restarts()[-1]["stopped"] == word
+
+
 def test_a_rank_stops_by_itself_when_the_time_limit_signal_never_came() -> None:
     now = time.time()
     job = {"SLURM_JOB_ID": "1"}

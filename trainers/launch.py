@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
-from hpcjobs.protocol.states import FinalState, StopReason
+from hpcjobs.protocol.states import FinalState
 from hpcjobs.protocol.taskargs import TaskArgError
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from hpcjobs.protocol.trainflags import ConfigError
@@ -191,7 +191,7 @@ def interrupted(env: DistEnv, run: RunFolder, tee: Tee, contract: LaunchContract
     first = preemption.first_request()
     by = first[0] if first else "SIGINT"
     if env.rank == 0:
-        reason = preemption.stop_reason(contract) or StopReason.INTERRUPT
+        reason = preemption.stop_reason(contract, unasked=True)
         run.record_stop(str(reason), -1, env.restart, signal=by, saved_by_hpcjobs=False)
     say(env, tee, f"hpcjobs: stopped by {by} (KeyboardInterrupt in the script): it has not joined hpcjobs's stop "
                   "protocol (no StopGuard), so hpcjobs saved nothing; run again, it goes on only from what it saved "

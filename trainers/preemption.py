@@ -140,18 +140,22 @@ def reset() -> None:
     _joined.clear()
 
 
-def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None,
-                now: float | None = None) -> StopReason | None:
-    """Why we were asked to stop (None: we were not): TERMINATED (SIGTERM under a scheduler), TIMEOUT when the time
-    limit is near, PREEMPTION for the profile's signal otherwise, INTERRUPT for a local run (Ctrl-C)."""
-    if not _requested:
-        return None
+def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None, now: float | None = None,
+                unasked: bool = False) -> StopReason | None:
+    """Why we were asked to stop (None: we were not, unless `unasked`): TERMINATED (SIGTERM under a scheduler),
+    TIMEOUT when the time limit is near, PREEMPTION for the profile's signal otherwise, INTERRUPT for a local run
+    (Ctrl-C), SIGNAL for any other signal under a scheduler, or for a stop no request reached (`unasked`: a script's
+    own KeyboardInterrupt; a SIGINT after a node came back was recorded as a local Ctrl-C's word, measured)."""
     job = jobenv.current(env)
     scheduled = bool(job.scheduler_job_id())
+    if not _requested:
+        return (StopReason.SIGNAL if scheduled else StopReason.INTERRUPT) if unasked else None
     if _requested[0][0] == signal.SIGTERM and scheduled:
         return StopReason.TERMINATED  # preemption without the user signal, scontrol requeue, or scancel: Slurm decides
     if _requested[0][0] == DEADLINE:
         return StopReason.TIMEOUT
+    if scheduled and _requested[0][0] != signal_number(contract.preemption.signal):
+        return StopReason.SIGNAL
     due = job.signal_due(contract)
     if due is not None and (now or time.time()) >= due - EARLY_SIGNAL_S:
         return StopReason.TIMEOUT
@@ -351,7 +355,8 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     cap = contract.preemption.max_restarts
     job = jobenv.current(env)
     job_id = job.scheduler_job_id()
-    reason = stop_reason(contract, env) or StopReason.INTERRUPT  # asked to finish a stop nobody requested: by hand
+    reason = stop_reason(contract, env, unasked=True)  # also a stop nobody requested, finished by hand
+    assert reason is not None  # unasked: always a word
     if reason == StopReason.TERMINATED and rank == 0 and job.preempted_with_sigterm(runner):
         reason = StopReason.PREEMPTION
     outcome = decide(reason, job_id, restart, cap)

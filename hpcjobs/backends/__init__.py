@@ -23,7 +23,7 @@ from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
     from hpcjobs.doctor import Check
-    from hpcjobs.protocol.diagnosis import Failure
+    from hpcjobs.protocol.diagnosis import Failure, NodeFault
     from hpcjobs.protocol.states import JobState
     from hpcjobs.spec import JobSpec
     from hpcjobs.store import JobRecord
@@ -73,6 +73,16 @@ Times = tuple["float | None", "float | None", "float | None"]
 """Epoch seconds, None where not known."""
 
 
+@dataclass(frozen=True)
+class SchedulerFacts:
+    """What the scheduler knows of a job's faults, beside its state (`hpcjobs status`)."""
+
+    restarts: int | None = None
+    """How often the scheduler started the job again (Slurm's `Restarts=`); None where it does not say."""
+    node_faults: tuple[NodeFault, ...] = ()
+    """Nodes of the job that failed, oldest first (hpcjobs.protocol.diagnosis prefers them to any rank's record)."""
+
+
 class Backend(Protocol):
     name: str
     multi_node: bool
@@ -93,6 +103,8 @@ class Backend(Protocol):
     def logs(self, rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path: ...
     def reported_failures(self, rec: JobRecord) -> list[Failure]: ...
     """What the scheduler said about ranks that ended badly (Slurm: srun's lines), for hpcjobs.protocol.diagnosis."""
+    def scheduler_facts(self, rec: JobRecord) -> SchedulerFacts: ...
+    """Its restart count and the nodes of the job that failed (Slurm: scontrol, sacct; none for local jobs)."""
     def allocations(self, rec: JobRecord, run: Any = None) -> list[Times]: ...
     """(eligible, start, end) of each allocation the scheduler recorded for the job, a requeued job's earlier ones
     included (Slurm: its accounting); [] where it records none. `run`: the command runner (tests pass stand-ins)."""

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hpcjobs.backends import SchedulerFacts
 from hpcjobs.protocol.diagnosis import Failure
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.paths import RUN_DIR_HINT, run_folder_place
@@ -98,3 +99,7 @@ class RunFolderLogs:
     def reported_failures(self, rec: JobRecord) -> list[Failure]:
         """What the scheduler said about ranks that ended badly (nothing unless a backend reads it)."""
         return []
+
+    def scheduler_facts(self, rec: JobRecord) -> SchedulerFacts:
+        """The scheduler's restart count and failed nodes (nothing unless a backend asks it)."""
+        return SchedulerFacts()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
+from hpcjobs.backends import SchedulerFacts, Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import (
     CONTROLLER_HINT,
     RunFolderLogs,
@@ -28,6 +28,8 @@ from hpcjobs.backends.common import (
     run_command,
 )
 from hpcjobs.backends.environment import cleaned_os_environ
+from hpcjobs.backends.slurm_faults import slurm_facts
+from hpcjobs.backends.slurm_fields import sacct_time, scontrol_fields
 from hpcjobs.backends.slurm_render import (
     render_sbatch,
     run_dir_of_comment,
@@ -86,14 +88,6 @@ class SlurmUnreachable(RuntimeFailure):
     """squeue ran and could not answer (the controller down or unreachable): not the same as "no such job"."""
 
 
-def sacct_time(text: str) -> float | None:
-    """sacct's local-time `2026-11-25T14:27:19`; None for Unknown/None (not started, still running)."""
-    try:
-        return datetime.datetime.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S").timestamp()
-    except ValueError:
-        return None
-
-
 def parse_sacct(text: str) -> list[Times]:
     """`sacct -n -P -X -D -o Eligible,Start,End`: (eligible, start, end) per allocation, a requeued job's earlier
     ones included; those that never started are left out."""
@@ -118,12 +112,6 @@ def sacct_job(job_id: str, run: Runner) -> SlurmJob | None:
     out = run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,Comment"])
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
     return SlurmJob.parse(lines[-1]) if lines else None
-
-
-def scontrol_fields(job_id: str, run: Runner) -> dict[str, str]:
-    """`scontrol show job`'s KEY=VALUE fields (empty once Slurm forgot the job, after MinJobAge)."""
-    out = run(["scontrol", "show", "job", "-o", job_id])
-    return dict(re.findall(r"(\w+)=(\S*)", out.stdout)) if out.returncode == 0 else {}
 
 
 def record_of(job_id: str, run_dir: str, spec: dict[str, Any], fields: dict[str, str]) -> JobRecord:
@@ -273,6 +261,10 @@ class SlurmBackend(RunFolderLogs):
         path = Path(out)
         paths = [path, path.with_suffix(".err")] if path.suffix == ".out" else [path]
         return [f for p in paths for f in srun_failures(read_text(p))]
+
+    def scheduler_facts(self, rec: JobRecord) -> SchedulerFacts:
+        """Slurm's restart count and the job's failed nodes (hpcjobs.backends.slurm_faults)."""
+        return slurm_facts(rec.job_id, self.run)
 
     def allocations(self, rec: JobRecord, run: Runner | None = None) -> list[Times]:
         try:

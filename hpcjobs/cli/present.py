@@ -182,7 +182,7 @@ def status(st: JobStatus, goodput: Goodput | None, after: Sequence[tuple[After, 
 
     rows: list[tuple[str, object]] = [
         ("job", f"{st.job_id} ({st.name}, profile {st.profile}, {st.nodes}×{st.gpus_per_node})"),
-        ("state", f"{st.state} (from {st.state_source})"), ("restarts", st.restarts),
+        ("state", f"{st.state} (from {st.state_source})"), ("restarts", restarts_text(st)),
         ("last step", f"{st.last_step if st.last_step is not None else '-'} ({age(st.last_step_age_s)} ago)"),
         ("run folder", st.run_dir), ("logs", f"hpcjobs logs {st.job_id} [--rank R] [--restart N]")]
     if st.final_reason:
@@ -194,11 +194,22 @@ def status(st: JobStatus, goodput: Goodput | None, after: Sequence[tuple[After, 
         rows.insert(-2, ("goodput", status_line(goodput)))
     if after:
         rows.insert(2, ("after", waits_for(st, after)))
+    at = next(i for i, (key, _) in enumerate(rows) if key == "restarts") + 1
+    rows[at:at] = [("node failed", fault) for fault in st.node_faults] + (
+        [("recoveries", f"{st.recoveries}; the last {st.last_recovery}")] if st.recoveries else [])
     if st.nccl_traces:
         rows.append(("nccl trace", f"{st.nccl_traces} (NCCL's flight recorder: which rank stopped in which "
                                    "collective; torchfrtrace reads it)"))
     for key, value in rows:
         print(f"{key + ':':12} {value}")
+
+
+def restarts_text(st: JobStatus) -> str:
+    """The restart count, and the scheduler's own where it counts otherwise (recoveries in the allocation are
+    starts it never saw; a requeued job counts its next start while it waits)."""
+    theirs = st.scheduler_restarts
+    return f"{st.restarts}" + (f" (the scheduler requeued it {theirs} time{'s' if theirs != 1 else ''})"
+                               if theirs and theirs != st.restarts else "")
 
 
 def array_status(array_id: str, statuses: list[JobStatus], points: Sequence[Mapping[str, object] | None],

@@ -24,6 +24,10 @@ class StopReason(_Str):
     """SIGTERM under Slurm that was not a preemption (scancel, an outside `scontrol requeue`): Slurm decides."""
     INTERRUPT = "interrupt"
     """A local run asked to stop (Ctrl-C, SIGTERM)."""
+    SIGNAL = "signal"
+    """Under a scheduler, a signal that is neither the profile's nor SIGTERM (a stray SIGINT, say): not a local
+    Ctrl-C, nor a preemption or the time limit. The trainer still stops at a checkpoint and requeues, as it did
+    for it before it had its own word; restarts.jsonl's `signal` names which."""
     FAULT = "fault"
     """A rank or node failed and it was nobody's bug (hpcjobs.protocol.faults): the job recovers by itself, its
     ranks started again from the newest finished checkpoint (the line's `recovery` says how)."""
