@@ -1,0 +1,175 @@
+"""The hang watchdog (issue 27 item 3, trainers/watchdog.py): its bound, its text, and in child processes its dump:
+a main thread asleep for ever, a rank SIGSTOPped past its bound and woken by SIGCONT, leave every thread's stack
+in RUN/stacks/restart-N/rank-R.txt, one `hung:` failure record with the step, and exit code 124. No timing
+assertions: only what happened, with generous waits."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from hpcjobs.protocol.contract import LaunchContract, Recovery
+from hpcjobs.protocol.faults import HANG_EXIT, HUNG, FaultKind, kind_of
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+from trainers import watchdog
+from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv
+from trainers.watchdog import SAVE_K, STEPS_MEASURED, Bound, K, Watchdog, save_allowance, startup_bound, step_bound
+
+ENV = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=1,
+              job_id="7", restart=3, source="single")
+
+
+def test_the_bound_is_the_start_up_one_until_steps_are_measured_then_k_median_step_times_over_the_floor() -> None:
+    start = startup_bound(300, {})
+    assert start.seconds == 300 and "HPCJOBS_INIT_TIMEOUT" in start.how
+    assert startup_bound(300, {"HPCJOBS_INIT_TIMEOUT": "900"}).seconds == 900
+    assert startup_bound(600, {}).how == "start-up bound, recovery.hang_min_s"
+    assert step_bound(5, [2.0] * (STEPS_MEASURED - 1), start) == start  # compile, warm-up: not yet measured
+    # One slow step (a log step's sync, a save) does not move the median.
+    assert step_bound(5, [2.0, 2.0, 30.0, 2.0], start) == Bound(K * 2.0, f"{K} × 2 s step time")
+    assert step_bound(5, [0.01] * 10, start).seconds == 5  # fast steps: the floor
+    assert step_bound(5, [1.0] * 40 + [3.0] * 32, start).seconds == K * 3.0  # the recent window only
+
+
+def test_a_save_in_flight_is_allowed_from_the_measured_save_cost() -> None:
+    assert save_allowance(5, []).seconds == CONTROL_TIMEOUT_MIN_S  # none measured: the checkpoint barrier's wait
+    assert save_allowance(5, [1.0, 10.0, 2.0]) == Bound(SAVE_K * 10.0, f"{SAVE_K} × 10 s longest save")
+    assert save_allowance(300, [1.0]).seconds == 300
+
+
+def make(tmp_path: Path, floor: float = 5) -> Watchdog:
+    return Watchdog(RunFolder(tmp_path / "run"), ENV, floor, Bound(300, "start-up bound, HPCJOBS_INIT_TIMEOUT"))
+
+
+def test_its_text_names_the_last_step_the_wait_and_the_bound_with_how_it_was_derived(tmp_path: Path) -> None:
+    dog = make(tmp_path)
+    t = dog.base
+    assert dog.overdue(t + 299) is None
+    assert dog.overdue(t + 310) == ("hung: no step progress for 310 s since the start (bound 300 s = start-up "
+                                    "bound, HPCJOBS_INIT_TIMEOUT)")
+    for step in range(1, 6):
+        dog.progress(step)
+    dog.step_times.clear()
+    dog.step_times.extend([2.0] * 5)
+    dog.step, dog.base = 57, t
+    assert dog.overdue(t + 39) is None
+    text = dog.overdue(t + 41)
+    assert text == "hung: no step progress for 41 s after step 57 (bound 40 s = 20 × 2 s step time)"
+    assert text.startswith(HUNG) and kind_of(text) == FaultKind.INFRASTRUCTURE
+
+
+class Thread:
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_save_extends_the_bound_and_a_save_stuck_past_its_allowance_is_a_hang(tmp_path: Path) -> None:
+    dog = make(tmp_path)
+    dog.save_costs = [3.0]  # allowance: 4 × 3 = 12 s
+    dog.step_times.extend([2.0] * 5)  # bound 40 s
+    dog.step = 10
+    dog.saving(10)
+    t = dog.save.began  # type: ignore[union-attr]
+    dog.base = t
+    assert dog.overdue(t + 11) is None  # foreground save, within both
+    assert "save of step 10 still in flight after 13 s (allowance 12 s = 4 × 3 s longest save)" in \
+        str(dog.overdue(t + 13))
+    writer = Thread(alive=True)
+    dog.saved(until=writer)  # a background save: the loop goes on, the save is still bounded
+    assert dog.save is not None and dog.save.until is writer
+    dog.progress(11)
+    assert dog.save is not None  # a step does not end a background save
+    assert "the checkpoint save of step 10 still in flight" in str(dog.overdue(t + 13))
+    writer.alive = False
+    assert dog.overdue(t + 13) is None and dog.save is None and len(dog.save_costs) == 2  # it ended: measured
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from hpcjobs.protocol.runfolder import RunFolder
+from trainers.distenv import DistEnv
+from trainers.watchdog import Bound, Watchdog
+
+env = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=1,
+              job_id="7", restart=3, source="single")
+dog = Watchdog(RunFolder(sys.argv[1]), env, 1.0, Bound(1.0, "start-up bound, test")).start()
+for step in range(1, 8):
+    dog.progress(step)
+    time.sleep(0.01)
+print("ready", flush=True)
+
+def waits_for_ever():
+    time.sleep(100000)
+
+waits_for_ever()
+"""
+
+
+def child(tmp_path: Path) -> tuple[subprocess.Popen[str], RunFolder]:
+    run = RunFolder(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), str(run.path)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc, run
+
+
+def check_left(run: RunFolder, proc: subprocess.Popen[str]) -> str:
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == HANG_EXIT, err
+    stacks = run.stack_file(3, 1).read_text()
+    assert "waits_for_ever" in stacks and "hpcjobs-watchdog" not in stacks.split("\n")[0], stacks
+    assert stacks.count("hung: no step progress") == 1 and stacks.count("most recent call first") >= 2, stacks
+    (record,) = run.read_failures()
+    assert record["error"].startswith("hung: no step progress for ") and "after step 7 (bound 1 s" in record["error"]
+    assert (record["rank"], record["restart"], record["step"]) == (1, 3, 7)
+    assert json.loads(run.final.read_text())["reason"].startswith("rank 1 on ")
+    assert f"every thread's stack in {run.stack_file(3, 1)}" in err
+    return stacks
+
+
+def test_a_rank_whose_main_thread_waits_for_ever_leaves_its_stacks_and_exits_124(tmp_path: Path) -> None:
+    proc, run = child(tmp_path)
+    check_left(run, proc)
+
+
+def test_a_rank_stopped_past_its_bound_dumps_once_it_is_continued(tmp_path: Path) -> None:
+    proc, run = child(tmp_path)
+    proc.send_signal(signal.SIGSTOP)
+    stack_file = run.stack_file(3, 1)
+    time.sleep(8)  # past the bound (1 s) and past the C timer's (at most 1 + 4 × its 2 s slack)
+    assert stack_file.stat().st_size == 0  # stopped: nothing ran
+    proc.send_signal(signal.SIGCONT)  # as Slurm does before it ends a step's tasks
+    check_left(run, proc)
+
+
+def test_armed_only_on_a_launched_rank_and_an_unfired_watchdog_leaves_no_stack_file(tmp_path: Path) -> None:
+    with watchdog.armed(environ={}) as dog:
+        assert dog is None  # a plain script: no contract, no watchdog
+    contract = LaunchContract(run_dir=str(tmp_path / "run"), recovery=Recovery(hang_min_s=5))
+    append_jsonl(RunFolder(contract.run_dir).saves, {"blocking_s": 2.5})
+    environ = {"HPCJOBS_CONTRACT": contract.to_json()}
+    with watchdog.armed(env=ENV, environ=environ) as dog:
+        assert dog is not None and watchdog.current() is dog and dog.floor == 5 and dog.save_costs == [2.5]
+        assert dog.path.exists()  # open for the C timer
+        with watchdog.armed(env=ENV, environ=environ) as inner:
+            assert inner is None  # one per process
+        watchdog.progress(1)
+        assert dog.step == 1
+    assert watchdog.current() is None and not dog.path.exists()
+
+
+@pytest.mark.parametrize("mark", ["progress", "alive", "saving", "saved"])
+def test_the_marks_do_nothing_when_no_watchdog_is_armed(mark: str) -> None:
+    getattr(watchdog, mark)(*([1] if mark in ("progress", "saving") else []))
