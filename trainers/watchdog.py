@@ -70,6 +70,10 @@ POLL_S = 1.0
 LEAVE_WORD_S = 30.0
 """How long a firing watchdog waits for its dump and record (a filesystem may be what hangs) before it exits."""
 
+LATE_NOTE = ("Found at the rank's next mark, once it ran again (stopped by SIGSTOP and continued, or its watchdog "
+             "thread starved): the main thread's stack is where it went on from; the step it last finished says "
+             "where it stopped.\n")
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -142,8 +146,10 @@ class Watchdog:
         """The last sign of progress: the bound is measured from here."""
         self.save: Save | None = None
         self.rearm_at = 0.0
+        self.limit = float("inf")
         self.file: IO[str] | None = None
         self._stop = threading.Event()
+        self._firing = threading.Lock()
         self._thread: threading.Thread | None = None
 
     # --- the marks (the training thread) --------------------------------------------------------------------------
@@ -151,17 +157,21 @@ class Watchdog:
     def progress(self, step: int) -> None:
         """Step `step` is done. The hot path: a few attributes and one comparison, unless the C timer is due."""
         now = time.monotonic()
+        if now - self.base > self.limit:
+            self.late(now)
         if self.last_step_at is not None:
             self.step_times.append(now - self.last_step_at)
         self.step, self.last_step_at, self.base = step, now, now
         if self.save is not None and self.save.until is None:
             self.saved()  # the loop went on: a foreground save (a library's own) is over
-        if now > self.rearm_at:
+        if now > self.rearm_at or len(self.step_times) == STEPS_MEASURED:  # or the measured bound takes over
             self.rearm(now)
 
     def alive(self) -> None:
         """Progress that is not a step (an evaluation batch): the bound starts again, no step time is measured."""
         now = time.monotonic()
+        if now - self.base > self.limit:
+            self.late(now)
         self.base = now
         if now > self.rearm_at:
             self.rearm(now)
@@ -210,8 +220,16 @@ class Watchdog:
         return (f"{HUNG} no step progress for {now - self.base:.0f} s {after}, the save of step {save.step} in "
                 f"flight (bound {bound.words()}, plus the save allowance {allowance.words()})")
 
+    def late(self, now: float) -> None:
+        """A mark that comes after the deadline: the rank was hung, but neither timer could act (stopped by SIGSTOP
+        and just continued, the Python thread starved): it fires now, before the mark hides the hang."""
+        why = self.overdue(now)
+        if why is not None:
+            self.fire(why, late=True)
+
     def rearm(self, now: float) -> None:
-        """Re-arm the C timer to fire between one and two `slack`s past the Python deadline."""
+        """Re-arm the C timer to fire between one and two `slack`s past the Python deadline; `limit` is the
+        deadline a mark compares itself with (refreshed here; past it, `late` asks `overdue`, which decides)."""
         if self.file is None:
             return
         bound = self.bound().seconds
@@ -219,7 +237,7 @@ class Watchdog:
             bound += save_allowance(self.floor, self.save_costs).seconds
         slack = max(2 * POLL_S, bound / 20)
         faulthandler.dump_traceback_later(bound + 2 * slack, file=self.file)
-        self.rearm_at = now + slack
+        self.rearm_at, self.limit = now + slack, bound
 
     # --- arming and firing ----------------------------------------------------------------------------------------
 
@@ -251,15 +269,18 @@ class Watchdog:
             if why is not None and not self._stop.is_set():
                 self.fire(why)
 
-    def fire(self, why: str) -> None:
-        """Dump, record, exit: each step on its own thread so that a filesystem that hangs cannot keep the rank."""
+    def fire(self, why: str, late: bool = False) -> None:
+        """Dump, record, exit (once: the thread and a late mark may both find the hang); the dump and the record
+        on a thread of their own, so that a filesystem that hangs cannot keep the rank from exiting."""
+        if not self._firing.acquire(blocking=False):
+            threading.Event().wait()  # the other one ends the process
         faulthandler.cancel_dump_traceback_later()  # waits for the C timer if it is dumping right now
-        word = threading.Thread(target=self.leave_word, args=(why,), name="hpcjobs-watchdog-word", daemon=True)
+        word = threading.Thread(target=self.leave_word, args=(why, late), name="hpcjobs-watchdog-word", daemon=True)
         word.start()
         word.join(LEAVE_WORD_S)
         os._exit(HANG_EXIT)
 
-    def leave_word(self, why: str) -> None:
+    def leave_word(self, why: str, late: bool = False) -> None:
         from trainers.failures import record_rank_error
         from trainers.logtee import Tee
 
@@ -268,6 +289,8 @@ class Watchdog:
             if os.fstat(file.fileno()).st_size == 0:  # the C timer has not dumped them
                 faulthandler.dump_traceback(file, all_threads=True)
             file.write(f"\n{why}\n")
+            if late:
+                file.write(LATE_NOTE)
             file.flush()
         print(f"hpcjobs: rank {self.env.rank}: {why}; every thread's stack in {self.path}", file=sys.stderr,
               flush=True)
