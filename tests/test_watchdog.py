@@ -230,3 +230,84 @@ def test_the_stopped_rank_leaves_its_stacks_once_it_is_continued(
     assert "maybe_die" in run.stack_file(0, 1).read_text() or LATE_NOTE in run.stack_file(0, 1).read_text()
     (record,) = [r for r in run.read_failures() if r["rank"] == 1]
     assert record["error"].startswith("hung: no step progress") and record["step"] == 19
+
+
+class Marks:
+    """Stands in for an armed watchdog: what the integrations mark, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int | None]] = []
+
+    def progress(self, step: int) -> None:
+        self.seen.append(("progress", step))
+
+    def alive(self) -> None:
+        self.seen.append(("alive", None))
+
+    def saving(self, step: int) -> None:
+        self.seen.append(("saving", step))
+
+    def saved(self, until: object = None) -> None:
+        self.seen.append(("saved", None))
+
+
+def test_a_hugging_face_trainer_marks_its_steps_its_saves_and_its_evaluation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from trainers.integrations import hf_trainer
+
+    marks = Marks()
+    monkeypatch.setattr(watchdog, "_current", marks)
+    callback = hf_trainer.stop_callback()
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    control = SimpleNamespace(should_save=False, should_training_stop=False, should_evaluate=False)
+    callback.on_step_end(args, SimpleNamespace(global_step=4), control)
+    control.should_save = True
+    callback.on_step_end(args, SimpleNamespace(global_step=5), control)
+    callback.on_prediction_step(args, SimpleNamespace(global_step=5), control)
+    callback.on_save(args, SimpleNamespace(global_step=5), control)
+    assert marks.seen == [("progress", 4), ("progress", 5), ("saving", 5), ("alive", None), ("saved", None)]
+
+
+def test_a_lightning_trainer_marks_its_batches_its_saves_and_its_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from trainers.integrations import lightning
+
+    marks = Marks()
+    monkeypatch.setattr(watchdog, "_current", marks)
+    callback = lightning.stop_callback("lightning.pytorch")
+    callback.guard = SimpleNamespace(should_stop=lambda pipelined: False)
+    trainer = SimpleNamespace(global_step=7)
+    callback.on_train_batch_end(trainer, None, None, None, 0)
+    callback.on_validation_batch_end(trainer, None, None, None, 0, dataloader_idx=0)
+    callback.on_save_checkpoint(trainer, None, {})
+    assert marks.seen == [("progress", 7), ("alive", None), ("saving", 7)]
+
+
+FORKS = """
+import os, sys, tempfile
+from hpcjobs.protocol.runfolder import RunFolder
+from trainers import watchdog
+from trainers.distenv import DistEnv
+from trainers.watchdog import Bound, Watchdog
+
+env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="127.0.0.1", master_port=1,
+              job_id="7", restart=0, source="single")
+watchdog._current = Watchdog(RunFolder(tempfile.mkdtemp()), env, 300.0, Bound(300.0, "test")).start()
+pid = os.fork()
+if pid == 0:
+    sys.exit(3 if watchdog.current() is None else 4)  # a normal exit: the interpreter's finalization runs
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_child_that_exits_normally_does_not_hang_on_the_c_timer(tmp_path: Path) -> None:
+    """faulthandler's finalization in a forked child joins the parent's C timer thread, which it does not have: it
+    hung for ever before the watchdog stopped that timer across forks."""
+    out = subprocess.run([sys.executable, "-c", FORKS], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout == "3\n", out.stdout + out.stderr

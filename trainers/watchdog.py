@@ -303,6 +303,27 @@ class Watchdog:
 _current: Watchdog | None = None
 
 
+def _before_fork() -> None:
+    """A forked child that exits normally (not by os._exit, as DataLoader's workers do) would hang for ever in
+    faulthandler's finalization, joining a C timer thread it does not have (measured: Python 3.11): no C timer
+    across a fork, re-armed in the parent once the child exists."""
+    if _current is not None and _current.file is not None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _after_fork_in_parent() -> None:
+    if _current is not None:
+        _current.rearm(time.monotonic())
+
+
+def _after_fork_in_child() -> None:
+    global _current
+    _current = None  # the child is no rank: its marks do nothing, and it has no watchdog thread
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
 def progress(step: int) -> None:
     """Step `step` is done on this rank (nothing when no watchdog is armed)."""
     if _current is not None:
