@@ -10,7 +10,8 @@ pause from a hang.
 The bound, measured from the last sign of progress (a finished step, an evaluation batch, a save's end):
 - Before STEPS_MEASURED step times are known (compilation, warm-up, loading a checkpoint, a cold node's first
   steps): the start-up bound, max(recovery.hang_min_s, HPCJOBS_INIT_TIMEOUT): what the process group already allows
-  its collectives before the first step (trainers.dist), so a slow but healthy start-up is never called a hang.
+  its collectives before the first step (trainers.dist), so a slow but healthy start-up is never called a hang. Each
+  start-up stage (trainers.startup's marks: model built and checkpoint loaded, first step) starts it again.
 - Then max(hang_min_s, K × the median of the last WINDOW step times). The median, not the mean or the last: the
   shared trainer's slow steps (a log step's all-reduce and host sync, the data loader refilling, a garbage collection,
   a tracker's upload) are single steps a few times the median and move it little. K = 20 leaves room for a step ten
@@ -42,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import statistics
 import sys
 import threading
 import time
@@ -96,7 +96,9 @@ def step_bound(floor: float, step_times: list[float], startup: Bound) -> Bound:
     """The bound on the time from one sign of progress to the next (module docstring)."""
     if len(step_times) < STEPS_MEASURED:
         return startup
-    median = statistics.median(step_times[-WINDOW:])
+    recent = sorted(step_times[-WINDOW:])
+    half = len(recent) // 2
+    median = recent[half] if len(recent) % 2 else (recent[half - 1] + recent[half]) / 2
     if K * median <= floor:
         return Bound(floor, f"recovery.hang_min_s; {K} × {median:.3g} s step time is less")
     return Bound(K * median, f"{K} × {median:.3g} s step time")
@@ -113,8 +115,10 @@ def save_allowance(floor: float, save_costs: list[float]) -> Bound:
 
 
 def measured_saves(run: RunFolder) -> list[float]:
-    """The run's earlier saves' blocking times (rank 0 writes them; a background save's is its staging only)."""
-    return [float(r["blocking_s"]) for r in read_jsonl(run.saves, {"blocking_s": (int, float)})]
+    """The run's earlier foreground saves' blocking times (rank 0 writes them): the whole save. A background save's
+    is its staging only, far less than its writing, which the allowance must cover."""
+    return [float(r["blocking_s"]) for r in read_jsonl(run.saves, {"blocking_s": (int, float)})
+            if r.get("background") is False]
 
 
 class Alive(Protocol):
