@@ -5,6 +5,7 @@ assertions: only what happened, with generous waits."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import signal
 import subprocess
@@ -311,3 +312,18 @@ def test_a_forked_child_that_exits_normally_does_not_hang_on_the_c_timer(tmp_pat
     hung for ever before the watchdog stopped that timer across forks."""
     out = subprocess.run([sys.executable, "-c", FORKS], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout == "3\n", out.stdout + out.stderr
+
+
+def test_a_c_timer_dump_that_progress_followed_is_erased(tmp_path: Path) -> None:
+    """The C timer's bound can trail the Python one (a step time that jumped): a dump it made before the rank went
+    on is no hang, and must not be left as if it were one."""
+    dog = make(tmp_path).start()
+    try:
+        assert dog.file is not None
+        faulthandler.dump_traceback(dog.file)  # as the C timer would
+        assert dog.path.stat().st_size > 0
+        dog.rearm(dog.base)
+        assert dog.path.stat().st_size == 0
+    finally:
+        dog.stop()
+    assert not dog.path.exists()

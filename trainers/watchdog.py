@@ -240,8 +240,10 @@ class Watchdog:
         if self.save is not None:
             bound += save_allowance(self.floor, self.save_costs).seconds
         slack = max(2 * POLL_S, bound / 20)
-        faulthandler.dump_traceback_later(bound + 2 * slack, file=self.file)
+        faulthandler.dump_traceback_later(bound + 2 * slack, file=self.file)  # joins the timer it replaces
         self.rearm_at, self.limit = now + slack, bound
+        if os.fstat(self.file.fileno()).st_size:  # the timer dumped, yet here is progress: a slow step, no hang
+            self.file.truncate(0)  # (the bound grew faster than the timer followed it: a step time that jumped)
 
     # --- arming and firing ----------------------------------------------------------------------------------------
 
