@@ -170,7 +170,8 @@ def test_armed_only_on_a_launched_rank_and_an_unfired_watchdog_leaves_no_stack_f
     with watchdog.armed(environ={}) as dog:
         assert dog is None  # a plain script: no contract, no watchdog
     contract = LaunchContract(run_dir=str(tmp_path / "run"), recovery=Recovery(hang_min_s=5))
-    append_jsonl(RunFolder(contract.run_dir).saves, {"blocking_s": 2.5})
+    append_jsonl(RunFolder(contract.run_dir).saves, {"blocking_s": 2.5, "background": False})
+    append_jsonl(RunFolder(contract.run_dir).saves, {"blocking_s": 0.1, "background": True})  # its staging only
     environ = {"HPCJOBS_CONTRACT": contract.to_json()}
     with watchdog.armed(env=ENV, environ=environ) as dog:
         assert dog is not None and watchdog.current() is dog and dog.floor == 5 and dog.save_costs == [2.5]
@@ -192,7 +193,8 @@ def hung_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Compl
     """2 ranks on the local profile (gloo, the tiny model, `recovery: {hang_min_s: 5}`, the collective timeout far
     longer); rank 1 SIGSTOPped after step 20, a hang."""
     tmp_path = tmp_path_factory.mktemp("hung")
-    data = {**yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text()), "recovery": {"hang_min_s": 5}}
+    data = {**yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text()),
+            "recovery": {"hang_min_s": 5, "max_recoveries": 0}}  # no recovery: the hang's own end is what is seen
     profile = tmp_path / "p.yaml"
     profile.write_text(yaml.safe_dump(data))
     run = RunFolder(tmp_path / "run")
