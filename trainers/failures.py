@@ -33,15 +33,19 @@ def record_rank_failure(e: BaseException, env: DistEnv, run: RunFolder) -> bool:
     first failure already written."""
     known = getattr(e, "_hpcjobs_recorded", None)
     if known is None:
-        log_path = run.rank_log(env.restart, env.rank)
-        append_jsonl(run.failures, {"time": time.time(), "job_id": env.job_id, "restart": env.restart,
-                                    "rank": env.rank, "host": os.uname().nodename, "error": describe_failure(e),
-                                    "log": str(log_path)})
-        known = record_failure(run, env, f"rank {env.rank} on {os.uname().nodename}: {describe_failure(e)} (log: "
-                                         f"{log_path})")
+        known = record_rank_error(describe_failure(e), env, run)
         with contextlib.suppress(AttributeError):
             e._hpcjobs_recorded = known  # type: ignore[attr-defined]
     return bool(known)
+
+
+def record_rank_error(error: str, env: DistEnv, run: RunFolder, **extra: Any) -> bool:
+    """This rank's failure line in failures.jsonl (`extra`: more fields, e.g. the hang watchdog's `step`) and, if it
+    is the start's first, final.json's reason; True if final.json took it."""
+    log_path = run.rank_log(env.restart, env.rank)
+    append_jsonl(run.failures, {"time": time.time(), "job_id": env.job_id, "restart": env.restart, "rank": env.rank,
+                                "host": os.uname().nodename, "error": error, "log": str(log_path), **extra})
+    return record_failure(run, env, f"rank {env.rank} on {os.uname().nodename}: {error} (log: {log_path})")
 
 
 def record_failure(run: RunFolder, env: DistEnv, reason: str) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from hpcjobs.protocol.trainconfig import TrainConfig
-from trainers import tracking
+from trainers import tracking, watchdog
 from trainers.dist import DistContext
 from trainers.progress import Bar, Terminal
 from trainers.task import Task
@@ -43,6 +43,8 @@ class Meter:
         self.loss_sum += loss.detach()
 
     def tick(self, step: int) -> None:
+        """Every step, on every rank: the progress bar and the hang watchdog's step mark."""
+        watchdog.progress(step)
         if self.bar is not None:
             self.bar.update(step)
 

@@ -11,6 +11,7 @@ from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.helpflags import HELP_FLAGS
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, trainer_help
+from trainers import watchdog
 from trainers.dist import distributed
 from trainers.failures import one_line, record_rank_failure
 from trainers.task import Task, TaskArgError, load_task
@@ -27,7 +28,7 @@ def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchCon
     task = load_task_checked(task_ref, task_args)
     cfg, _ = parse_trainer_args(args, task.defaults)  # the task's suggestions under the flags given
     with distributed(trace_prefix=run.nccl_traces / "rank-", group_of_one=cfg.strategy == "fsdp",
-                     cpu_collectives=cfg.cpu_offload) as ctx:
+                     cpu_collectives=cfg.cpu_offload) as ctx, watchdog.armed(run, ctx.env, contract):
         try:
             return train(task, cfg, run, ctx, contract)
         except ConfigError:

@@ -9,6 +9,7 @@ import os
 import time
 
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+from trainers import watchdog
 from trainers.distenv import DistEnv
 
 _marks: dict[str, float] = {}
@@ -21,6 +22,7 @@ def mark(name: str) -> None:
     if name not in _marks:
         _marks[name] = time.time()
         _cpu[name] = round(time.process_time(), 3)
+        watchdog.alive()  # a stage of start-up done: the hang watchdog's start-up bound starts again
 
 
 def process_started() -> float | None:

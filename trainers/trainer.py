@@ -21,7 +21,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError
-from trainers import activations, checkpoint, faults, memory, perf, preemption, startup, strategy
+from trainers import activations, checkpoint, faults, memory, perf, preemption, startup, strategy, watchdog
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import Checkpointer, Parts, tensors_of
@@ -92,6 +92,7 @@ def evaluate(model: nn.Module, task: Task, dataset: Any, ctx: DistContext, micro
         for batch in loader:
             totals[0] += task.loss(model, to_device(batch, ctx.device)).double()
             totals[1] += 1
+            watchdog.alive()  # progress, though not a step: the hang watchdog's bound starts again
     model.train()
     if ctx.world_size > 1:
         torch.distributed.all_reduce(totals)
@@ -369,7 +370,9 @@ class Training:
             return
         meta = {"config": self.cfg.as_dict(), "task": self.task.name, "task_config": self.task.config,
                 "lr_anchor": list(self.anchor) if self.anchor else None}  # how a resume re-plans the schedule
+        watchdog.saving(self.pos.step)  # the hang watchdog allows for it, and bounds it
         self.checkpointer.save(self.pos.step, self.parts(), meta, background)
+        watchdog.saved(until=self.checkpointer.pending)  # a background save: in flight while its thread writes
         self.last_saved = self.pos.step
         saves.record(self.folder, self.ctx.env, self.pos.step, began, background)
 

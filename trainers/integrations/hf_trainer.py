@@ -9,6 +9,8 @@ Attached when the script imports `transformers.trainer` (trainers/integrations/_
 - After every save, periodic or not, each rank fsyncs the folder's files and, once all have, rank 0 writes
   `hpcjobs-complete.json` into it (fsynced): only then is the checkpoint complete. A save that dies halfway leaves
   its `.hpcjobs-pending` mark, written before the save began, and no completion mark.
+- The hang watchdog (trainers/watchdog.py) is armed for the length of `train()`: each step end marks progress, a
+  save from its step end to its completion mark has the save allowance, each evaluation batch counts as progress.
 - The protocol's signal handlers hold only while `train()` runs (trainers/integrations/signals.py): the code before
   and after it keeps the script's own (Ctrl-C stops it).
 - After a stop's save, rank 0 requeues the job (on Slurm, when the stop came from the profile's signal) and every
@@ -29,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from hpcjobs.protocol.runfolder import read_json
+from trainers import watchdog
 from trainers.integrations.marks import COMPLETE, incomplete, mark_complete, mark_pending, run_folder, say, settle
 from trainers.integrations.signals import joined
 
@@ -51,7 +54,7 @@ def attach(module: ModuleType) -> None:
         callback = next((c for c in self.callback_handler.callbacks if getattr(c, "hpcjobs", False)), None)
         if callback is None:  # the script removed it: the Trainer as it is
             return original_train(self, resume, *args, **kwargs)
-        with joined(callback):  # the protocol's handlers for the length of train()
+        with joined(callback), watchdog.armed():  # the protocol's handlers and the hang watchdog, for train()
             return original_train(self, resume, *args, **kwargs)
 
     trainer_cls.__init__, trainer_cls.train = __init__, train
@@ -128,17 +131,24 @@ def stop_callback() -> Any:
             self.stop_step: int | None = None
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+            watchdog.progress(state.global_step)
             # every rank, every step: a collective, overlapping a step
             if self.guard is not None and self.guard.should_stop(pipelined=True):
                 control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
                 self.stop_step = state.global_step
             if control.should_save:
+                watchdog.saving(state.global_step)  # the evaluation due now is inside the allowance too
                 mark_pending(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+            return control
+
+        def on_prediction_step(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+            watchdog.alive()  # an evaluation batch: progress, though not a step
             return control
 
         def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             mark_complete(folder, state.global_step)
+            watchdog.saved()
             if self.stop_step is not None and self.guard is not None:
                 self.guard.requeue_and_exit(state.global_step)
             return control

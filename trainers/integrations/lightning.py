@@ -7,6 +7,9 @@ Attached when the script imports `lightning.pytorch.trainer.trainer` or `pytorch
   ran a collective inside the handler), no per-batch broadcast of that SIGTERM flag. During `fit()` hpcjobs's
   handlers hold SIGINT, SIGTERM and the profile's signal; after `fit()` returns, the script's own handlers are back
   (Ctrl-C, SIGTERM and cancel stop the code after fit() as usual).
+- The hang watchdog (trainers/watchdog.py) is armed for the length of `fit()`: each training batch end marks
+  progress, a checkpoint being saved (any callback's) has the save allowance until the next batch end, each
+  validation batch counts as progress.
 - At each training batch end the ranks agree whether any of them was asked to stop (StopGuard, pipelined as for
   the Hugging Face Trainer: one small all-reduce a batch, overlapping the next). When one was, that batch's state is
   saved with `trainer.save_checkpoint` into `RUN/checkpoints/lightning/checkpoint-N/` (N: the global step) with the
@@ -34,6 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from trainers import watchdog
 from trainers.integrations.marks import mark_complete, mark_pending, rank, run_folder, say, settle
 from trainers.integrations.signals import joined
 
@@ -73,7 +77,7 @@ def attach(module: ModuleType) -> None:
                 bound.arguments["ckpt_path"], callback.resume_from = str(newest / CKPT), newest
                 if "weights_only" in signature.parameters and bound.arguments.get("weights_only") is None:
                     bound.arguments["weights_only"] = False  # hpcjobs's own file; Lightning said so once a rank
-        with joined(callback):  # the protocol's handlers for the length of fit()
+        with joined(callback), watchdog.armed():  # the protocol's handlers and the hang watchdog, for fit()
             return original_fit(*bound.args, **bound.kwargs)
 
     trainer_cls.__init__, trainer_cls.fit = __init__, fit
@@ -122,6 +126,7 @@ def stop_callback(package: str) -> Any:
             rewind(trainer, position(self.resume_from, rank()) if self.resume_from else None)
 
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            watchdog.progress(trainer.global_step)  # a batch, not always a step: its time is what is measured
             self.asked |= self.guard.should_stop(pipelined=True)  # every rank, every batch: overlaps the next one
             if not self.asked or self.saved or not resumable_here(trainer):
                 return
@@ -133,6 +138,12 @@ def stop_callback(package: str) -> Any:
             save_position(trainer, folder / f"hpcjobs-rank-{rank()}.pt")
             trainer.fit_loop.epoch_loop._skip_next_val = True  # no validation on a stop, as for the HF Trainer
             self.saved = (folder, trainer.global_step)
+
+        def on_validation_batch_end(self, *_: Any, **__: Any) -> None:
+            watchdog.alive()  # progress, though not a step
+
+        def on_save_checkpoint(self, trainer: Any, *_: Any, **__: Any) -> None:
+            watchdog.saving(trainer.global_step)  # in flight until the next batch end
 
         def after_batch(self) -> None:
             """After Lightning finished the batch (its metrics are with the loggers): complete the stop's save,

@@ -1,0 +1,383 @@
+"""The hang watchdog: a rank whose step progress stops for longer than its bound dumps every thread's Python stack
+into RUN/stacks/restart-N/rank-R.txt, records one failure that begins with `hung:` (hpcjobs.protocol.faults.HUNG) and
+exits with HANG_EXIT (124); the job's recovery (trainers/recover.py) takes it from there. Torch-free.
+
+Armed on the ranks that report their steps: the shared trainer (trainers/run.py arms it, trainers/meter.py's `tick`
+marks each step) and a user's `transformers.Trainer` or Lightning `Trainer` for the length of `train()`/`fit()`
+(trainers/integrations/). A user's own script that reports no steps is never armed: nothing could tell its long
+pause from a hang.
+
+The bound, measured from the last sign of progress (a finished step, an evaluation batch, a save's end):
+- Before STEPS_MEASURED step times are known (compilation, warm-up, loading a checkpoint, a cold node's first
+  steps): the start-up bound, max(recovery.hang_min_s, HPCJOBS_INIT_TIMEOUT): what the process group already allows
+  its collectives before the first step (trainers.dist), so a slow but healthy start-up is never called a hang. Each
+  start-up stage (trainers.startup's marks: model built and checkpoint loaded, first step) starts it again.
+- Then max(hang_min_s, K × the median of the last WINDOW step times). The median, not the mean or the last: the
+  shared trainer's slow steps (a log step's all-reduce and host sync, the data loader refilling, a garbage collection,
+  a tracker's upload) are single steps a few times the median and move it little. K = 20 leaves room for a step ten
+  times the median and still ends a real hang (which lasts forever) within 20 steps' time; the floor keeps fast steps
+  (milliseconds) from turning a short stall of the machine (swapping, a busy shared filesystem) into a recovery.
+- A checkpoint save in flight adds an allowance, max(hang_min_s, SAVE_K × the longest save measured: the run's
+  saves.jsonl `blocking_s` and this start's own saves, whole), or before any was measured the control group's
+  wait for a checkpoint barrier (CONTROL_TIMEOUT_MIN_S, 1800 s: rank 0 alone may write for minutes). A save still in
+  flight past its allowance counts as a hang too, also while the loop goes on around a background save: a save stuck
+  on a filesystem.
+
+Two timers watch the same deadline. A Python thread (POLL_S) fires: it dumps the stacks, records the failure and
+exits. Behind it, faulthandler's C-level timer (`dump_traceback_later`), re-armed from the step marks at most every
+`slack` seconds (so a step pays one comparison), dumps the stacks by itself between one and two `slack`s after the
+deadline, without the GIL: a rank whose interpreter is stuck in C code holding the GIL still leaves its stacks
+(nothing else, then: the peers' watchdogs or the collective timeout end the job). Both timers count wall time: a
+rank that was SIGSTOPped past its bound dumps at once when it runs again (Slurm sends SIGCONT before its SIGTERM and
+SIGKILL). So does a job that Slurm suspended (`scontrol suspend`, PreemptMode=SUSPEND) for longer than its bound: it
+is taken as hung when resumed.
+
+The stack file is opened when the watchdog is armed (the C timer needs a file it can write without Python) and
+removed again, empty, when it is disarmed: a rank killed while armed (SIGKILL) leaves an empty one, which says
+nothing. Cost per step: bench/watchdog.py (a step mark is well under a microsecond; the figure is in its docstring).
+One watchdog per process; a script's own `faulthandler.dump_traceback_later` is replaced while it is armed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import IO, Protocol
+
+from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.faults import HANG_EXIT, HUNG
+from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.timeouts import INIT_TIMEOUT
+from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, DistEnvError, from_environ, setting_seconds
+
+K = 20
+"""The step-time bound is K × the median recent step time (see the module's docstring for why 20)."""
+WINDOW = 32
+"""How many recent step times the median is taken over: recent enough to follow a run that slows down."""
+STEPS_MEASURED = 3
+"""Step times needed before the start-up bound gives way to the measured one (the first step itself is start-up)."""
+SAVE_K = 4
+"""A save in flight is allowed SAVE_K × the longest save measured: a shared filesystem's writes vary that much."""
+POLL_S = 1.0
+"""How often the Python thread looks: a hang is found at most this late."""
+LEAVE_WORD_S = 30.0
+"""How long a firing watchdog waits for its dump and record (a filesystem may be what hangs) before it exits."""
+
+LATE_NOTE = ("Found at the rank's next mark, once it ran again (stopped by SIGSTOP and continued, or its watchdog "
+             "thread starved): the main thread's stack is where it went on from; the step it last finished says "
+             "where it stopped.\n")
+
+
+@dataclass(frozen=True)
+class Bound:
+    seconds: float
+    how: str
+    """How it was derived, for the failure's text: `20 × 2.0 s step time`."""
+
+    def words(self) -> str:
+        return f"{self.seconds:.0f} s = {self.how}" if self.how else f"{self.seconds:.0f} s"
+
+
+def startup_bound(floor: float, environ: Mapping[str, str]) -> Bound:
+    init = setting_seconds(INIT_TIMEOUT, environ)
+    if init >= floor:
+        return Bound(init, f"start-up bound, {INIT_TIMEOUT[0]}")
+    return Bound(floor, "start-up bound, recovery.hang_min_s")
+
+
+def step_bound(floor: float, step_times: list[float], startup: Bound) -> Bound:
+    """The bound on the time from one sign of progress to the next (module docstring)."""
+    if len(step_times) < STEPS_MEASURED:
+        return startup
+    recent = sorted(step_times[-WINDOW:])
+    half = len(recent) // 2
+    median = recent[half] if len(recent) % 2 else (recent[half - 1] + recent[half]) / 2
+    if K * median <= floor:
+        return Bound(floor, f"recovery.hang_min_s; {K} × {median:.3g} s step time is less")
+    return Bound(K * median, f"{K} × {median:.3g} s step time")
+
+
+def save_allowance(floor: float, save_costs: list[float]) -> Bound:
+    """What a checkpoint save in flight adds to the bound, and how long the save itself may take."""
+    if not save_costs:
+        return Bound(max(floor, CONTROL_TIMEOUT_MIN_S), "no save measured yet: the checkpoint barrier's wait")
+    longest = max(save_costs)
+    if SAVE_K * longest <= floor:
+        return Bound(floor, "recovery.hang_min_s")
+    return Bound(SAVE_K * longest, f"{SAVE_K} × {longest:.3g} s longest save")
+
+
+def measured_saves(run: RunFolder) -> list[float]:
+    """The run's earlier foreground saves' blocking times (rank 0 writes them): the whole save. A background save's
+    is its staging only, far less than its writing, which the allowance must cover."""
+    return [float(r["blocking_s"]) for r in read_jsonl(run.saves, {"blocking_s": (int, float)})
+            if r.get("background") is False]
+
+
+class Alive(Protocol):
+    def is_alive(self) -> bool: ...
+
+
+@dataclass
+class Save:
+    step: int
+    began: float
+    until: Alive | None = None
+    """A background save's thread: in flight while it lives. None: a foreground save, in flight until `saved()`
+    or the next step."""
+
+
+class Watchdog:
+    """One rank's watchdog (module docstring). `start()` opens the stack file and starts both timers; `stop()`
+    undoes it. The marks (`progress`, `alive`, `saving`, `saved`) run on the training thread."""
+
+    def __init__(self, run: RunFolder, env: DistEnv, floor: float, startup: Bound,
+                 save_costs: list[float] | None = None) -> None:
+        self.run, self.env, self.floor, self.startup = run, env, floor, startup
+        self.path = run.stack_file(env.restart, env.rank)
+        self.step_times: deque[float] = deque(maxlen=WINDOW)
+        self.save_costs = list(save_costs or [])
+        self.step: int | None = None
+        self.last_step_at: float | None = None
+        self.base = time.monotonic()
+        """The last sign of progress: the bound is measured from here."""
+        self.save: Save | None = None
+        self.rearm_at = 0.0
+        self.limit = float("inf")
+        self.file: IO[str] | None = None
+        self._stop = threading.Event()
+        self._firing = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # --- the marks (the training thread) --------------------------------------------------------------------------
+
+    def progress(self, step: int) -> None:
+        """Step `step` is done. The hot path: a few attributes and one comparison, unless the C timer is due."""
+        now = time.monotonic()
+        if now - self.base > self.limit:
+            self.late(now)
+        if self.last_step_at is not None:
+            self.step_times.append(now - self.last_step_at)
+        self.step, self.last_step_at, self.base = step, now, now
+        if self.save is not None and self.save.until is None:
+            self.saved()  # the loop went on: a foreground save (a library's own) is over
+        if now > self.rearm_at or len(self.step_times) == STEPS_MEASURED:  # or the measured bound takes over
+            self.rearm(now)
+
+    def alive(self) -> None:
+        """Progress that is not a step (an evaluation batch): the bound starts again, no step time is measured."""
+        now = time.monotonic()
+        if now - self.base > self.limit:
+            self.late(now)
+        self.base = now
+        if now > self.rearm_at:
+            self.rearm(now)
+
+    def saving(self, step: int) -> None:
+        """A checkpoint save of `step` begins: the bound grows by the save allowance until `saved()`."""
+        self.save = Save(step, time.monotonic())
+        self.rearm(self.save.began)
+
+    def saved(self, until: Alive | None = None) -> None:
+        """The save returned to the loop; `until`: the thread that still writes it (a background save)."""
+        save = self.save
+        if save is None:
+            return
+        if until is not None and until.is_alive():
+            self.save = Save(save.step, save.began, until)
+            return
+        now = time.monotonic()
+        self.save_costs.append(now - save.began)
+        self.save, self.base = None, now
+        self.rearm(now)
+
+    # --- the deadline ---------------------------------------------------------------------------------------------
+
+    def bound(self) -> Bound:
+        return step_bound(self.floor, list(self.step_times), self.startup)
+
+    def overdue(self, now: float) -> str | None:
+        """The failure's text if the rank is hung at `now`, else None."""
+        save = self.save
+        if save is not None and save.until is not None and not save.until.is_alive():
+            self.saved()  # a background save that finished
+            save = None
+        bound = self.bound()
+        after = "since the start" if self.step is None else f"after step {self.step}"
+        if save is None:
+            if now - self.base <= bound.seconds:
+                return None
+            return f"{HUNG} no step progress for {now - self.base:.0f} s {after} (bound {bound.words()})"
+        allowance = save_allowance(self.floor, self.save_costs)
+        if now - save.began > allowance.seconds:
+            return (f"{HUNG} the checkpoint save of step {save.step} still in flight after {now - save.began:.0f} s "
+                    f"(allowance {allowance.words()}); last step progress {after}")
+        if now - self.base <= bound.seconds + allowance.seconds:
+            return None
+        return (f"{HUNG} no step progress for {now - self.base:.0f} s {after}, the save of step {save.step} in "
+                f"flight (bound {bound.words()}, plus the save allowance {allowance.words()})")
+
+    def late(self, now: float) -> None:
+        """A mark that comes after the deadline: the rank was hung, but neither timer could act (stopped by SIGSTOP
+        and just continued, the Python thread starved): it fires now, before the mark hides the hang."""
+        why = self.overdue(now)
+        if why is not None:
+            self.fire(why, late=True)
+
+    def rearm(self, now: float) -> None:
+        """Re-arm the C timer to fire between one and two `slack`s past the Python deadline; `limit` is the
+        deadline a mark compares itself with (refreshed here; past it, `late` asks `overdue`, which decides)."""
+        if self.file is None:
+            return
+        bound = self.bound().seconds
+        if self.save is not None:
+            bound += save_allowance(self.floor, self.save_costs).seconds
+        slack = max(2 * POLL_S, bound / 20)
+        faulthandler.dump_traceback_later(bound + 2 * slack, file=self.file)  # joins the timer it replaces
+        self.rearm_at, self.limit = now + slack, bound
+        if os.fstat(self.file.fileno()).st_size:  # the timer dumped, yet here is progress: a slow step, no hang
+            self.file.truncate(0)  # (the bound grew faster than the timer followed it: a step time that jumped)
+
+    # --- arming and firing ----------------------------------------------------------------------------------------
+
+    def start(self) -> Watchdog:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")  # open until stop(): the C timer writes into it
+        self.base = time.monotonic()
+        self.rearm(self.base)
+        self._thread = threading.Thread(target=self._watch, name="hpcjobs-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.file is None:
+            return
+        faulthandler.cancel_dump_traceback_later()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S)
+        self.file.close()
+        self.file = None
+        with contextlib.suppress(OSError):
+            if self.path.stat().st_size == 0:
+                self.path.unlink()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            why = self.overdue(time.monotonic())
+            if why is not None and not self._stop.is_set():
+                self.fire(why)
+
+    def fire(self, why: str, late: bool = False) -> None:
+        """Dump, record, exit (once: the thread and a late mark may both find the hang); the dump and the record
+        on a thread of their own, so that a filesystem that hangs cannot keep the rank from exiting."""
+        if not self._firing.acquire(blocking=False):
+            threading.Event().wait()  # the other one ends the process
+        faulthandler.cancel_dump_traceback_later()  # waits for the C timer if it is dumping right now
+        word = threading.Thread(target=self.leave_word, args=(why, late), name="hpcjobs-watchdog-word", daemon=True)
+        word.start()
+        word.join(LEAVE_WORD_S)
+        os._exit(HANG_EXIT)
+
+    def leave_word(self, why: str, late: bool = False) -> None:
+        from trainers.failures import record_rank_error
+        from trainers.logtee import Tee
+
+        file = self.file
+        if file is not None:
+            if os.fstat(file.fileno()).st_size == 0:  # the C timer has not dumped them
+                faulthandler.dump_traceback(file, all_threads=True)
+            file.write(f"\n{why}\n")
+            if late:
+                file.write(LATE_NOTE)
+            file.flush()
+        print(f"hpcjobs: rank {self.env.rank}: {why}; every thread's stack in {self.path}", file=sys.stderr,
+              flush=True)
+        record_rank_error(why, self.env, self.run, step=self.step, stacks=str(self.path))
+        sys.stdout.flush()
+        if Tee.active is not None:
+            Tee.active.log_only("")  # the pipe drained into the log before the exit
+
+
+_current: Watchdog | None = None
+
+
+def _before_fork() -> None:
+    """A forked child that exits normally (not by os._exit, as DataLoader's workers do) would hang for ever in
+    faulthandler's finalization, joining a C timer thread it does not have (measured: Python 3.11): no C timer
+    across a fork, re-armed in the parent once the child exists."""
+    if _current is not None and _current.file is not None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _after_fork_in_parent() -> None:
+    if _current is not None:
+        _current.rearm(time.monotonic())
+
+
+def _after_fork_in_child() -> None:
+    global _current
+    _current = None  # the child is no rank: its marks do nothing, and it has no watchdog thread
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
+def progress(step: int) -> None:
+    """Step `step` is done on this rank (nothing when no watchdog is armed)."""
+    if _current is not None:
+        _current.progress(step)
+
+
+def alive() -> None:
+    if _current is not None:
+        _current.alive()
+
+
+def saving(step: int) -> None:
+    if _current is not None:
+        _current.saving(step)
+
+
+def saved(until: Alive | None = None) -> None:
+    if _current is not None:
+        _current.saved(until)
+
+
+@contextlib.contextmanager
+def armed(run: RunFolder | None = None, env: DistEnv | None = None, contract: LaunchContract | None = None,
+          environ: Mapping[str, str] | None = None) -> Iterator[Watchdog | None]:
+    """A watchdog for the body, on a launched rank (one with a launch contract; `run`, `env` and `contract` default
+    to the rank's own); outside one, or when one is already armed, nothing."""
+    global _current
+    environ = os.environ if environ is None else environ
+    contract = contract or LaunchContract.current(environ)
+    if _current is not None or contract is None or not contract.run_dir:
+        yield None
+        return
+    try:
+        env = env or from_environ(environ)
+    except DistEnvError:
+        yield None
+        return
+    run = run or RunFolder(contract.run_dir)
+    floor = float(contract.recovery.hang_min_s)
+    dog = Watchdog(run, env, floor, startup_bound(floor, environ), measured_saves(run)).start()
+    _current = dog
+    try:
+        yield dog
+    finally:
+        _current = None
+        dog.stop()
+
+
+def current() -> Watchdog | None:
+    return _current
+
