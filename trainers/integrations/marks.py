@@ -38,11 +38,13 @@ def incomplete(folder: Path) -> bool:
     return (folder / PENDING).exists() and not (folder / COMPLETE).exists()
 
 
-def settle(root: Path) -> Path | None:
-    """The newest complete checkpoint of `root`; rank 0 moves the incomplete ones aside, once every rank chose."""
+def settle(root: Path, owned: bool = False) -> Path | None:
+    """The newest complete checkpoint of `root`; rank 0 moves the incomplete ones aside, once every rank chose.
+    `owned`: only hpcjobs writes into `root`, so a folder without the completion mark is incomplete even without the
+    pending mark (a rank may write its files before rank 0 wrote that mark, and die)."""
     found = checkpoints(root)
-    newest = next((p for _, p in reversed(found) if not incomplete(p)), None)
-    bad = [p for _, p in found if incomplete(p)]
+    bad = [p for _, p in found if incomplete(p) or (owned and not (p / COMPLETE).is_file())]
+    newest = next((p for _, p in reversed(found) if p not in bad), None)
     barrier()
     if bad and rank() == 0:
         aside = root / ASIDE
