@@ -11,9 +11,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from conftest import BIN, REPO, hpcjobs
 from trainers.integrations import accelerate_loop, marks
@@ -126,3 +128,136 @@ def test_a_rank_killed_inside_a_save_leaves_a_state_never_resumed(tmp_path: Path
     assert sorted(losses(again.stdout)) == list(range(11, STEPS + 1))
     assert {k: v for k, v in losses(again.stdout).items()} == {k: twin[1][k] for k in range(11, STEPS + 1)}
     assert same_weights(tmp_path / "out", twin[0])
+
+
+@pytest.fixture
+def _signals_given_back() -> Any:
+    """A stop ends the loop with SystemExit and the protocol's handlers in place (the rank's process ends there); in
+    one test process the next test must start with the handlers it had, and no stop request left over."""
+    from trainers import preemption
+
+    nums = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    saved = {n: signal.getsignal(n) for n in nums}
+    yield
+    preemption.reset()
+    for n, handler in saved.items():
+        signal.signal(n, handler)
+
+
+def train_in_process(states: Path, stop_at: int, accumulate: int = 1) -> tuple[dict[int, float], dict[str, Any]]:
+    """One rank, no launch, a fresh Accelerator: shuffled data whose order comes from the global RNG (accelerate
+    gives a single process's sampler no generator of its own), dropout, momentum, an epoch scheduler."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from trainers import preemption
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4, generator=torch.Generator().manual_seed(0)))
+    model, opt, loader, sched = accelerator.prepare(model, opt, DataLoader(data, batch_size=4, shuffle=True), sched)
+    found: dict[int, float] = {}
+    for step, (x,) in accelerate_loop.resumable(accelerator, loader, epochs=3, epoch_end=lambda _: sched.step(),
+                                                folder=states):
+        if step + 1 == stop_at:
+            preemption.request_stop(signal.SIGINT)  # as Ctrl-C would
+        with accelerator.accumulate(model):
+            loss = model(x).pow(2).mean()
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        found[step + 1] = loss.item()
+    return found, accelerator.unwrap_model(model).state_dict()
+
+
+@pytest.mark.train
+@pytest.mark.usefixtures("_signals_given_back")
+@pytest.mark.parametrize(("asked", "accumulate", "saved"), [(13, 1, 13), (13, 2, 14), (10, 1, 10)])
+def test_in_one_process_a_stop_resumes_exactly(tmp_path: Path, asked: int, accumulate: int, saved: int) -> None:
+    """The stop's state and the resume around a sampler drawing from the global RNG (restored for the epoch's draw),
+    dropout and an epoch scheduler. A stop asked inside a gradient accumulation (13 of 2) waits for its end; one
+    asked on an epoch's last step (10) saves after the epoch's own work, and the resume starts the next epoch."""
+    from trainers import preemption
+
+    twin_losses, twin_weights = train_in_process(tmp_path / "twin", stop_at=0, accumulate=accumulate)
+    assert sorted(twin_losses) == list(range(1, 31)) and not (tmp_path / "twin").exists()
+    with pytest.raises(SystemExit) as stopped:
+        train_in_process(tmp_path / "states", stop_at=asked, accumulate=accumulate)
+    preemption.reset()  # what the process's exit would do
+    assert stopped.value.code == 0
+    assert [n for n, p in marks.checkpoints(tmp_path / "states") if (p / marks.COMPLETE).is_file()] == [saved]
+    resumed, weights = train_in_process(tmp_path / "states", stop_at=0, accumulate=accumulate)
+    assert sorted(resumed) == list(range(saved + 1, 31))
+    assert all(resumed[k] == twin_losses[k] for k in resumed)
+    assert all(torch.equal(weights[k], twin_weights[k]) for k in twin_weights)
+
+
+@pytest.mark.train
+@pytest.mark.usefixtures("_signals_given_back")
+def test_the_loop_holds_the_protocols_signals_only_while_it_runs(tmp_path: Path) -> None:
+    """Ctrl-C stops the code before and after the loop as usual; inside it, it only asks for a stop."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+    during = [signal.getsignal(signal.SIGINT) for _ in accelerate_loop.resumable(accelerator, [1, 2], folder=tmp_path)]
+    assert len(during) == 2 and during[0] is not before[signal.SIGINT]
+    assert {n: signal.getsignal(n) for n in before} == before
+
+
+@pytest.mark.parametrize("bad", [{"epochs": 0}, {"epochs": 1.5}, {"max_steps": 0}, {"save_every": -1},
+                                 {"epochs": True}])
+def test_a_bad_argument_is_refused_in_one_line(bad: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        accelerate_loop.resumable(object(), [], **bad)
+    said = capsys.readouterr().out.strip().splitlines()
+    assert e.value.code == 2 and len(said) == 1 and next(iter(bad)) in said[0] and "HINT:" in said[0]
+
+
+def test_in_hpcjobs_own_folder_a_state_without_its_completion_mark_is_moved_aside(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank may write its files of a save before rank 0 wrote the pending mark, and die: in a folder only hpcjobs
+    writes, no completion mark means incomplete (elsewhere, a folder with neither mark is a foreign checkpoint)."""
+    for step, names in ((10, [marks.COMPLETE]), (20, [marks.PENDING]), (30, [])):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        for mark in names:
+            (tmp_path / f"checkpoint-{step}" / mark).write_text("{}")
+    assert marks.settle(tmp_path, owned=True) == tmp_path / "checkpoint-10"
+    assert sorted(p.name for p in (tmp_path / marks.ASIDE).iterdir()) == ["checkpoint-20", "checkpoint-30"]
+    assert capsys.readouterr().out.count("left incomplete") == 2
+
+
+def test_a_state_saved_by_another_number_of_ranks_is_refused_in_one_line(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "checkpoint-12"
+    folder.mkdir()
+    torch.save({"world_size": 4}, folder / accelerate_loop.POSITION.format(rank=0))
+    (folder / marks.COMPLETE).write_text("{}")
+    loop = accelerate_loop.Loop(type("A", (), {"num_processes": 2})(), [], 1, None, 0, None, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        loop.resume()
+    said = capsys.readouterr().out.strip().splitlines()
+    assert e.value.code == 2 and len(said) == 1 and "by 4 ranks" in said[0] and "HINT:" in said[0]
+
+
+def test_a_save_goes_where_hpcjobs_says_also_with_automatic_checkpoint_naming() -> None:
+    from accelerate.utils import ProjectConfiguration
+
+    holder = type("A", (), {"project_configuration": ProjectConfiguration(automatic_checkpoint_naming=True,
+                                                                           iteration=3)})()
+    with accelerate_loop.explicit_folder(holder):
+        assert not holder.project_configuration.automatic_checkpoint_naming
+        holder.project_configuration.iteration += 1  # what save_state does
+    assert holder.project_configuration.automatic_checkpoint_naming and holder.project_configuration.iteration == 3
+
+
+def test_the_generators_a_loader_draws_from_are_found_once_each() -> None:
+    gen = torch.Generator()
+    loader = DataLoader(list(range(8)), batch_size=2, sampler=torch.utils.data.RandomSampler(range(8), generator=gen),
+                        generator=gen)
+    assert accelerate_loop.generators(loader) == [gen]
+    assert accelerate_loop.generators(DataLoader(list(range(8)), batch_size=2)) == []

@@ -212,6 +212,8 @@ def set_epoch(loader: Any, epoch: int) -> None:
     if callable(getattr(loader, "set_epoch", None)):
         loader.set_epoch(epoch)
         return
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return  # any other iterable: its own business
     from trainers.integrations.lightning_data import set_epoch as set_samplers_epoch
 
     set_samplers_epoch(loader, epoch)
