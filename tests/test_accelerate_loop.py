@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from conftest import BIN, REPO, hpcjobs
 from trainers.integrations import accelerate_loop, marks
 
-SCRIPT = REPO / "tests" / "scripts" / "accelerate_script.py"
+SCRIPT = REPO / "trainers" / "examples" / "accelerate_script.py"
 STEPS, PER_EPOCH = 30, 10
 
 

@@ -18,7 +18,7 @@ from conftest import REPO, hpcjobs, wait_for_state
 from trainers.integrations import accelerate_loop
 
 pytestmark = pytest.mark.cluster
-SCRIPT = REPO / "tests" / "scripts" / "accelerate_script.py"
+SCRIPT = REPO / "trainers" / "examples" / "accelerate_script.py"
 EPOCHS = 12  # 10 batches an epoch at 2 ranks: 120 steps
 SAMPLE_S = "0.03"  # 4 samples a step: ~0.12 s a step, ~15 s of training, so a signal lands mid-run
 

@@ -1,7 +1,13 @@
-"""An accelerate loop as users write them, with hpcjobs's one line (the loop's header): a small MLP with dropout,
-synthetic data made here, shuffled, SGD with momentum and an epoch LR schedule, gradient accumulation when asked, a
-loss line every step (rank 0), DDP over the ranks hpcjobs started, and work after the loop (the final weights, a
-record and a print) that must run once per finished training, never on a stop."""
+"""An accelerate loop that survives preemption with one line from hpcjobs: the loop's header, `resumable(...)`.
+
+    hpcjobs submit --profile mycluster --nodes 2 --gpus 8 trainers/examples/accelerate_script.py --out runs/acc
+    hpcjobs submit --profile local --gpus 2 trainers/examples/accelerate_script.py --out /tmp/acc   # Ctrl-C, again
+
+A small MLP with dropout on synthetic data made here, shuffled; SGD with momentum and an epoch LR schedule; gradient
+accumulation when asked; a loss line every step (rank 0); work after the loop (the final weights, a record, a print)
+that runs once per finished training, never on a stop. The tests run it (tests/test_accelerate_loop.py). On GPUs:
+`Accelerator()` instead of `Accelerator(cpu=True)`.
+"""
 
 import argparse
 import os
