@@ -85,8 +85,10 @@ class Loop:
     def run(self) -> Iterator[tuple[int, Any]]:
         at = self.resume()
         with joined(self):  # the protocol's handlers for the length of the loop
-            yield from self.batches(at)
-            self.guard.close()  # a pipelined reduce still in flight, before the script ends its group
+            try:
+                yield from self.batches(at)
+            finally:  # also when the script breaks out of the loop
+                self.guard.close()  # a pipelined reduce still in flight, before the script ends its group
 
     def batches(self, at: dict[str, Any] | None) -> Iterator[tuple[int, Any]]:
         """The loop itself, with the protocol (self.guard set) or without it (HPCJOBS_HOOKS=0)."""
@@ -139,10 +141,10 @@ class Loop:
         mine = newest / POSITION.format(rank=rank())
         saved = torch.load(mine, weights_only=False) if mine.is_file() else None
         if saved is None or saved["world_size"] != world_size(self.accelerator):
-            say(f"{newest} was saved by {saved['world_size'] if saved else 'another number of'} ranks, this start has "
-                f"{world_size(self.accelerator)}: its data positions do not carry over. HINT: resume with as many "
-                "ranks, or give this run another --run-dir to start over")
-            raise SystemExit(2)
+            was = f"was saved by {saved['world_size']} ranks" if saved else f"holds no position of rank {rank()}"
+            say(f"{newest} {was}, this start has {world_size(self.accelerator)}: its data positions do not carry "
+                "over. HINT: resume with as many ranks, or give this run another --run-dir to start over")
+            raise SystemExit(2)  # on every rank
         say(f"resuming from {newest}")
         self.accelerator.load_state(str(newest))
         return dict(saved)
