@@ -218,6 +218,14 @@ def test_a_bad_argument_is_refused_in_one_line(bad: dict[str, Any], capsys: pyte
     assert e.value.code == 2 and len(said) == 1 and next(iter(bad)) in said[0] and "HINT:" in said[0]
 
 
+def test_a_stateful_dataloader_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """accelerate restores such a loader's position in load_state: skipping its batches again would skip twice."""
+    with pytest.raises(SystemExit) as e:
+        accelerate_loop.resumable(object(), type("L", (), {"use_stateful_dataloader": True})())
+    said = capsys.readouterr().out.strip().splitlines()
+    assert e.value.code == 2 and len(said) == 1 and "stateful" in said[0] and "HINT:" in said[0]
+
+
 def test_in_hpcjobs_own_folder_a_state_without_its_completion_mark_is_moved_aside(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A rank may write its files of a save before rank 0 wrote the pending mark, and die: in a folder only hpcjobs

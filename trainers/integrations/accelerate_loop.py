@@ -66,6 +66,11 @@ def resumable(accelerator: Any, dataloader: Any, epochs: int = 1, max_steps: int
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
             say(f"resumable({name}={value!r}): valid: a whole number from {least}. HINT: e.g. {name}={max(least, 1)}")
             raise SystemExit(2)
+    if getattr(dataloader, "use_stateful_dataloader", False):
+        say("resumable() was given a stateful DataLoader (use_stateful_dataloader=True), whose position accelerate "
+            "saves itself; valid: a DataLoader hpcjobs skips into. HINT: leave use_stateful_dataloader off, or keep "
+            "your own loop")
+        raise SystemExit(2)
     run = run_folder()
     root = Path(folder) if folder is not None else run.checkpoints / FOLDER if run else Path("hpcjobs-checkpoints")
     loop = Loop(accelerator, dataloader, epochs, max_steps, save_every, epoch_end, root)
