@@ -144,7 +144,13 @@ def _signals_given_back() -> Any:
         signal.signal(n, handler)
 
 
-def train_in_process(states: Path, stop_at: int, accumulate: int = 1) -> tuple[dict[int, float], dict[str, Any]]:
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Any:
+        return iter(torch.randn(40, 4, generator=torch.Generator().manual_seed(0)).unbind())
+
+
+def train_in_process(states: Path, stop_at: int, accumulate: int = 1,
+                     stream: bool = False) -> tuple[dict[int, float], dict[str, Any]]:
     """One rank, no launch, a fresh Accelerator: shuffled data whose order comes from the global RNG (accelerate
     gives a single process's sampler no generator of its own), dropout, momentum, an epoch scheduler."""
     from accelerate import Accelerator
@@ -159,12 +165,14 @@ def train_in_process(states: Path, stop_at: int, accumulate: int = 1) -> tuple[d
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     data = torch.utils.data.TensorDataset(torch.randn(40, 4, generator=torch.Generator().manual_seed(0)))
-    model, opt, loader, sched = accelerator.prepare(model, opt, DataLoader(data, batch_size=4, shuffle=True), sched)
+    batches = DataLoader(Stream(), batch_size=4) if stream else DataLoader(data, batch_size=4, shuffle=True)
+    model, opt, loader, sched = accelerator.prepare(model, opt, batches, sched)
     found: dict[int, float] = {}
-    for step, (x,) in accelerate_loop.resumable(accelerator, loader, epochs=3, epoch_end=lambda _: sched.step(),
+    for step, x in accelerate_loop.resumable(accelerator, loader, epochs=3, epoch_end=lambda _: sched.step(),
                                                 folder=states):
         if step + 1 == stop_at:
             preemption.request_stop(signal.SIGINT)  # as Ctrl-C would
+        x = x if stream else x[0]
         with accelerator.accumulate(model):
             loss = model(x).pow(2).mean()
             accelerator.backward(loss)
@@ -269,3 +277,21 @@ def test_the_generators_a_loader_draws_from_are_found_once_each() -> None:
                         generator=gen)
     assert accelerate_loop.generators(loader) == [gen]
     assert accelerate_loop.generators(DataLoader(list(range(8)), batch_size=2)) == []
+
+
+@pytest.mark.train
+@pytest.mark.usefixtures("_signals_given_back")
+def test_an_iterable_dataset_is_skipped_into_by_reading_it_again_and_one_line_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trainers import preemption
+
+    twin_losses, twin_weights = train_in_process(tmp_path / "twin", stop_at=0, stream=True)
+    with pytest.raises(SystemExit):
+        train_in_process(tmp_path / "states", stop_at=14, stream=True)
+    preemption.reset()
+    capsys.readouterr()
+    resumed, weights = train_in_process(tmp_path / "states", stop_at=0, stream=True)
+    said = [line for line in capsys.readouterr().out.splitlines() if "cannot be skipped into" in line]
+    assert len(said) == 1 and "Stream" in said[0] and "first 4 batches" in said[0]
+    assert sorted(resumed) == list(range(15, 31)) and all(resumed[k] == twin_losses[k] for k in resumed)
+    assert all(torch.equal(weights[k], twin_weights[k]) for k in twin_weights)
