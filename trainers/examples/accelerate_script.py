@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainers.integrations.accelerate_loop import resumable
 
-p = argparse.ArgumentParser()
+p = argparse.ArgumentParser(allow_abbrev=False)
 p.add_argument("--out", required=True)
 p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--save_every", type=int, default=0)
