@@ -295,3 +295,14 @@ def test_an_iterable_dataset_is_skipped_into_by_reading_it_again_and_one_line_sa
     assert len(said) == 1 and "Stream" in said[0] and "first 4 batches" in said[0]
     assert sorted(resumed) == list(range(15, 31)) and all(resumed[k] == twin_losses[k] for k in resumed)
     assert all(torch.equal(weights[k], twin_weights[k]) for k in twin_weights)
+
+
+def test_a_save_into_a_folder_an_earlier_save_completed_is_incomplete_until_it_completes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    folder = tmp_path / "checkpoint-20"
+    marks.mark_pending(folder)
+    marks.mark_complete(folder, 20)
+    assert not marks.incomplete(folder)
+    marks.mark_pending(folder)  # a run that went back to step 10 saves step 20 again
+    assert marks.incomplete(folder) and marks.settle(tmp_path, owned=True) is None

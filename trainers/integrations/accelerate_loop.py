@@ -44,7 +44,7 @@ import torch
 
 from trainers.checkpoint.state import rng_state, set_rng_state
 from trainers.integrations import enabled
-from trainers.integrations.marks import mark_complete, mark_pending, rank, run_folder, say, settle
+from trainers.integrations.marks import barrier, mark_complete, mark_pending, rank, run_folder, say, settle
 from trainers.integrations.signals import joined
 
 FOLDER = "accelerate"
@@ -128,6 +128,7 @@ class Loop:
     def save(self, step: int, where: tuple[int, int]) -> None:
         folder = self.root / f"checkpoint-{step}"
         mark_pending(folder)
+        barrier()  # no rank writes into the folder before it is marked
         with explicit_folder(self.accelerator):
             self.accelerator.save_state(str(folder))
         epoch, batch = where

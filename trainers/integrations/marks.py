@@ -61,10 +61,12 @@ def settle(root: Path, owned: bool = False) -> Path | None:
 
 
 def mark_pending(folder: Path) -> None:
-    """Rank 0, before the save writes anything into `folder`."""
+    """Rank 0, before the save writes anything into `folder`. A save into a folder an earlier save completed (a run
+    that went back to an earlier step) takes its completion mark away: until it completes, its files are mixed."""
     if rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / PENDING).touch()
+        (folder / COMPLETE).unlink(missing_ok=True)
 
 
 def mark_complete(folder: Path, step: int) -> None:
