@@ -1,6 +1,6 @@
 """hpcjobs's marks on the checkpoint folders a user's training library writes (`checkpoint-N`), shared by every
-integration (hf_trainer, lightning): which folders a save left incomplete, which complete one is newest, and the
-two marks that tell them apart.
+integration (hf_trainer, lightning, accelerate_loop): which folders a save left incomplete, which complete one is
+newest, and the two marks that tell them apart.
 
 A save begins with `.hpcjobs-pending` in its folder (rank 0, before any file of the save). Once the library has
 written its files, every rank fsyncs what is in the folder and, once all have, rank 0 writes `hpcjobs-complete.json`
