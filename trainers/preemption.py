@@ -301,6 +301,11 @@ class StopGuard:
         local = requested_locally()
         return self._agreement.any_rank_pipelined(local) if pipelined else self._agreement.any_rank(local)
 
+    def close(self) -> None:
+        """Wait for a pipelined reduce still in flight: once the loop is over, before the group goes away."""
+        if self._agreement is not None:
+            self._agreement.close()
+
     def requeue_and_exit(self, step: int | None = None) -> None:
         if self._agreement is not None:
             self._agreement.close()  # a pipelined reduce still in flight, before the group's barrier

@@ -8,6 +8,9 @@ it makes (measured: 0.37 µs per import; `import torch` makes 1125, so 0.4 ms of
 torch). `HPCJOBS_HOOKS=0` in the rank's environment (`hpcjobs submit --env HPCJOBS_HOOKS=0`) leaves every library
 as it is.
 
+An `accelerate` loop is the script's own code, with no library call to hook: it takes one line instead
+(accelerate_loop.py, the loop's header), and adds nothing here; HPCJOBS_HOOKS=0 turns it into the plain loop.
+
 Torch-free: the hooks import nothing until the library itself is imported.
 """
 

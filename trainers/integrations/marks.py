@@ -1,6 +1,6 @@
 """hpcjobs's marks on the checkpoint folders a user's training library writes (`checkpoint-N`), shared by every
-integration (hf_trainer, lightning): which folders a save left incomplete, which complete one is newest, and the
-two marks that tell them apart.
+integration (hf_trainer, lightning, accelerate_loop): which folders a save left incomplete, which complete one is
+newest, and the two marks that tell them apart.
 
 A save begins with `.hpcjobs-pending` in its folder (rank 0, before any file of the save). Once the library has
 written its files, every rank fsyncs what is in the folder and, once all have, rank 0 writes `hpcjobs-complete.json`
@@ -38,11 +38,13 @@ def incomplete(folder: Path) -> bool:
     return (folder / PENDING).exists() and not (folder / COMPLETE).exists()
 
 
-def settle(root: Path) -> Path | None:
-    """The newest complete checkpoint of `root`; rank 0 moves the incomplete ones aside, once every rank chose."""
+def settle(root: Path, owned: bool = False) -> Path | None:
+    """The newest complete checkpoint of `root`; rank 0 moves the incomplete ones aside, once every rank chose.
+    `owned`: only hpcjobs writes into `root`, so a folder without the completion mark is incomplete even without the
+    pending mark (a rank may write its files before rank 0 wrote that mark, and die)."""
     found = checkpoints(root)
-    newest = next((p for _, p in reversed(found) if not incomplete(p)), None)
-    bad = [p for _, p in found if incomplete(p)]
+    bad = [p for _, p in found if incomplete(p) or (owned and not (p / COMPLETE).is_file())]
+    newest = next((p for _, p in reversed(found) if p not in bad), None)
     barrier()
     if bad and rank() == 0:
         aside = root / ASIDE
@@ -59,10 +61,12 @@ def settle(root: Path) -> Path | None:
 
 
 def mark_pending(folder: Path) -> None:
-    """Rank 0, before the save writes anything into `folder`."""
+    """Rank 0, before the save writes anything into `folder`. A save into a folder an earlier save completed (a run
+    that went back to an earlier step) takes its completion mark away: until it completes, its files are mixed."""
     if rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / PENDING).touch()
+        (folder / COMPLETE).unlink(missing_ok=True)
 
 
 def mark_complete(folder: Path, step: int) -> None:

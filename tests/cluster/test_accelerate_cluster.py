@@ -1,0 +1,73 @@
+"""An accelerate loop with hpcjobs's one line (tests/scripts/accelerate_script.py) on the real cluster, 2 nodes × 1
+rank, stopped by Slurm: it saves at the step the ranks agree on, requeues once, resumes there mid-epoch, and ends
+with the losses of an uninterrupted run step by step and bit-identical weights; the code after the loop runs once.
+CI runs the partition-priority preemption; the scancel signal and the 2-minute time limit run with -m slow.
+Written on the local profile's evidence (tests/test_accelerate_loop.py); not yet run on the test cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_accelerate_loop import losses as loss_lines
+from test_preemption import DONE, make_profile, trigger_now, wait_for_log
+
+from conftest import REPO, hpcjobs, wait_for_state
+from trainers.integrations import accelerate_loop
+
+pytestmark = pytest.mark.cluster
+SCRIPT = REPO / "trainers" / "examples" / "accelerate_script.py"
+EPOCHS = 12  # 10 batches an epoch at 2 ranks: 120 steps
+SAMPLE_S = "0.03"  # 4 samples a step: ~0.12 s a step, ~15 s of training, so a signal lands mid-run
+
+
+def submit(folder: Path, name: str, profile: Path, time_limit: str = "30:00") -> tuple[str, Path, Path]:
+    out, run = folder / f"acc-{name}", folder / f"acc-run-{name}"
+    res = hpcjobs("submit", "--profile", str(profile), "--nodes", "2", "--gpus", "1", "--time", time_limit,
+                  "--run-dir", str(run), "--json", str(SCRIPT), "--out", str(out), "--epochs", str(EPOCHS),
+                  "--sample_seconds", SAMPLE_S, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["job_id"], out, run
+
+
+def losses(run: Path) -> dict[int, str]:
+    """Rank 0's loss lines of every start, the later start's where two logged a step."""
+    found: dict[int, str] = {}
+    for log in sorted((run / "logs").glob("restart-*/rank-0.log"), key=lambda p: int(p.parent.name[8:])):
+        found.update(loss_lines(log.read_text()))
+    return found
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = Path("/tmp") / f"hpcjobs-acc-{tmp_path_factory.getbasetemp().name}"
+    folder.mkdir(exist_ok=True)
+    folder.chmod(0o755)
+    job, out, run = submit(folder, "twin", make_profile(folder))
+    assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
+    return out, run
+
+
+@pytest.mark.parametrize("trigger", ["preemption", pytest.param("scancel-signal", marks=pytest.mark.slow),
+                                     pytest.param("time-limit", marks=pytest.mark.slow)])
+def test_accelerate_loop_stops_requeues_and_resumes_exactly(trigger: str, twin: tuple[Path, Path]) -> None:
+    folder = twin[0].parent
+    if trigger == "time-limit":  # the signal comes 0-30 s into each start (see test_preemption)
+        profile = make_profile(folder, seconds_before=90, max_restarts=30)
+        job, out, run = submit(folder, trigger, profile, time_limit="2:00")
+    else:
+        job, out, run = submit(folder, trigger, make_profile(folder))
+        wait_for_log(run / "logs" / "restart-0" / "rank-0.log", "LOSS ", timeout=300)  # training, not starting
+        trigger_now(trigger, job)
+    assert wait_for_state(job, DONE, timeout=900) == "COMPLETED"
+    stops = [json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in ln]
+    assert stops and (len(stops) == 1 or trigger == "time-limit"), stops
+    first = (run / "logs" / "restart-1" / "rank-0.log").read_text()
+    root = run / "checkpoints" / accelerate_loop.FOLDER
+    assert f"resuming from {root / ('checkpoint-' + str(stops[0]['step']))}" in first, first[-2000:]
+    assert (out / "after-loop.txt").read_text() == "ran\n"
+    assert losses(run) == losses(twin[1])
+    mine, theirs = torch.load(out / "final.pt"), torch.load(twin[0] / "final.pt")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
