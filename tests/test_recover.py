@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
 
+from conftest import REPO, hpcjobs
 from hpcjobs.protocol.contract import LaunchContract, Recovery
 from hpcjobs.protocol.runfolder import RunFolder
-from trainers import recover
+from trainers import checkpoint, recover
+from trainers.checkpoint.sharded import model_weights
 
 STEP = """
 import json, os, sys, time
@@ -106,7 +110,7 @@ def test_a_step_that_ended_after_the_first_ran_goes_on_from_its_exit_code(job: P
     subprocess.run(argv, check=False)
     assert recover.supervise(argv, 1, Slurm()) == 0
     [fault] = faults(job)
-    assert "no rank recorded why" in fault["cause"]
+    assert "none recorded why" in fault["cause"]
 
 
 def test_no_new_checkpoint_across_max_recoveries_ends_the_job_failed_naming_the_cause(job: Path,
@@ -162,3 +166,48 @@ def test_the_next_start_number_counts_every_start_the_folder_has_seen(job: Path,
     run.record_start(1, "41", 2)
     assert recover.main(["--next-start", "--", *argv[4:]]) == 0
     assert capsys.readouterr().out.strip() == "2"
+
+
+LM = ["trainers.tasks.lm", "--size", "tiny", "--steps", "60", "--log-every", "10", "--ckpt-every", "20"]
+
+
+def local_job(tmp: Path, name: str, **env: str) -> tuple[subprocess.CompletedProcess[str], RunFolder]:
+    """2 ranks on the local profile with the hang bound at its floor (5 s) and the collective timeout far longer."""
+    profile = tmp / "p.yaml"
+    if not profile.exists():
+        data = yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text())
+        profile.write_text(yaml.safe_dump({**data, "recovery": {"hang_min_s": 5}}))
+    run = RunFolder(tmp / name)
+    out = hpcjobs("submit", "--profile", str(profile), "--gpus", "2", "--run-dir", str(run.path), *LM, cwd=REPO,
+                  timeout=600, env={"HPCJOBS_HOME": str(tmp / "home"), "HPCJOBS_COLLECTIVE_TIMEOUT": "600", **env})
+    return out, run
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out, run = local_job(tmp_path_factory.mktemp("twin"), "twin")
+    assert out.returncode == 0, out.stderr
+    ref = checkpoint.latest(run.checkpoints)
+    assert ref is not None and ref.step == 60
+    return model_weights(ref)
+
+
+@pytest.mark.train
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_the_local_profile_recovers_a_killed_or_hung_rank_with_an_uninterrupted_runs_weights(
+        tmp_path: Path, twin: dict[str, torch.Tensor], fault: str) -> None:
+    """Rank 1 SIGKILLed, or SIGSTOPped (a hang: the watchdogs fire, every rank leaves its stacks), at step 30 of the
+    first start only: the local backend starts the ranks again from step 20, as the Slurm batch step does."""
+    out, run = local_job(tmp_path, "run", HPCJOBS_FAULT_INJECT="step@30:1", HPCJOBS_FAULT_ACTION=fault,
+                         HPCJOBS_FAULT_RESTART="0")
+    assert out.returncode == 0, out.stderr
+    [line] = [r for r in run.read_restarts() if r.get("stopped") == "fault"]
+    assert (line["how"], line["step"], line["restart"]) == ("local", 20, 0), line
+    assert "hpcjobs: recovery 1 of job" in out.stderr and "on this machine from step 20" in out.stderr
+    if fault == "stop":
+        assert "hung:" in line["cause"]
+        assert all(run.stack_file(0, r).read_text().strip() for r in (0, 1))  # one stack file per rank
+    ref = checkpoint.latest(run.checkpoints)
+    assert ref is not None and ref.step == 60
+    got = model_weights(ref)
+    assert got.keys() == twin.keys() and all(torch.equal(got[k], twin[k]) for k in got)

@@ -224,9 +224,6 @@ def test_the_healthy_ranks_watchdog_ends_a_job_with_a_stopped_rank(
 
 
 @pytest.mark.train
-@pytest.mark.xfail(strict=True, reason="hpcjobs/backends/local.py ends a job's other ranks with SIGTERM, then "
-                                       "SIGKILL, without the SIGCONT first that Slurm sends: a stopped rank never "
-                                       "runs again")
 def test_the_stopped_rank_leaves_its_stacks_once_it_is_continued(
         hung_job: tuple[subprocess.CompletedProcess[str], RunFolder]) -> None:
     _, run = hung_job

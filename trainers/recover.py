@@ -26,29 +26,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcjobs.protocol.contract import ContractError, LaunchContract
-from hpcjobs.protocol.diagnosis import Failure, diagnose
-from hpcjobs.protocol.faults import FaultKind, kind_of
+from hpcjobs.protocol.diagnosis import Failure
+from hpcjobs.protocol.recovery import REFUSED_EXIT, Decision, judge, record
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.srunwords import srun_failures
-from hpcjobs.protocol.states import FinalState, StopReason
+from hpcjobs.protocol.states import FinalState
 from trainers.jobenv.base import Runner
 from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, step_again, unhealthy_nodes
-
-REFUSED_EXIT = 2
-"""A refused start (a flag, a run folder in use, a resume that would not continue the run): never recovered."""
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: str
-    """`end` (the job ends with the step's exit code), `relaunch` (a new step in the allocation) or `requeue`."""
-    why: str = ""
-    exclude: tuple[str, ...] = ()
-    step: int = -1
-    """The newest finished checkpoint's step, which the next start resumes from (-1: none)."""
 
 
 @dataclass
@@ -65,71 +52,22 @@ class Allocation:
         return cls(*allocation(env), spare)
 
 
-def faults_in_a_row(run: RunFolder, job_id: str, step: int) -> list[dict[str, object]]:
-    """This job's recoveries since its newest finished checkpoint was made (those that left it at `step`)."""
-    lines = [r for r in run.read_restarts() if str(r.get("job_id")) == job_id]
-    row: list[dict[str, object]] = []
-    for r in reversed(lines):
-        if r.get("stopped") != str(StopReason.FAULT):
-            continue
-        if r.get("step") != step:
-            break
-        row.append(r)
-    return row
-
-
-def stopped_on_purpose(run: RunFolder, restart: int) -> bool:
-    """The start stopped by the protocol (preemption, time limit, cancel, Ctrl-C): the scheduler decides, not us."""
-    return any(r.get("restart") == restart and "stopped" in r and r["stopped"] != str(StopReason.FAULT)
-               for r in run.read_restarts())
-
-
 def decide(run: RunFolder, contract: LaunchContract, alloc: Allocation, restart: int, rc: int,
            runner: Runner = subprocess.run, said: Sequence[Failure] = ()) -> Decision:
     """What to do after the step of start `restart` ended with `rc`; `said`: srun's words about its tasks."""
-    cap = contract.recovery.max_recoveries
-    if rc == 0 or rc == REFUSED_EXIT or cap == 0 or stopped_on_purpose(run, restart):
-        return Decision("end")
-    state = job_fields(alloc.job_id, runner).get("JobState", "RUNNING")
-    if state != "RUNNING":  # cancelled, preempted, requeued or timed out while the step ended: Slurm decides
-        return Decision("end")
-    found = diagnose(run, alloc.job_id, list(said))
-    started = any(r.get("restart") == restart and "stopped" not in r for r in run.read_restarts())
-    if found is not None and found.first is not None and started:
-        first = found.first
-        if kind_of(first.error, first.source not in ("rank", "timeouts")) is FaultKind.TASK:
-            return Decision("end")
-        why = first.describe()
-    else:
-        why = f"the step ended with exit code {rc} and no rank recorded why" if started else \
-            f"the ranks of restart {restart} did not start (srun exit code {rc})"
-    step = run.newest_checkpoint()
-    step = -1 if step is None else step
-    row = faults_in_a_row(run, alloc.job_id, step)
-    if len(row) >= cap:
-        causes = "; ".join(dict.fromkeys(str(r.get("cause")) for r in reversed(row)))
-        return Decision("fail", f"no new checkpoint across {len(row)} recoveries in a row (max_recoveries {cap}); "
-                                f"each time: {causes}; now: {why}", step=step)
-    bad = set(unhealthy_nodes(alloc.nodes, runner)) | alloc.excluded
+    d = judge(run, contract.recovery, alloc.job_id, restart, rc, said)
+    if d.action != "relaunch":
+        return d
+    if job_fields(alloc.job_id, runner).get("JobState", "RUNNING") != "RUNNING":
+        return Decision("end")  # cancelled, preempted, requeued or timed out while the step ended: Slurm decides
+    down = unhealthy_nodes(alloc.nodes, runner)
+    if down:  # a node that failed is the cause; its ranks' peers only noticed
+        d = replace(d, why="; ".join(f"node {n} is {state}" for n, state in down.items()) + f" ({d.why})")
+    bad = set(down) | alloc.excluded
     good = [n for n in alloc.nodes if n not in bad]
     if len(good) >= len(alloc.nodes) - alloc.spare:
-        return Decision("relaunch", why, tuple(sorted(bad)), step)
-    return Decision("requeue", why, tuple(sorted(bad)), step)
-
-
-def record(run: RunFolder, alloc: Allocation, restart: int, d: Decision) -> int:
-    """The recovery's line in restarts.jsonl and the job's log; returns its number."""
-    number = 1 + sum(1 for r in run.read_restarts()
-                     if r.get("stopped") == str(StopReason.FAULT) and str(r.get("job_id")) == alloc.job_id)
-    how = "allocation" if d.action == "relaunch" else "requeue"
-    run.record_stop(str(StopReason.FAULT), d.step, restart, job_id=alloc.job_id, recovery=number, cause=d.why,
-                    how=how, exclude=list(d.exclude))
-    where = "in the allocation" if how == "allocation" else "by a requeue"
-    left_out = f", leaving out {', '.join(d.exclude)}" if d.exclude else ""
-    start = f"step {d.step}" if d.step >= 0 else "the beginning (no finished checkpoint yet)"
-    print(f"hpcjobs: recovery {number} of job {alloc.job_id}: {d.why}; the ranks start again {where} from {start}"
-          f"{left_out}", file=sys.stderr, flush=True)
-    return number
+        return replace(d, exclude=tuple(sorted(bad)))
+    return replace(d, action="requeue", exclude=tuple(sorted(bad)))
 
 
 def step_argv(argv: Sequence[str], alloc: Allocation, exclude: Sequence[str]) -> list[str]:
@@ -167,7 +105,7 @@ def supervise(argv: Sequence[str], rc: int | None, runner: Runner = subprocess.r
             print(f"hpcjobs: job {alloc.job_id} ends failed: {d.why}", file=sys.stderr, flush=True)
             run.write_final(FinalState.FAILED, d.why, job_id=alloc.job_id)
             return rc
-        record(run, alloc, restart, d)
+        record(run, alloc.job_id, restart, d)
         if d.action == "requeue":
             complaint = requeue_excluding(alloc.job_id, list(d.exclude), runner)
             if complaint:

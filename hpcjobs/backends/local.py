@@ -25,13 +25,14 @@ from typing import Any
 from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
 from hpcjobs.backends.environment import clean
+from hpcjobs.backends.local_ranks import Stopper, device_slice, group_code, rank_preexec, recovered, stop_note
 from hpcjobs.doctor import Check, Result
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.folderlock import in_use
 from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids, resolve_run_dir, write_json_atomic
-from hpcjobs.protocol.states import JobState
+from hpcjobs.protocol.states import JobState, StopReason
 from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
 from hpcjobs.protocol.versions import FLOOR_TEXT
 from hpcjobs.render import launcher_argv
@@ -112,97 +113,6 @@ def describe(spec: JobSpec, job_id: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def group_code(procs: list[subprocess.Popen[bytes]]) -> int | None:
-    """One job's ranks: None while they run; their exit code once all ended, or once one failed, after stopping
-    the rest (like srun --kill-on-bad-exit)."""
-    codes = [p.poll() for p in procs]
-    failed = [c for c in codes if c not in (None, 0)]
-    if failed:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.time() + 10
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-        return failed[0]
-    return 0 if all(c == 0 for c in codes) else None
-
-
-def wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for every rank of one job (see group_code)."""
-    while (code := group_code(procs)) is None:
-        time.sleep(0.2)
-    return code
-
-
-def device_slice(slot: int, ranks: int, environ: dict[str, str]) -> dict[str, str]:
-    """Sweep tasks running side by side each see their own GPUs (rank r uses the r-th visible one); nothing to
-    split for one task at a time."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range((slot + 1) * ranks)]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[slot * ranks:(slot + 1) * ranks])}
-
-
-def stop_note(kind: str) -> str:
-    """What the profile's signal does to the ranks of an entry of this kind (trainers.standby): the
-    shared trainer always takes part in the stop protocol; a user's script only once it made a StopGuard."""
-    if kind == "task":
-        return "every rank commits a checkpoint at the next step, then exits"
-    return ("a script with a StopGuard commits a checkpoint at its next check, then exits; any other script is "
-            "stopped now (KeyboardInterrupt; hpcjobs saves nothing for it)")
-
-
-
-class Stopper:
-    """Ctrl-C (or SIGTERM, `hpcjobs cancel`) is passed on to every rank (see the module's docstring): a task (or a
-    StopGuard script) stops at the next step boundary after a checkpoint, any other script at once (`stop_note`); a
-    second one says a stop is under way; a third kills the ranks at once (the last checkpoint stays)."""
-
-    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int, kind: str = "task") -> None:
-        self.procs, self.stop_signal, self.kind, self.count = procs, stop_signal, kind, 0
-        self.signum: int | None = None
-        """The signal that asked to stop first."""
-
-    def exit_code(self, code: int) -> int:
-        """A job's code once its ranks ended: a stop asked for by a signal is not a success, even when every rank
-        exited 0 at its checkpoint (`hpcjobs submit ... && next` must not go on): 128 + the signal, as a shell
-        reports a command it interrupted."""
-        return 128 + self.signum if code == 0 and self.signum is not None else code
-
-    def on_signal(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        if self.count == 1:
-            self.signum = signum
-            self._send(signum if self.kind == "task" else self.stop_signal)
-            note = f"stopping: {stop_note(self.kind)}"
-        elif self.count == 2:
-            saving = "saving a checkpoint" if self.kind == "task" else "a script with a StopGuard saves first"
-            note = f"still stopping ({saving}); press Ctrl-C once more to kill the ranks now"
-        else:
-            self._send(signal.SIGKILL)
-            note = "killed the ranks; the newest finished checkpoint is kept"
-        os.write(2, f"\nhpcjobs: {note}\n".encode())  # os.write: no buffered I/O inside a signal handler
-
-    def _send(self, signum: int) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-
-def _rank_preexec() -> None:
-    """In each rank, before exec: a process group of its own (see LocalBackend._run), and if the launching process
-    dies (SIGKILL, or a `| tee` that took it down at Ctrl-C), SIGTERM, so the rank stops instead of training on as
-    an orphan: at a checkpoint for a task, at once for a script that does not take part in the stop protocol."""
-    import ctypes
-
-    os.setpgid(0, 0)
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 class LocalBackend(RunFolderLogs):
     name = "local"
     multi_node = False
@@ -278,6 +188,7 @@ class LocalBackend(RunFolderLogs):
         width = spec.max_parallel or 1
         codes: list[int | None] = [None] * len(subs)
         started: dict[int, float] = {}
+        restarts: dict[int, int] = {}  # task -> the number of its running start
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
         stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind)
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -292,7 +203,9 @@ class LocalBackend(RunFolderLogs):
                     i = pending.pop(0)
                     slot = min(set(range(width)) - {s for s, _ in running.values()})
                     started[i] = time.time()
-                    running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr)
+                    restarts[i] = RunFolder(subs[i].run_dir).next_restart()
+                    running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr,
+                                                   restarts[i])
                     stopper.procs += running[i][1]
                     began[i] = time.monotonic()
                 if stopper.count and not running:
@@ -310,6 +223,14 @@ class LocalBackend(RunFolderLogs):
                             if p.poll() is None:
                                 p.send_signal(warn_signal)
                     if (code := group_code(procs)) is not None:
+                        timed_out = limit is not None and age >= limit
+                        if code and not stopper.count and not timed_out and recovered(spec, subs[i], restarts[i], code):
+                            slot = running[i][0]
+                            restarts[i] = RunFolder(subs[i].run_dir).next_restart()
+                            running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None,
+                                                           stdout_to_stderr, restarts[i])
+                            stopper.procs += running[i][1]
+                            continue
                         codes[i] = stopper.exit_code(code)
                         del running[i]
                         record_allocation(subs[i], started[i], code)
@@ -319,17 +240,17 @@ class LocalBackend(RunFolderLogs):
                 signal.signal(s, h)
         return [130 if c is None else c for c in codes]
 
-    def _start(self, spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool,
+    def _start(self, spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int,
                ) -> list[subprocess.Popen[bytes]]:
         print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
               file=sys.stderr, flush=True)
         base = dict(os.environ)
         if slot is not None:
             base.update(device_slice(slot, spec.ranks, base))
-        envs = rank_envs(spec, sub.job_id, free_port(), base, RunFolder(sub.run_dir).next_restart())
+        envs = rank_envs(spec, sub.job_id, free_port(), base, restart)
         # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
         # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
-        return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=_rank_preexec,
+        return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=rank_preexec,
                                  stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
 
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
@@ -338,7 +259,7 @@ class LocalBackend(RunFolderLogs):
         if run.final.exists():
             return None  # the run's own final word decides
         history = run.read_restarts()
-        if history and "stopped" in history[-1]:
+        if history and "stopped" in history[-1] and history[-1]["stopped"] != StopReason.FAULT:
             return JobState.STOPPED, "run folder"  # checkpointed and stopped when asked: resumable
         alive = launcher_alive(run, rec.job_id)
         if alive is None:

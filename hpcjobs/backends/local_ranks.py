@@ -1,0 +1,125 @@
+"""A local job's ranks as processes on this machine: started together, ended together when one fails (as srun's
+--kill-on-bad-exit), started again when the failure was nobody's bug (hpcjobs.protocol.recovery), and stopped at a
+checkpoint on Ctrl-C (`Stopper`). hpcjobs/backends/local.py runs the jobs with them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from hpcjobs.backends import Submitted
+from hpcjobs.protocol.recovery import judge, record
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.states import FinalState
+from hpcjobs.spec import JobSpec
+
+
+def group_code(procs: list[subprocess.Popen[bytes]]) -> int | None:
+    """One job's ranks: None while they run; their exit code once all ended, or once one failed, after stopping
+    the rest (like srun --kill-on-bad-exit)."""
+    codes = [p.poll() for p in procs]
+    failed = [c for c in codes if c not in (None, 0)]
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # as Slurm: a stopped rank runs again to end (its watchdog dumps)
+                p.terminate()
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        return failed[0]
+    return 0 if all(c == 0 for c in codes) else None
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
+    """Wait for every rank of one job (see group_code)."""
+    while (code := group_code(procs)) is None:
+        time.sleep(0.2)
+    return code
+
+
+def device_slice(slot: int, ranks: int, environ: dict[str, str]) -> dict[str, str]:
+    """Sweep tasks running side by side each see their own GPUs (rank r uses the r-th visible one); nothing to
+    split for one task at a time."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range((slot + 1) * ranks)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[slot * ranks:(slot + 1) * ranks])}
+
+
+def stop_note(kind: str) -> str:
+    """What the profile's signal does to the ranks of an entry of this kind (trainers.standby): the
+    shared trainer always takes part in the stop protocol; a user's script only once it made a StopGuard."""
+    if kind == "task":
+        return "every rank commits a checkpoint at the next step, then exits"
+    return ("a script with a StopGuard commits a checkpoint at its next check, then exits; any other script is "
+            "stopped now (KeyboardInterrupt; hpcjobs saves nothing for it)")
+
+
+
+class Stopper:
+    """Ctrl-C (or SIGTERM, `hpcjobs cancel`) is passed on to every rank (see the module's docstring): a task (or a
+    StopGuard script) stops at the next step boundary after a checkpoint, any other script at once (`stop_note`); a
+    second one says a stop is under way; a third kills the ranks at once (the last checkpoint stays)."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int, kind: str = "task") -> None:
+        self.procs, self.stop_signal, self.kind, self.count = procs, stop_signal, kind, 0
+        self.signum: int | None = None
+        """The signal that asked to stop first."""
+
+    def exit_code(self, code: int) -> int:
+        """A job's code once its ranks ended: a stop asked for by a signal is not a success, even when every rank
+        exited 0 at its checkpoint (`hpcjobs submit ... && next` must not go on): 128 + the signal, as a shell
+        reports a command it interrupted."""
+        return 128 + self.signum if code == 0 and self.signum is not None else code
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.signum = signum
+            self._send(signum if self.kind == "task" else self.stop_signal)
+            note = f"stopping: {stop_note(self.kind)}"
+        elif self.count == 2:
+            saving = "saving a checkpoint" if self.kind == "task" else "a script with a StopGuard saves first"
+            note = f"still stopping ({saving}); press Ctrl-C once more to kill the ranks now"
+        else:
+            self._send(signal.SIGKILL)
+            note = "killed the ranks; the newest finished checkpoint is kept"
+        os.write(2, f"\nhpcjobs: {note}\n".encode())  # os.write: no buffered I/O inside a signal handler
+
+    def _send(self, signum: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+
+def rank_preexec() -> None:
+    """In each rank, before exec: a process group of its own (see LocalBackend._run), and if the launching process
+    dies (SIGKILL, or a `| tee` that took it down at Ctrl-C), SIGTERM, so the rank stops instead of training on as
+    an orphan: at a checkpoint for a task, at once for a script that does not take part in the stop protocol."""
+    import ctypes
+
+    os.setpgid(0, 0)
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def recovered(spec: JobSpec, sub: Submitted, restart: int, code: int) -> bool:
+    """Whether the job's ranks, which ended with `code`, start again (hpcjobs.protocol.recovery: nobody's bug, and
+    not too often without a new checkpoint); the recovery's line written when they do, the job's end when it gives
+    up."""
+    run = RunFolder(sub.run_dir)
+    d = judge(run, spec.recovery, sub.job_id, restart, code)
+    if d.action == "fail":
+        print(f"hpcjobs: job {sub.job_id} ends failed: {d.why}", file=sys.stderr, flush=True)
+        run.write_final(FinalState.FAILED, d.why, job_id=sub.job_id)
+    if d.action != "relaunch":
+        return False
+    record(run, sub.job_id, restart, d, how="local")
+    return True

@@ -1,0 +1,98 @@
+"""Whether a job recovers by itself from the failure that ended one of its starts, and the record each recovery
+leaves: the part of the recovery that needs no scheduler, shared by the Slurm batch step's (trainers/recover.py, which
+adds the nodes' health) and the local backend's (hpcjobs/backends/local.py, which starts its ranks again).
+
+Bounded: a job that finishes no new checkpoint across `max_recoveries` recoveries in a row ends failed, with one
+line naming the cause that repeats; a job that checkpoints between faults goes on. A task's own exception is never
+recovered (hpcjobs.protocol.faults): it would fail the same way again. Torch-free.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hpcjobs.protocol.contract import Recovery
+from hpcjobs.protocol.diagnosis import Failure, diagnose
+from hpcjobs.protocol.faults import FaultKind, kind_of
+from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.states import StopReason
+
+REFUSED_EXIT = 2
+"""A refused start (a flag, a run folder in use, a resume that would not continue the run): never recovered."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    """`end` (the job ends with the step's exit code), `fail` (it ends failed: `why`), `relaunch` (its ranks start
+    again where they ran) or `requeue` (the scheduler starts it again, leaving out `exclude`)."""
+    why: str = ""
+    exclude: tuple[str, ...] = ()
+    step: int = -1
+    """The newest finished checkpoint's step, which the next start resumes from (-1: none)."""
+
+
+def faults_in_a_row(run: RunFolder, job_id: str, step: int) -> list[dict[str, object]]:
+    """This job's recoveries since its newest finished checkpoint was made (those that left it at `step`)."""
+    lines = [r for r in run.read_restarts() if str(r.get("job_id")) == job_id]
+    row: list[dict[str, object]] = []
+    for r in reversed(lines):
+        if r.get("stopped") != str(StopReason.FAULT):
+            continue
+        if r.get("step") != step:
+            break
+        row.append(r)
+    return row
+
+
+def stopped_on_purpose(run: RunFolder, restart: int) -> bool:
+    """The start stopped by the protocol (preemption, time limit, cancel, Ctrl-C): the scheduler decides, not us."""
+    return any(r.get("restart") == restart and "stopped" in r and r["stopped"] != str(StopReason.FAULT)
+               for r in run.read_restarts())
+
+
+def judge(run: RunFolder, recovery: Recovery, job_id: str, restart: int, rc: int,
+          said: Sequence[Failure] = ()) -> Decision:
+    """What the failure that ended start `restart` (exit code `rc`) calls for, nodes aside: `end`, `fail`, or
+    `relaunch` with the cause. `said`: the scheduler's words about the ranks it saw end (srun's)."""
+    if rc == 0 or rc == REFUSED_EXIT or recovery.max_recoveries == 0 or stopped_on_purpose(run, restart):
+        return Decision("end")
+    found = diagnose(run, job_id, list(said))
+    started = any(r.get("restart") == restart and "stopped" not in r for r in run.read_restarts())
+    if found is not None and found.first is not None and started:
+        first = found.first
+        if kind_of(first.error, first.source not in ("rank", "timeouts")) is FaultKind.TASK:
+            return Decision("end")
+        why = first.describe()
+    else:
+        why = f"the ranks ended with exit code {rc} and none recorded why" if started else \
+            f"the ranks of restart {restart} did not start (exit code {rc})"
+    step = run.newest_checkpoint()
+    step = -1 if step is None else step
+    row = faults_in_a_row(run, job_id, step)
+    if len(row) >= recovery.max_recoveries:
+        causes = "; ".join(dict.fromkeys(str(r.get("cause")) for r in reversed(row)))
+        return Decision("fail", f"no new checkpoint across {len(row)} recoveries in a row (max_recoveries "
+                                f"{recovery.max_recoveries}); each time: {causes}; now: {why}", step=step)
+    return Decision("relaunch", why, step=step)
+
+
+WHERE = {"allocation": "in the allocation", "requeue": "by a requeue", "local": "on this machine"}
+"""restarts.jsonl's `how` of a recovery, as the job's log says it."""
+
+
+def record(run: RunFolder, job_id: str, restart: int, d: Decision, how: str = "allocation") -> int:
+    """The recovery's line in restarts.jsonl and the job's log; returns its number. `how`: see WHERE."""
+    number = 1 + sum(1 for r in run.read_restarts()
+                     if r.get("stopped") == str(StopReason.FAULT) and str(r.get("job_id")) == job_id)
+    how = "requeue" if d.action == "requeue" else how
+    run.record_stop(str(StopReason.FAULT), d.step, restart, job_id=job_id, recovery=number, cause=d.why,
+                    how=how, exclude=list(d.exclude))
+    where = WHERE[how]
+    left_out = f", leaving out {', '.join(d.exclude)}" if d.exclude else ""
+    start = f"step {d.step}" if d.step >= 0 else "the beginning (no finished checkpoint yet)"
+    print(f"hpcjobs: recovery {number} of job {job_id}: {d.why}; the ranks start again {where} from {start}"
+          f"{left_out}", file=sys.stderr, flush=True)
+    return number
