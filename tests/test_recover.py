@@ -52,7 +52,7 @@ class Slurm:
     def __call__(self, cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
         self.asked.append(cmd)
         if cmd[:3] == ["scontrol", "show", "job"]:
-            out = f"JobId=42 JobName=lm JobState={self.state} Restarts=0"
+            out = f"JobId=42 JobName=lm JobState={self.state} Restarts=0" if self.state else ""
         elif cmd[0] == "sinfo":
             nodes = cmd[cmd.index("-n") + 1].split(",")
             out = "\n".join(f"{n}|down*|Not responding" if n in self.down else f"{n}|alloc|none" for n in nodes)
@@ -149,11 +149,11 @@ def test_a_spare_node_stands_in_for_a_down_one(job: Path, monkeypatch: pytest.Mo
         ["srun", "--overlap", "--exclude=node3", "--nodes=2", "x"]
 
 
-@pytest.mark.parametrize("why", ["scancelled", "stopped by the protocol", "recovery off"])
+@pytest.mark.parametrize("why", ["scancelled", "no answer", "stopped by the protocol", "recovery off"])
 def test_nothing_is_recovered_when_the_job_is_being_ended(job: Path, why: str) -> None:
     first = "stop" if why == "stopped by the protocol" else "peer"
     argv = step(job, [first, "ok"], Recovery(max_recoveries=0 if why == "recovery off" else 3))
-    slurm = Slurm(state="CANCELLED" if why == "scancelled" else "RUNNING")
+    slurm = Slurm(state={"scancelled": "CANCELLED", "no answer": ""}.get(why, "RUNNING"))
     assert recover.supervise(argv, None, slurm) == 1
     assert faults(job) == []
 
@@ -206,7 +206,8 @@ def test_the_local_profile_recovers_a_killed_or_hung_rank_with_an_uninterrupted_
     assert "hpcjobs: recovery 1 of job" in out.stderr and "on this machine from step 20" in out.stderr
     if fault == "stop":
         assert "hung:" in line["cause"]
-        assert all(run.stack_file(0, r).read_text().strip() for r in (0, 1))  # one stack file per rank
+        # the healthy rank's watchdog fired first; the stopped one's own dump (once continued) is the watchdog's test
+        assert "hung: no step progress" in run.stack_file(0, 0).read_text()
     ref = checkpoint.latest(run.checkpoints)
     assert ref is not None and ref.step == 60
     got = model_weights(ref)

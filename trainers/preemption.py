@@ -15,10 +15,8 @@ The protocol, the same for the shared trainer and for users' own scripts (see `S
      (a job past its restart cap ends failed instead). Any other SIGTERM leaves the decision to whoever sent it:
      an outside `scontrol requeue` brings the job back, a `scancel` ends it. Every rank exits 0.
 Under submitit, whose runner installs its own handler for USR2 and ignores SIGTERM, `install()` is called later and
-replaces both, so only this protocol acts.
-
-Which signal, how long before the end, the restart cap and the run folder all come from the launch contract
-(hpcjobs.protocol.contract), passed in explicitly; nothing here reads settings from the environment at import time.
+replaces both, so only this protocol acts. Which signal, how long before the end, the restart cap and the run folder
+all come from the launch contract (hpcjobs.protocol.contract), passed in explicitly, never read at import time.
 """
 
 from __future__ import annotations
@@ -307,8 +305,7 @@ class StopGuard:
             self._agreement.close()
 
     def requeue_and_exit(self, step: int | None = None) -> None:
-        if self._agreement is not None:
-            self._agreement.close()  # a pipelined reduce still in flight, before the group's barrier
+        self.close()  # a pipelined reduce still in flight, before the group's barrier
         # The agreement's group (CPU, made at the first check): a script's NCCL default group may time out sooner.
         outcome = finish_stop(step, self.launch_contract, group=self._agreement.group if self._agreement else None)
         raise SystemExit(1 if outcome == StopOutcome.CAP else 0)
@@ -360,8 +357,7 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     cap = contract.preemption.max_restarts
     job = jobenv.current(env)
     job_id = job.scheduler_job_id()
-    reason = stop_reason(contract, env, unasked=True)  # also a stop nobody requested, finished by hand
-    assert reason is not None  # unasked: always a word
+    reason = stop_reason(contract, env, unasked=True) or StopReason.SIGNAL  # unasked: always a word
     if reason == StopReason.TERMINATED and rank == 0 and job.preempted_with_sigterm(runner):
         reason = StopReason.PREEMPTION
     outcome = decide(reason, job_id, restart, cap)

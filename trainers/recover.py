@@ -58,8 +58,10 @@ def decide(run: RunFolder, contract: LaunchContract, alloc: Allocation, restart:
     d = judge(run, contract.recovery, alloc.job_id, restart, rc, said)
     if d.action != "relaunch":
         return d
-    if job_fields(alloc.job_id, runner).get("JobState", "RUNNING") != "RUNNING":
-        return Decision("end")  # cancelled, preempted, requeued or timed out while the step ended: Slurm decides
+    if job_fields(alloc.job_id, runner).get("JobState") != "RUNNING":
+        # Cancelled, preempted, requeued or timed out while the step ended (Slurm decides), or no answer: a job
+        # scancelled while its step waited was relaunched when a failed scontrol was taken for RUNNING
+        return Decision("end")
     down = unhealthy_nodes(alloc.nodes, runner)
     if down:  # a node that failed is the cause; its ranks' peers only noticed
         d = replace(d, why="; ".join(f"node {n} is {state}" for n, state in down.items()) + f" ({d.why})")

@@ -110,10 +110,17 @@ def rank_preexec() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+ASKED_TO_STOP = frozenset({-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, 128 + signal.SIGTERM,
+                           128 + signal.SIGINT})
+"""Exit codes of a rank that someone asked to stop (it ended by the signal, or as a shell does for it)."""
+
+
 def recovered(spec: JobSpec, sub: Submitted, restart: int, code: int) -> bool:
     """Whether the job's ranks, which ended with `code`, start again (hpcjobs.protocol.recovery: nobody's bug, and
     not too often without a new checkpoint); the recovery's line written when they do, the job's end when it gives
     up."""
+    if code in ASKED_TO_STOP:  # `kill` of a rank, a Ctrl-C on it: a signal's usual meaning, not a fault
+        return False
     run = RunFolder(sub.run_dir)
     d = judge(run, spec.recovery, sub.job_id, restart, code)
     if d.action == "fail":

@@ -121,6 +121,10 @@ def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
         "hpcjobs submit --profile mysite --nodes 2 --gpus 8 train.py --config configs/x.yaml",
         "hpcjobs submit --profile mysite --nodes 2 --gpus 8 -m mypkg.train --config configs/x.yaml")]
     assert "#SBATCH --nodes=2" in user.run("hpcjobs submit --dry-run ...").stdout
+    spare = user.run("hpcjobs submit --dry-run --profile mysite --nodes 1 --gpus 8 --spare-nodes 1 --max-recoveries 3 "
+                     "trainers.tasks.lm").stdout  # docs/how-to/self-healing.md
+    assert all(s in spare for s in ("#SBATCH --nodes=2", "#SBATCH --no-kill", "--nodes=1 --ntasks=8",
+                                    "trainers.recover", '"max_recoveries":3')), spare
     small = json.loads(user.run("hpcjobs submit --json ...").stdout)
     user.run("hpcjobs render -o train.sbatch ...")
     assert (user.cwd / "train.sbatch").read_text().startswith("#!/bin/bash")
