@@ -14,6 +14,7 @@ from typing import Any
 
 from hpcjobs.goodput import MARKS, Allocation, JobTimes, Save, Start
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.states import StopReason
 
 _NUM = (int, float)
 STARTUP_FIELDS = {"restart": (int,), **{m: (*_NUM, type(None)) for m in MARKS}}
@@ -45,6 +46,8 @@ def start_lines(run: RunFolder) -> list[tuple[dict[str, Any], dict[str, Any] | N
         if "stopped" not in r:
             if isinstance(r.get("time"), _NUM):
                 out.append((r, None))
+        elif r["stopped"] == str(StopReason.FAULT):
+            continue  # a recovery's record, not a stop at a checkpoint: the start failed (its ranks' records)
         elif out and out[-1][1] is None and r.get("restart") == out[-1][0].get("restart"):
             out[-1] = (out[-1][0], r)
     return out

@@ -308,3 +308,28 @@ def test_compare_plot_draws_each_runs_buckets_below_the_loss(tmp_path: Path) -> 
     widths = [p.get_width() for p in ax.patches]
     assert len(widths) == len(BUCKETS) and abs(sum(widths) - 1) < 1e-9  # shares of one bar add up to its wall
     assert compare.plot(rows, tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_start_recovered_in_its_allocation_counts_its_lost_steps_as_rework_and_the_gap_as_recovery(
+        tmp_path: Path) -> None:
+    """Rank 1 killed at step ~300 after the checkpoint of step 200; the recovery (its `stopped: fault` line, not a
+    stop at a checkpoint) starts the ranks again in the same allocation from step 200."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines(run / "restarts.jsonl", [
+        {"time": 1000.0, "restart": 0, "job_id": J, "world_size": 2},
+        {"time": 1062.0, "restart": 0, "job_id": J, "stopped": "fault", "step": 200, "recovery": 1,
+         "cause": "rank 1 on n2: Killed", "how": "allocation", "exclude": []},
+        {"time": 1065.0, "restart": 1, "job_id": J, "world_size": 2}])
+    lines(run / "startup.jsonl", marks(J, 0, 0, (1000, 1005, 1006, 1008, 1010))
+          + marks(J, 1, 200, (1065, 1070, 1071, 1073, 1075)))
+    lines(run / "saves.jsonl", [save(J, 0, 200, 1040, 0.0), save(J, 1, 400, 1095, 0.0)])
+    lines(run / "failures.jsonl", [{"time": 1060.0, "job_id": J, "restart": 0, "rank": 0, "host": "n1",
+                                    "error": "RuntimeError: [Gloo] Connection closed by peer"}])
+    (run / "final.json").write_text(json.dumps({"state": "finished", "step": 400, "time": 1100.0, "job_id": J}))
+    (run / "allocations.jsonl").write_text(json.dumps({"job_id": J, "start": 1000.0, "end": 1100.0}) + "\n")
+    JobStore().add(JobRecord(J, "lm", "local", "local", 1, 2, str(run), {}, {}, 1000.0))
+    [g] = report(str(run), state_of=lambda _: JobState.COMPLETED).parts
+    assert g.buckets["rework"] == 20.0  # step 200's save (1040) to the start's last record (1060): done again
+    assert g.buckets["recovery"] == 5.0  # its last record (1060) to the next start's launch (1065)
+    assert g.wall_s == 100.0 == sum(g.buckets.values())
