@@ -15,7 +15,13 @@ import pytest
 
 from conftest import REPO
 from hpcjobs.backends import backend_for
-from hpcjobs.backends.slurm_render import render_sbatch, submitit_parameters, submitit_python
+from hpcjobs.backends.slurm_render import (
+    ranks_step,
+    render_sbatch,
+    shell_words,
+    submitit_parameters,
+    submitit_python,
+)
 from hpcjobs.profiles import load_profile
 from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.spec import Request, build_spec
@@ -101,13 +107,12 @@ def test_submitit_parameters_match_the_script() -> None:
     assert f"#SBATCH --time={params['additional_parameters']['time']}" in text
     assert params["setup"][:2] == ["module load cuda/12.4 nccl/2.21", "source ~/venvs/train/bin/activate"]
     missing = [line for line in params["setup"] if line not in text]  # submitit's check imports submitit too
-    assert len(missing) == 2 and "sys.exit(problem); import trainers.launch, submitit'" in missing[0]
-    assert missing[1].startswith('export HPCJOBS_RESTART="$("$HPCJOBS_PYTHON" -m trainers.recover --next-start')
-    # the recovery goes on from submitit's own srun with the very step the rendered script runs
-    recovered = '"$HPCJOBS_PYTHON" -u -m trainers.recover --after $? -- '
-    [teardown] = params["teardown"]
+    assert len(missing) == 1 and "sys.exit(problem); import trainers.launch, submitit'" in missing[0]
+    # submitit runs SupervisedStep in the batch script (no srun of its own), which runs the very step the rendered
+    # script runs under the recovery
+    assert params["use_srun"] is False and "teardown" not in params
     step = text.split('"$HPCJOBS_PYTHON" -u -m trainers.recover -- ', 1)[1].rstrip("\n").replace(" \\\n  ", " ")
-    assert teardown == recovered + step
+    assert shell_words(ranks_step(spec)) == step
     assert params["srun_args"] == ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--cpu-bind=cores"]
 
 
@@ -141,7 +146,10 @@ def test_every_path_starts_ranks_through_the_guard() -> None:
     guard = signal_guard(spec)
     assert guard[:2] == ["/bin/sh", "-c"] and 'trap "" TERM USR2;' in guard[2]
     assert launcher_argv(spec)[: len(guard) + 1] == [*guard, spec.python]
-    assert shlex.split(submitit_python(spec)) == [*guard, "$HPCJOBS_PYTHON"]  # found after the setup
+    # submitit runs the ranks' srun step from the batch script (SupervisedStep), whose ranks start through the guard
+    launcher = launcher_argv(spec, python='"$HPCJOBS_PYTHON"')
+    assert submitit_python(spec) == '"$HPCJOBS_PYTHON"' and ranks_step(spec)[-len(launcher):] == launcher
+    assert launcher[: len(guard)] == guard
 
 
 def test_the_docs_show_the_script_as_rendered_today() -> None:

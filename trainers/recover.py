@@ -67,6 +67,10 @@ def decide(run: RunFolder, contract: LaunchContract, alloc: Allocation, restart:
         d = replace(d, why="; ".join(f"node {n} is {state}" for n, state in down.items()) + f" ({d.why})")
     bad = set(down) | alloc.excluded
     good = [n for n in alloc.nodes if n not in bad]
+    unsure = [n for n in good if n in d.silent]
+    if unsure and len(good) - len(unsure) >= len(alloc.nodes) - alloc.spare:  # a spare stands in for it
+        d = replace(d, why=f"{', '.join(unsure)}: its ranks went silent ({d.why})")
+        bad, good = bad | set(unsure), [n for n in good if n not in unsure]
     if len(good) >= len(alloc.nodes) - alloc.spare:
         return replace(d, exclude=tuple(sorted(bad)))
     return replace(d, action="requeue", exclude=tuple(sorted(bad)))
@@ -86,18 +90,17 @@ def contract_of(argv: Sequence[str]) -> LaunchContract:
     return LaunchContract.from_json(text).started(os.environ, time.time())
 
 
-def supervise(argv: Sequence[str], rc: int | None, runner: Runner = subprocess.run) -> int:
-    """Run the step (unless it ran already and ended with `rc`), then recover until it ends for good."""
+def supervise(argv: Sequence[str], runner: Runner = subprocess.run) -> int:
+    """Run the step, then recover until it ends for good; the exit code the job ends with."""
     contract = contract_of(argv)
     run = RunFolder(contract.run_dir)
     for name in ("SIGTERM", "SIGINT", "SIGHUP"):  # the job is being ended (scancel, preemption): srun hears it too
         signal.signal(getattr(signal, name), _ending)
     alloc = Allocation.of(os.environ, contract.recovery.spare_nodes)
-    restart = int(os.environ.get("HPCJOBS_RESTART") or run.next_restart())
+    restart = run.next_restart()
     output = Output.of_stderr()
-    if rc is None:
-        output.step_begins()
-        rc = launch(argv, restart)
+    output.step_begins()
+    rc = launch(argv, restart, run, alloc.job_id)
     while True:
         said = output.srun_said()
         d = decide(run, contract, alloc, restart, rc, runner, said) if not _ended else Decision("end")
@@ -116,12 +119,7 @@ def supervise(argv: Sequence[str], rc: int | None, runner: Runner = subprocess.r
             return 0
         restart = run.next_restart()
         output.step_begins()
-        rc = launch(step_argv(argv, alloc, d.exclude), restart)
-
-
-STEP_MARK = "hpcjobs: job "
-"""How the batch script's line before the first step begins (`hpcjobs: job 42 restart 0 on ...`): srun's words
-after the last such line are about the step that followed it."""
+        rc = launch(step_argv(argv, alloc, d.exclude), restart, run, alloc.job_id)
 
 
 @dataclass
@@ -154,8 +152,6 @@ class Output:
                 text = f.read().decode(errors="replace")
         except OSError:
             return []
-        if self.since is None:  # the first step ran before this process (submitit's): from the script's last mark
-            text = text[text.rfind(STEP_MARK) + 1:] if STEP_MARK in text else ""
         return srun_failures(text)
 
 
@@ -167,25 +163,52 @@ def _ending(signum: int, _frame: object) -> None:
     _ended.append(signum)
 
 
-def launch(argv: Sequence[str], restart: int) -> int:
-    """One step of the ranks, numbered `restart` (their logs and records); its exit code."""
-    return subprocess.run(list(argv), env={**os.environ, "HPCJOBS_RESTART": str(restart)}, check=False).returncode
+STUCK_S = 10.0
+"""How long a step may go on after one of its ranks recorded a failure before the recovery ends it. srun ends the
+rest within seconds of a task's bad exit (--kill-on-bad-exit), except for the tasks of a node that stopped
+answering: for those it waits until Slurm declares the node dead (measured on the test cluster: about 40 s after
+the peers' 15 s collective timeout, with SlurmdTimeout 60 s; Slurm's default SlurmdTimeout is 300 s)."""
+
+
+def launch(argv: Sequence[str], restart: int, run: RunFolder, job_id: str) -> int:
+    """One step of the ranks, numbered `restart` (their logs and records); its exit code. A step that goes on
+    STUCK_S after a rank recorded its failure is ended as a double Ctrl-C ends it (srun's own abort), then killed."""
+    step = subprocess.Popen(list(argv), env={**os.environ, "HPCJOBS_RESTART": str(restart)})
+    noticed: float | None = None
+    while True:
+        try:
+            return step.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if noticed is None and any(str(f.get("job_id")) == job_id and f.get("restart") == restart
+                                   for f in run.read_failures()):
+            noticed = time.monotonic()
+        if noticed is not None and time.monotonic() - noticed > STUCK_S:
+            print(f"hpcjobs: a rank of restart {restart} failed {STUCK_S:.0f} s ago and the step goes on (a node "
+                  "that does not answer?): ending it", file=sys.stderr, flush=True)
+            return end_step(step)
+
+
+def end_step(step: subprocess.Popen[bytes]) -> int:
+    """srun's abort (two SIGINTs within a second: it kills the tasks it can reach and leaves), then SIGKILL."""
+    for _ in range(2):
+        step.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    try:
+        return step.wait(timeout=STUCK_S)
+    except subprocess.TimeoutExpired:
+        step.kill()
+        return step.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainers.recover", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
-    p.add_argument("--after", type=int, default=None, metavar="RC",
-                   help="the first step already ran (submitit's) and ended with this exit code")
-    p.add_argument("--next-start", action="store_true", help="print the number the next start gets, and exit")
     p.add_argument("step", nargs=argparse.REMAINDER, help="-- srun FLAGS RANK-COMMAND")
     ns = p.parse_args(argv)
     step = ns.step[1:] if ns.step[:1] == ["--"] else ns.step
     try:
-        if ns.next_start:
-            print(RunFolder(contract_of(step).run_dir).next_restart())
-            return 0
-        return supervise(step, ns.after)
+        return supervise(step)
     except ContractError as e:
         print(f"hpcjobs: {e}", file=sys.stderr, flush=True)
         return REFUSED_EXIT

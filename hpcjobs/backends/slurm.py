@@ -31,6 +31,8 @@ from hpcjobs.backends.environment import cleaned_os_environ
 from hpcjobs.backends.slurm_faults import slurm_facts
 from hpcjobs.backends.slurm_fields import sacct_time, scontrol_fields
 from hpcjobs.backends.slurm_render import (
+    ranks_step,
+    recovering,
     render_sbatch,
     run_dir_of_comment,
     slurm_log_dir,
@@ -165,7 +167,7 @@ class SlurmBackend(RunFolderLogs):
         import submitit
         from submitit.core.utils import FailedJobError
 
-        from hpcjobs.protocol.nodecall import NodeEntry
+        from hpcjobs.protocol.nodecall import NodeEntry, SupervisedStep
 
         spec = request.spec
         missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]  # submitit needs both, asks for srun
@@ -178,7 +180,9 @@ class SlurmBackend(RunFolderLogs):
         executor = submitit.SlurmExecutor(folder=submitit_folder(spec), python=submitit_python(spec),
                                           max_num_timeout=10**6)  # the restart cap is hpcjobs' (the contract)
         executor.update_parameters(**request.params["submitit"])
-        entry = NodeEntry(launcher_args(spec))  # one for every task: each picks its point on the node
+        # Recovered in the allocation: one call in the batch script that runs srun (SupervisedStep); else one for
+        # every task, each picking its point on the node
+        entry = SupervisedStep(ranks_step(spec)) if recovering(spec) else NodeEntry(launcher_args(spec))
         try:
             # sbatch would hand this shell's job identity to the new job. submitit prints a refusing sbatch's
             # stderr before it raises: the one line below says it, once.

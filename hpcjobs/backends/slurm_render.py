@@ -21,12 +21,13 @@ from hpcjobs.backends.slurm_container import (
     srun_container_flags,
 )
 from hpcjobs.profiles import ClusterProfile
+from hpcjobs.protocol.nodecall import NODE_PYTHON, RECOVERY_MODULE
 from hpcjobs.protocol.points import array_spec
 from hpcjobs.protocol.ports import shell_port_expr
 from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID
 from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
 from hpcjobs.protocol.versions import FLOOR_TEXT
-from hpcjobs.render import launch_contract, launcher_argv, signal_guard
+from hpcjobs.render import launcher_argv, signal_guard
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb
 from hpcjobs.spec import JobSpec, snapshot_root
@@ -120,7 +121,6 @@ def environment_lines(spec: JobSpec) -> list[str]:
 
 
 PYTHON_VAR = "HPCJOBS_PYTHON"
-NODE_PYTHON = f'"${PYTHON_VAR}"'
 """The nodes' Python in a job script: resolved by `python_lines` after the setup, then used by every rank."""
 
 
@@ -195,8 +195,7 @@ def srun_flags(spec: JobSpec) -> list[str]:
 
 ANNOUNCE = ('echo "hpcjobs: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, rendezvous '
             '$MASTER_ADDR:$MASTER_PORT"')
-"""The batch script's line before the ranks' first step; the recovery reads srun's words after it
-(trainers/recover.py's STEP_MARK)."""
+"""The batch script's line before the ranks' first step, on both paths."""
 
 
 def recovering(spec: JobSpec) -> bool:
@@ -205,18 +204,10 @@ def recovering(spec: JobSpec) -> bool:
     return spec.container is None
 
 
-def recover_command(after_first_step: bool = False) -> str:
-    """The batch script's command that runs the ranks' srun step (or, after submitit ran the first, goes on from
-    its exit code) and recovers from faults in the allocation; `srun FLAGS RANK-COMMAND` follows it."""
-    return f'{NODE_PYTHON} -u -m trainers.recover {"--after $? " if after_first_step else ""}--'
+RECOVER_COMMAND = f"{NODE_PYTHON} -u -m {RECOVERY_MODULE} --"
+"""The rendered script's command that runs the ranks' srun step and recovers from faults in the allocation; `srun
+FLAGS RANK-COMMAND` follows it (submitit's path runs the same through hpcjobs.protocol.nodecall.SupervisedStep)."""
 
-
-
-def next_start_argv(spec: JobSpec) -> list[str]:
-    """The number the first step's ranks start under (RunFolder.next_restart), for submitit's script, which runs
-    that step itself."""
-    return [NODE_PYTHON, "-m", "trainers.recover", "--next-start", "--", "--contract",
-            launch_contract(spec).to_json()]
 
 
 def ranks_step(spec: JobSpec) -> list[str]:
@@ -240,14 +231,17 @@ def render_sbatch(spec: JobSpec) -> str:
         directives=[sbatch_directive(k, v) for k, v in sorted(flags.items())], setup=list(spec.profile.setup),
         python=python_lines(spec), environment=environment_lines(spec) + handoff_lines(spec),
         srun_flags=" ".join(shlex.quote(f) for f in srun_flags(spec)),
-        recover=recover_command() + " " if recovering(spec) else "", announce=ANNOUNCE,
+        recover=RECOVER_COMMAND + " " if recovering(spec) else "", announce=ANNOUNCE,
         launcher=shell_words(rank_argv(spec, launcher_argv(spec, python=NODE_PYTHON))) + "".join(
             f"\n{line}" for line in requeue_lines(spec)).replace("\n", " || hpcjobs_rc=$?\n", 1),
     )
 
 
 def submitit_python(spec: JobSpec) -> str:
-    """submitit's `python` (a shell command prefix): the same signal guard and interpreter as the other paths."""
+    """submitit's `python` (a shell command prefix): the same signal guard and interpreter as the other paths; for
+    a job recovered in its allocation, the nodes' Python alone: submitit runs it in the batch script."""
+    if recovering(spec):
+        return NODE_PYTHON
     return shell_words(rank_argv(spec, [*signal_guard(spec), NODE_PYTHON]))
 
 
@@ -270,9 +264,9 @@ def submitit_parameters(spec: JobSpec) -> dict[str, Any]:
     params["additional_parameters"] = extra
     params["setup"] = [*spec.profile.setup, *environment_lines(spec), *handoff_lines(spec),
                        *python_lines(spec, "trainers.launch, submitit")]
-    if recovering(spec):  # submitit runs the first step; the recovery goes on from its exit code ($?)
-        params["setup"] += [f'export HPCJOBS_RESTART="$({shell_words(next_start_argv(spec))})"', ANNOUNCE]
-        params["teardown"] = [f"{recover_command(after_first_step=True)} {shell_words(ranks_step(spec))}"]
+    if recovering(spec):  # submitit runs hpcjobs.protocol.nodecall.SupervisedStep in the batch script: it runs srun
+        params["setup"].append(ANNOUNCE)
+        params["use_srun"] = False
     else:  # submitit writes these after its srun line: $? is srun's
         params["teardown"] = ["hpcjobs_rc=$?", *requeue_lines(spec)]
     params["srun_args"] = srun_flags(spec)

@@ -9,10 +9,16 @@ class whose module the login node already has.
 from __future__ import annotations
 
 import importlib
+import os
 import signal
+import sys
 from collections.abc import Sequence
 
 LAUNCHER_MODULE = "trainers.launch"
+RECOVERY_MODULE = "trainers.recover"
+NODE_PYTHON = '"$HPCJOBS_PYTHON"'
+"""The nodes' Python in a command line the job script's shell expands (found by its Python check); a
+`SupervisedStep` puts in the value itself."""
 
 
 class NodeEntry:
@@ -33,5 +39,28 @@ class NodeEntry:
 
     def checkpoint(self, *args: object, **kwargs: object) -> object:
         from submitit.helpers import DelayedSubmission  # submitit calls this, so it is there
+
+        return DelayedSubmission(self)
+
+
+class SupervisedStep:
+    """The callable submitit runs once, in the batch script (its `use_srun=False`), for a job recovered in its
+    allocation: the ranks' srun step under trainers/recover.py, as the rendered script runs it, so both paths start
+    every step, the first included, the same way (and the recovery can end a step that a dead node keeps from
+    ending). `argv`: `srun FLAGS RANK-COMMAND`, the nodes' Python as NODE_PYTHON."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.argv = list(argv)
+
+    def __call__(self) -> int:
+        python = os.environ.get("HPCJOBS_PYTHON") or sys.executable
+        argv = [python if word == NODE_PYTHON else word for word in self.argv]
+        rc: int = importlib.import_module(RECOVERY_MODULE).supervise(argv, None)
+        if rc:
+            raise RuntimeError(f"hpcjobs ranks exited with code {rc}; see the run folder's logs")
+        return rc
+
+    def checkpoint(self, *args: object, **kwargs: object) -> object:
+        from submitit.helpers import DelayedSubmission
 
         return DelayedSubmission(self)

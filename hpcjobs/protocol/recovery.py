@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hpcjobs.protocol.contract import Recovery
 from hpcjobs.protocol.diagnosis import Failure, diagnose
 from hpcjobs.protocol.faults import FaultKind, kind_of
-from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.states import StopReason
 
 REFUSED_EXIT = 2
@@ -32,6 +32,9 @@ class Decision:
     exclude: tuple[str, ...] = ()
     step: int = -1
     """The newest finished checkpoint's step, which the next start resumes from (-1: none)."""
+    silent: tuple[str, ...] = ()
+    """Nodes none of whose ranks said anything while their peers lost them or timed out: perhaps dead before
+    Slurm can tell (it waits SlurmdTimeout); left out where a spare node can stand in."""
 
 
 def faults_in_a_row(run: RunFolder, job_id: str, step: int) -> list[dict[str, object]]:
@@ -59,6 +62,7 @@ def judge(run: RunFolder, recovery: Recovery, job_id: str, restart: int, rc: int
     `relaunch` with the cause. `said`: the scheduler's words about the ranks it saw end (srun's)."""
     if rc == 0 or rc == REFUSED_EXIT or recovery.max_recoveries == 0 or stopped_on_purpose(run, restart):
         return Decision("end")
+    silent: tuple[str, ...] = ()
     found = diagnose(run, job_id, list(said))
     started = any(r.get("restart") == restart and "stopped" not in r for r in run.read_restarts())
     if found is not None and found.first is not None and started:
@@ -66,6 +70,7 @@ def judge(run: RunFolder, recovery: Recovery, job_id: str, restart: int, rc: int
         if kind_of(first.error, first.source not in ("rank", "timeouts")) is FaultKind.TASK:
             return Decision("end")
         why = first.describe()
+        silent = silent_nodes(run, job_id, restart, found.silent)
     else:
         why = f"the ranks ended with exit code {rc} and none recorded why" if started else \
             f"the ranks of restart {restart} did not start (exit code {rc})"
@@ -76,7 +81,17 @@ def judge(run: RunFolder, recovery: Recovery, job_id: str, restart: int, rc: int
         causes = "; ".join(dict.fromkeys(str(r.get("cause")) for r in reversed(row)))
         return Decision("fail", f"no new checkpoint across {len(row)} recoveries in a row (max_recoveries "
                                 f"{recovery.max_recoveries}); each time: {causes}; now: {why}", step=step)
-    return Decision("relaunch", why, step=step)
+    return Decision("relaunch", why, step=step, silent=silent)
+
+
+def silent_nodes(run: RunFolder, job_id: str, restart: int, silent_ranks: Sequence[int]) -> tuple[str, ...]:
+    """The hosts of start `restart` all of whose ranks are among `silent_ranks` (startup.jsonl says where each rank
+    ran)."""
+    where: dict[str, set[int]] = {}
+    for r in read_jsonl(run.startup, {"restart": (int,), "rank": (int,)}):
+        if str(r.get("job_id")) == job_id and r["restart"] == restart and isinstance(r.get("host"), str):
+            where.setdefault(r["host"], set()).add(r["rank"])
+    return tuple(sorted(h for h, ranks in where.items() if ranks <= set(silent_ranks)))
 
 
 WHERE = {"allocation": "in the allocation", "requeue": "by a requeue", "local": "on this machine"}
