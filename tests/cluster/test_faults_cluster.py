@@ -101,7 +101,8 @@ def recovery_seconds(run: Path, fault_time: float) -> float:
     return min(firsts) - fault_time
 
 
-@pytest.mark.parametrize("fault", ["killed", "hung", "comm"])
+@pytest.mark.parametrize("fault", ["killed", pytest.param("hung", marks=pytest.mark.slow),
+                                   pytest.param("comm", marks=pytest.mark.slow)])  # CI runs the first
 def test_a_fault_is_recovered_in_the_allocation_with_the_weights_of_an_uninterrupted_run(folder: Path,
                                                                                         fault: str) -> None:
     """A rank SIGKILLed, SIGSTOPped (a hang: its peers' collectives time out) or failing in a collective, at step 60
@@ -123,6 +124,8 @@ def test_a_fault_is_recovered_in_the_allocation_with_the_weights_of_an_uninterru
     assert "(step 40," in (run / "logs" / "restart-1" / "rank-0.log").read_text()
     got, reference = final_weights(run), final_weights(twin)
     assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
+    said = status(folder, job).stdout
+    assert re.search(r"recoveries:\s+1; the last .*rank 3 on node\d", said) and "COMPLETED" in said, said
     print(f"FAULT REPORT recovery {fault}: fault to first resumed step "
           f"{recovery_seconds(run, fault_line['time']):.1f} s after the recovery began; cause: {fault_line['cause']}")
 
