@@ -216,3 +216,16 @@ def test_the_local_profile_recovers_a_killed_or_hung_rank_with_an_uninterrupted_
     assert ref is not None and ref.step == 60
     got = model_weights(ref)
     assert got.keys() == twin.keys() and all(torch.equal(got[k], twin[k]) for k in got)
+
+
+def test_submitits_call_runs_the_step_under_the_recovery_with_the_nodes_python(job: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """What submitit runs in the batch script (use_srun=False): the step, `"$HPCJOBS_PYTHON"` put in by value."""
+    from hpcjobs.protocol.nodecall import NODE_PYTHON, SupervisedStep
+
+    monkeypatch.setenv("HPCJOBS_PYTHON", sys.executable)
+    argv = step(job, ["ok"])
+    assert SupervisedStep([NODE_PYTHON, *argv[1:]])() == 0
+    assert [r["restart"] for r in RunFolder(job).read_restarts()] == [0]
+    with pytest.raises(RuntimeError, match="exited with code 1"):
+        SupervisedStep([NODE_PYTHON, *step(job, ["task"])[1:]])()

@@ -55,7 +55,7 @@ class SupervisedStep:
     def __call__(self) -> int:
         python = os.environ.get("HPCJOBS_PYTHON") or sys.executable
         argv = [python if word == NODE_PYTHON else word for word in self.argv]
-        rc: int = importlib.import_module(RECOVERY_MODULE).supervise(argv, None)
+        rc: int = importlib.import_module(RECOVERY_MODULE).supervise(argv)
         if rc:
             raise RuntimeError(f"hpcjobs ranks exited with code {rc}; see the run folder's logs")
         return rc
