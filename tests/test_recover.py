@@ -86,6 +86,11 @@ def step(run: Path, plan: list[Any], recovery: Recovery = DEFAULTS) -> list[str]
     return [sys.executable, str(script), str(run), json.dumps(plan), "--contract", contract.to_json()]
 
 
+def tmp_path_of(run: Path, name: str = "a") -> Path:
+    """Another run folder beside `run`."""
+    return run.parent / f"{run.name}-{name}"
+
+
 def faults(run: Path) -> list[dict[str, Any]]:
     return [r for r in RunFolder(run).read_restarts() if r.get("stopped") == "fault"]
 
@@ -227,5 +232,10 @@ def test_submitits_call_runs_the_step_under_the_recovery_with_the_nodes_python(j
     argv = step(job, ["ok"])
     assert SupervisedStep([NODE_PYTHON, *argv[1:]])() == 0
     assert [r["restart"] for r in RunFolder(job).read_restarts()] == [0]
+    asked: list[Any] = []  # Slurm's answers, with the command runner the recovery asks them through
+    monkeypatch.setattr(recover, "job_fields", lambda _job, runner: asked.append(runner) or {"JobState": "RUNNING"})
+    monkeypatch.setattr(recover, "unhealthy_nodes", lambda _nodes, runner: asked.append(runner) or {})
+    assert SupervisedStep([NODE_PYTHON, *step(tmp_path_of(job), ["peer", "ok"])[1:]])() == 0
+    assert asked == [subprocess.run, subprocess.run]
     with pytest.raises(RuntimeError, match="exited with code 1"):
-        SupervisedStep([NODE_PYTHON, *step(job, ["task"])[1:]])()
+        SupervisedStep([NODE_PYTHON, *step(tmp_path_of(job, "b"), ["task"])[1:]])()
