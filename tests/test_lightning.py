@@ -5,19 +5,17 @@ hooks off (HPCJOBS_HOOKS=0) nothing is saved and the same command starts over.""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import ctrl_c_runs
 import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from conftest import BIN, REPO, hpcjobs
+from conftest import REPO, hpcjobs
 from trainers.checkpoint.state import rng_state
 from trainers.integrations import lightning, marks
 from trainers.integrations.lightning_data import SkipFirst, rewind
@@ -46,18 +44,8 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, str]
 
 
 def interrupt(tmp_path: Path, after: int, env: dict[str, str] | None = None) -> str:
-    """Run the script and send one Ctrl-C (SIGINT to the command, as a terminal does) once `after` steps logged."""
-    proc = subprocess.Popen([str(BIN / "hpcjobs"), *command(tmp_path, "out")], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    assert proc.stdout is not None
-    seen, deadline = [], time.time() + 300
-    while len(losses("".join(seen))) < after:
-        line = proc.stdout.readline()
-        assert line and time.time() < deadline, "".join(seen)[-3000:]
-        seen.append(line)
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=300)
-    return "".join(seen) + rest
+    """Run the script and send one Ctrl-C once `after` steps logged (tests/ctrl_c_runs.py)."""
+    return ctrl_c_runs.interrupt(command(tmp_path, "out"), tmp_path, losses, after, env)
 
 
 @pytest.mark.train

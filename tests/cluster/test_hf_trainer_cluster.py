@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_preemption import DONE, make_profile, trigger_now, wait_for_log
+from script_stops import stopped_and_resumed, twin_of
 
-from conftest import REPO, hpcjobs, wait_for_state
+from conftest import REPO, hpcjobs
 
 pytestmark = pytest.mark.cluster
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_script.py"
@@ -37,29 +37,13 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def twin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = Path("/tmp") / f"hpcjobs-hf-{tmp_path_factory.getbasetemp().name}"
-    folder.mkdir(exist_ok=True)
-    folder.chmod(0o755)
-    job, out, _ = submit(folder, "twin", make_profile(folder))
-    assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
-    return out
+    return twin_of("hf", tmp_path_factory, submit)[0]
 
 
 @pytest.mark.parametrize("trigger", ["preemption", pytest.param("scancel-signal", marks=pytest.mark.slow),
                                      pytest.param("time-limit", marks=pytest.mark.slow)])
 def test_unchanged_trainer_script_stops_requeues_and_resumes_exactly(trigger: str, twin: Path) -> None:
-    folder = twin.parent
-    if trigger == "time-limit":  # the signal comes 0-30 s into each start (see test_preemption)
-        profile = make_profile(folder, seconds_before=90, max_restarts=30)
-        job, out, run = submit(folder, trigger, profile, time_limit="2:00")
-    else:
-        job, out, run = submit(folder, trigger, make_profile(folder))
-        wait_for_log(run / "logs" / "restart-0" / "rank-0.log", "'epoch'", timeout=300)  # training, not starting
-        trigger_now(trigger, job)
-    assert wait_for_state(job, DONE, timeout=900) == "COMPLETED"
-    stops = [json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in ln]
-    assert stops and (len(stops) == 1 or trigger == "time-limit"), stops
-    first = (run / "logs" / "restart-1" / "rank-0.log").read_text()
+    out, run, stops, first = stopped_and_resumed(twin.parent, trigger, submit, "'epoch'")
     assert f"resuming from {out / ('checkpoint-' + str(stops[0]['step']))}" in first, first[-2000:]
     assert (out / "after-train.txt").read_text() == "ran\n"
     assert losses(out) == losses(twin)

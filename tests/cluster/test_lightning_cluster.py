@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_stops import rank0_losses, stopped_and_resumed, twin_of
 from test_lightning import losses as loss_lines
-from test_preemption import DONE, make_profile, trigger_now, wait_for_log
 
-from conftest import REPO, hpcjobs, wait_for_state
+from conftest import REPO, hpcjobs
 from trainers.integrations import lightning
 
 pytestmark = pytest.mark.cluster
@@ -33,42 +33,18 @@ def submit(folder: Path, name: str, profile: Path, time_limit: str = "30:00") ->
     return json.loads(res.stdout)["job_id"], out, run
 
 
-def losses(run: Path) -> dict[int, str]:
-    """Rank 0's loss lines of every start, the later start's where two logged a step."""
-    found: dict[int, str] = {}
-    for log in sorted((run / "logs").glob("restart-*/rank-0.log"), key=lambda p: int(p.parent.name[8:])):
-        found.update(loss_lines(log.read_text()))
-    return found
-
-
 @pytest.fixture(scope="module")
 def twin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    folder = Path("/tmp") / f"hpcjobs-pl-{tmp_path_factory.getbasetemp().name}"
-    folder.mkdir(exist_ok=True)
-    folder.chmod(0o755)
-    job, out, run = submit(folder, "twin", make_profile(folder))
-    assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
-    return out, run
+    return twin_of("pl", tmp_path_factory, submit)
 
 
 @pytest.mark.parametrize("trigger", ["preemption", pytest.param("scancel-signal", marks=pytest.mark.slow),
                                      pytest.param("time-limit", marks=pytest.mark.slow)])
 def test_unchanged_lightning_script_stops_requeues_and_resumes_exactly(trigger: str, twin: tuple[Path, Path]) -> None:
-    folder = twin[0].parent
-    if trigger == "time-limit":  # the signal comes 0-30 s into each start (see test_preemption)
-        profile = make_profile(folder, seconds_before=90, max_restarts=30)
-        job, out, run = submit(folder, trigger, profile, time_limit="2:00")
-    else:
-        job, out, run = submit(folder, trigger, make_profile(folder))
-        wait_for_log(run / "logs" / "restart-0" / "rank-0.log", "LOSS ", timeout=300)  # training, not starting
-        trigger_now(trigger, job)
-    assert wait_for_state(job, DONE, timeout=900) == "COMPLETED"
-    stops = [json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in ln]
-    assert stops and (len(stops) == 1 or trigger == "time-limit"), stops
-    first = (run / "logs" / "restart-1" / "rank-0.log").read_text()
+    out, run, stops, first = stopped_and_resumed(twin[0].parent, trigger, submit, "LOSS ")
     root = run / "checkpoints" / lightning.FOLDER
     assert f"resuming from {root / ('checkpoint-' + str(stops[0]['step']))}" in first, first[-2000:]
     assert (out / "after-fit.txt").read_text() == "ran\n"
-    assert losses(run) == losses(twin[1])
+    assert rank0_losses(run, loss_lines) == rank0_losses(twin[1], loss_lines)
     mine, theirs = torch.load(out / "final.pt"), torch.load(twin[0] / "final.pt")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

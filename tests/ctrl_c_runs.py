@@ -1,0 +1,31 @@
+"""A user's script run through `hpcjobs submit` on the local profile and stopped by one Ctrl-C once it logged enough
+steps: shared by the integrations' tests (tests/test_lightning.py, tests/test_accelerate_loop.py), each with its own
+command line and its own way of reading the loss lines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import BIN
+
+
+def interrupt(argv: list[str], cwd: Path, losses: Callable[[str], dict[int, str]], after: int,
+              env: dict[str, str] | None = None) -> str:
+    """Run `hpcjobs ARGV` and send one Ctrl-C (SIGINT to the command, as a terminal does) once `after` steps logged;
+    everything it printed."""
+    proc = subprocess.Popen([str(BIN / "hpcjobs"), *argv], cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    assert proc.stdout is not None
+    seen, deadline = [], time.time() + 300
+    while len(losses("".join(seen))) < after:
+        line = proc.stdout.readline()
+        assert line and time.time() < deadline, "".join(seen)[-3000:]
+        seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=300)
+    return "".join(seen) + rest
