@@ -1,0 +1,116 @@
+"""bench/fault_goodput: a long 2-node run on the test cluster with faults and preemptions injected, recovered with
+no person acting; then `hpcjobs goodput` says where the time went (issue 27's campaign).
+
+The faults, one every `--every` seconds once the job trains, in this order: a rank SIGKILLed, a rank SIGSTOPped (a
+hang: its peers' collectives time out after HPCJOBS_COLLECTIVE_TIMEOUT), a preemption notice (`scancel
+--signal=USR2`: the job saves, requeues and waits out Slurm's requeue hold), a rank SIGKILLed, a rank SIGSTOPped.
+The final weights are compared with nothing here (tests/cluster/test_faults_cluster.py does that per fault); the
+result is the goodput report: the buckets must add up to the wall time, and ETTR is what it is.
+
+    tests/cluster/testcluster.sh up
+    tests/cluster/testcluster.sh exec env -C "$PWD" PATH="$PWD/.venv/bin:$PATH" .venv/bin/python bench/fault_goodput.py
+Writes bench/results/fault_goodput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results" / "fault_goodput.json"
+FAULTS = ("kill", "stop", "preempt", "kill", "stop")
+
+
+def hpcjobs(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(Path(sys.executable).parent / "hpcjobs"), *args], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "HPCJOBS_HOME": str(home)}, check=False)
+
+
+def state(job: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"], capture_output=True, text=True).stdout
+    return out.split()[0] if out.split() else ""
+
+
+def rank_pids() -> list[int]:
+    """The ranks' processes on the nodes (each node is a network namespace of the test cluster)."""
+    pids = []
+    for node in ("node1", "node2"):
+        listed = subprocess.run(["ip", "netns", "pids", f"hpcj-{node}"], capture_output=True, text=True).stdout
+        for pid in listed.split():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"trainers.launch" in cmd and b"/bin/sh" not in cmd.split(b"\0")[0]:
+                pids.append(int(pid))
+    return pids
+
+
+def inject(fault: str, job: str, rng: random.Random) -> str:
+    if fault == "preempt":
+        subprocess.run(["scancel", "--signal=USR2", job], check=False)
+        return "scancel --signal=USR2"
+    pids = rank_pids()
+    if not pids:
+        return "no rank running"
+    pid = rng.choice(pids)
+    os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    return f"{'SIGKILL' if fault == 'kill' else 'SIGSTOP'} to pid {pid}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--every", type=float, default=90.0, help="seconds between faults once the job trains")
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args()
+    rng = random.Random(ns.seed)
+    folder = Path(tempfile.mkdtemp(prefix="hpcjobs-fault-goodput-", dir="/tmp"))
+    folder.chmod(0o755)
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    data.update(runs_dir=str(folder / "runs"), recovery={"max_recoveries": 5})
+    data["env"] = {**data.get("env", {}), "HPCJOBS_COLLECTIVE_TIMEOUT": "20"}
+    (folder / "profile.yaml").write_text(yaml.safe_dump(data))
+    run = folder / "runs" / "campaign"
+    out = hpcjobs("submit", "--profile", str(folder / "profile.yaml"), "--nodes", "2", "--gpus", "2", "--run-dir",
+                  str(run), "--json", "trainers.tasks.lm", "--size", "tiny", "--steps", str(ns.steps),
+                  "--log-every", "50", "--ckpt-every", "100", home=folder)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)["job_id"]
+    while not (run / "heartbeat.json").exists():
+        time.sleep(1)
+    injected: list[dict[str, Any]] = []
+    for fault in FAULTS:
+        time.sleep(ns.every)
+        if state(job) in ("COMPLETED", "FAILED", "CANCELLED"):
+            break
+        injected.append({"time": time.time(), "fault": fault, "how": inject(fault, job, rng)})
+        print(f"injected {injected[-1]}", flush=True)
+    while state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        time.sleep(5)
+    report = json.loads(hpcjobs("goodput", job, "--json", home=folder).stdout)
+    total = report["total"]
+    result = {"job": job, "state": state(job), "steps": ns.steps, "faults": injected, "goodput": total,
+              "buckets_sum_minus_wall_s": round(sum(total["buckets"].values()) - total["wall_s"], 3),
+              "recoveries": [r for r in map(json.loads, (run / "restarts.jsonl").read_text().splitlines())
+                             if r.get("stopped") == "fault"]}
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("job", "state", "buckets_sum_minus_wall_s")}), total["ettr"],
+          json.dumps(total["buckets"]))
+    return 0 if result["state"] == "COMPLETED" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
