@@ -127,6 +127,18 @@ def test_an_output_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path
     assert e.value.code == 2 and len(said) == 1 and "cannot hold checkpoints" in said[0] and "HINT:" in said[0]
 
 
+def test_a_data_skip_turned_off_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The data the script cannot skip into: with ignore_data_skip a resumed epoch would train its first batches
+    again (issue 25's bad inputs)."""
+    from types import SimpleNamespace
+
+    hf_trainer.skippable(SimpleNamespace(ignore_data_skip=False))
+    with pytest.raises(SystemExit) as e:
+        hf_trainer.skippable(SimpleNamespace(ignore_data_skip=True))
+    said = capsys.readouterr().out.strip().splitlines()
+    assert e.value.code == 2 and len(said) == 1 and "ignore_data_skip is set" in said[0] and "HINT:" in said[0]
+
+
 def test_an_output_folder_renamed_at_each_start_resumes_the_previous_starts_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A requeued start whose --output_dir holds a new timestamp finds no checkpoint of its own: it resumes the one

@@ -50,6 +50,7 @@ def attach(module: ModuleType) -> None:
 
     @functools.wraps(original_train)
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        skippable(self.args)
         resume = resume_point(self.args.output_dir, resume_from_checkpoint)
         callback = next((c for c in self.callback_handler.callbacks if getattr(c, "hpcjobs", False)), None)
         if callback is None:  # the script removed it: the Trainer as it is
@@ -85,6 +86,17 @@ def resume_point(output_dir: str, given: Any) -> Any:
         say(f"resuming from {newest}")
         return str(newest)
     return None if given is True else given
+
+
+def skippable(args: Any) -> None:
+    """A start that resumes mid-epoch skips the batches the stopped start trained on (the Trainer's own
+    `skip_first_batches`); `ignore_data_skip` turns that off, and the resumed epoch would train them again: refused
+    on every rank before training, in one line (from rank 0)."""
+    if getattr(args, "ignore_data_skip", False):
+        say("ignore_data_skip is set: a resumed start would train the stopped epoch's first batches again, so a "
+            "requeued run would not go on where it stopped; valid: ignore_data_skip False (the default). HINT: drop "
+            "--ignore_data_skip, or run without hpcjobs's hooks (HPCJOBS_HOOKS=0)")
+        raise SystemExit(2)
 
 
 def writable(root: Path) -> None:
