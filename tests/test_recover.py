@@ -213,6 +213,8 @@ def test_the_local_profile_recovers_a_killed_or_hung_rank_with_an_uninterrupted_
     # step 20's checkpoint is saved in the background: under load it may not be committed by step 30
     assert (line["how"], line["restart"]) == ("local", 0) and line["step"] in (20, -1), line
     assert "hpcjobs: recovery 1 of job" in out.stderr and "on this machine from " in out.stderr
+    if fault == "kill":  # named by the launcher, as srun names it: not the peer that lost it
+        assert "rank 1 on " in line["cause"] and "killed by SIGKILL" in line["cause"], line
     if fault == "stop":
         assert "hung:" in line["cause"]
         # the healthy rank's watchdog fired first; the stopped one's own dump (once continued) is the watchdog's test
@@ -239,3 +241,21 @@ def test_submitits_call_runs_the_step_under_the_recovery_with_the_nodes_python(j
     assert asked == [subprocess.run, subprocess.run]
     with pytest.raises(RuntimeError, match="exited with code 1"):
         SupervisedStep([NODE_PYTHON, *step(tmp_path_of(job, "b"), ["task"])[1:]])()
+
+
+@pytest.mark.train
+def test_a_fault_that_comes_back_at_every_start_ends_the_job_after_max_recoveries(tmp_path: Path) -> None:
+    """Rank 1 killed at step 10 of every start, before the first checkpoint (step 20): no start makes progress, so
+    after `--max-recoveries 2` the job ends FAILED with one line naming the cause that repeats."""
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump(yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text())))
+    run = RunFolder(tmp_path / "run")
+    out = hpcjobs("submit", "--profile", str(profile), "--gpus", "2", "--run-dir", str(run.path), "--max-recoveries",
+                  "2", *LM, cwd=REPO, timeout=600, env={"HPCJOBS_HOME": str(tmp_path / "home"),
+                                                        "HPCJOBS_FAULT_INJECT": "step@10:1"})
+    assert out.returncode != 0
+    assert [r["recovery"] for r in run.read_restarts() if r.get("stopped") == "fault"] == [1, 2]
+    [line] = [ln for ln in out.stderr.splitlines() if "ends failed: no new checkpoint across 2 recoveries" in ln]
+    assert "each time:" in line and "rank 1" in line, line
+    final = json.loads((run.path / "final.json").read_text())
+    assert final["state"] == "failed" and "no new checkpoint across 2 recoveries" in final["reason"]

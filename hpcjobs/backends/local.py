@@ -223,8 +223,8 @@ class LocalBackend(RunFolderLogs):
                             if p.poll() is None:
                                 p.send_signal(warn_signal)
                     if (code := group_code(procs)) is not None:
-                        timed_out = limit is not None and age >= limit
-                        if code and not stopper.count and not timed_out and recovered(spec, subs[i], restarts[i], code):
+                        asked = stopper.count or (limit is not None and age >= limit)  # Ctrl-C, the time limit
+                        if code and not asked and recovered(spec, subs[i], restarts[i], code, procs):
                             slot = running[i][0]
                             restarts[i] = RunFolder(subs[i].run_dir).next_restart()
                             running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None,

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 from hpcjobs.backends import Submitted
+from hpcjobs.protocol.diagnosis import Failure
 from hpcjobs.protocol.recovery import judge, record
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState
@@ -115,14 +117,22 @@ ASKED_TO_STOP = frozenset({-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, 128 
 """Exit codes of a rank that someone asked to stop (it ended by the signal, or as a shell does for it)."""
 
 
-def recovered(spec: JobSpec, sub: Submitted, restart: int, code: int) -> bool:
+def killed(procs: list[subprocess.Popen[bytes]]) -> list[Failure]:
+    """The ranks a signal ended (not the SIGTERM this backend sent the rest), as srun would name them: a rank
+    killed writes nothing itself, and its peers' "Connection closed" must not be taken for the cause."""
+    return [Failure(rank, socket.gethostname(), f"killed by {signal.Signals(-p.returncode).name}", "the launcher")
+            for rank, p in enumerate(procs) if p.returncode is not None and p.returncode < 0
+            and -p.returncode != signal.SIGTERM]
+
+
+def recovered(spec: JobSpec, sub: Submitted, restart: int, code: int, procs: list[subprocess.Popen[bytes]]) -> bool:
     """Whether the job's ranks, which ended with `code`, start again (hpcjobs.protocol.recovery: nobody's bug, and
     not too often without a new checkpoint); the recovery's line written when they do, the job's end when it gives
     up."""
     if code in ASKED_TO_STOP:  # `kill` of a rank, a Ctrl-C on it: a signal's usual meaning, not a fault
         return False
     run = RunFolder(sub.run_dir)
-    d = judge(run, spec.recovery, sub.job_id, restart, code)
+    d = judge(run, spec.recovery, sub.job_id, restart, code, killed(procs))
     if d.action == "fail":
         print(f"hpcjobs: job {sub.job_id} ends failed: {d.why}", file=sys.stderr, flush=True)
         run.write_final(FinalState.FAILED, d.why, job_id=sub.job_id)
