@@ -54,7 +54,9 @@ def test_the_ranks_run_the_python_the_setup_puts_first(path: str, cluster_profil
     assert wait_for_state(job, DONE) == "COMPLETED"
     calls = used.read_text().splitlines()
     assert "from trainers.versions import torch_problem" in calls[0]  # the check, once, before srun
-    assert sum(1 for c in calls if c.startswith("-u -m ")) == 4, calls  # every rank (submitit's runner or ours)
+    assert sum(1 for c in calls if c.startswith("-u -m trainers.launch")) == 4, calls  # every rank
+    # and, in the batch script, the recovery that runs their srun step (the rendered script's, or submitit's runner)
+    assert sum(1 for c in calls if c.startswith(("-u -m trainers.recover", "-u -m submitit"))) == 1, calls
     assert "finished at step 4" in (run / "logs" / "restart-0" / "rank-0.log").read_text()
 
 
