@@ -29,3 +29,9 @@ def interrupt(argv: list[str], cwd: Path, losses: Callable[[str], dict[int, str]
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=300)
     return "".join(seen) + rest
+
+
+def without_recovery(cmd: list[str]) -> list[str]:
+    """A `submit` command with the job's own recovery off: a killed rank ends the job, the next command resumes it."""
+    assert cmd[0] == "submit"
+    return [cmd[0], "--max-recoveries", "0", *cmd[1:]]

@@ -22,7 +22,8 @@ ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", st
 
 def train(run_dir: Path, ranks: int, fault: str | None = None, strategy: str = "ddp", *more: str) -> int:
     env = {"HPCJOBS_FAULT_INJECT": fault} if fault else {"HPCJOBS_FAULT_INJECT": ""}
-    out = hpcjobs("submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(run_dir), *ARGS,
+    manual = ("--max-recoveries", "0") if fault else ()  # the kill ends the run; the next command resumes it
+    out = hpcjobs("submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(run_dir), *manual, *ARGS,
                   "--strategy", strategy, *more, cwd=REPO, env=env, timeout=300)
     return out.returncode
 

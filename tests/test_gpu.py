@@ -23,7 +23,8 @@ LM = ["trainers.tasks.lm", "--size", "small", "--steps", "12", "--log-every", "1
 
 
 def train(run: Path, *args: str, fault: str = "") -> str:
-    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), *LM, *args, cwd=REPO,
+    manual = ("--max-recoveries", "0") if fault else ()  # the kill ends the run; the next command resumes it
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(run), *manual, *LM, *args, cwd=REPO,
                   env={"HPCJOBS_FAULT_INJECT": fault}, timeout=600)
     if not fault:
         assert out.returncode == 0, out.stdout + out.stderr

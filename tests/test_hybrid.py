@@ -22,7 +22,8 @@ HYBRID = ("--strategy", "fsdp", "--replicate-degree", "2", "--no-reshard-after-f
 
 
 def start(run: Path, ranks: int, *extra: str, fault: str = "") -> int:
-    out = hpcjobs("submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(run), *ARGS, *extra,
+    manual = ("--max-recoveries", "0") if fault else ()  # the kill ends the run; the next command resumes it
+    out = hpcjobs("submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(run), *manual, *ARGS, *extra,
                   cwd=REPO, env={"HPCJOBS_FAULT_INJECT": fault}, timeout=300)
     return out.returncode
 
