@@ -158,11 +158,11 @@ def run_cli(sandbox: Sandbox, work: Path, argv: list[str]) -> Outcome:
     submitted: list[str] = []
 
     def ranks_started(self: LocalBackend, spec: Any, sub: Any, slot: int | None, stdout_to_stderr: bool,
-                      ) -> list[subprocess.Popen[bytes]]:
+                      restart: int = 0) -> list[subprocess.Popen[bytes]]:
         """Instead of training: rank 0's command line, environment and folder go to Popen as the real start gives
         them, with /bin/true run in their place (Popen refuses what it would refuse for a real rank, e.g. a NUL)."""
         submitted.append(f"local {sub.job_id}")
-        env = rank_envs(spec, sub.job_id, 0, dict(os.environ))[0]
+        env = rank_envs(spec, sub.job_id, 0, dict(os.environ), restart)[0]
         return [subprocess.Popen(launcher_argv(spec), executable=TRUE, env=env, cwd=spec.workdir)]
 
     def probe(spec: Any, wait_s: float) -> list[Any]:

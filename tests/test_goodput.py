@@ -223,6 +223,7 @@ def test_a_local_run_killed_stopped_and_resumed_adds_up_to_its_wall_time(tmp_pat
 
     run = tmp_path / "run"
     args = [str(BIN / "hpcjobs"), "submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run),
+            "--max-recoveries", "0",  # the killed job ends failed: the next job resumes it
             "trainers.tasks.lm", "--size", "tiny", "--steps", "300", "--log-every", "5", "--ckpt-every", "20"]
 
     def heartbeat_at(step: int, proc: subprocess.Popen[bytes]) -> None:
