@@ -25,7 +25,10 @@ from hpcjobs.protocol.states import FinalState, JobState, StopReason
 from hpcjobs.store import JobRecord
 
 FAILED_AT = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 30))
-"""When Slurm ended the allocation NODE_FAIL (sacct's EndTime, local time): after the start node_died() records."""
+"""When Slurm ended the allocation NODE_FAIL (sacct's EndTime, local time): after the start node_died() records.
+Taken when the module is collected: node_died() dates its records from it, not from the time a test runs (a full
+suite runs an hour after collecting)."""
+FAILED_EPOCH = time.mktime(time.strptime(FAILED_AT, "%Y-%m-%dT%H:%M:%S"))
 GOLDEN = Path(__file__).resolve().parent / "golden"
 NODE1 = (GOLDEN / "testcluster-scontrol-node.txt").read_text().splitlines()[0]
 NODE2_DOWN = (GOLDEN / "testcluster-scontrol-node.txt").read_text().splitlines()[1].replace(
@@ -72,12 +75,12 @@ def node_died(rec: JobRecord) -> RunFolder:
     """node2 killed at step ~285 with its link up: ranks 0 and 1 on node1 saw their connections reset, ranks 2 and 3
     wrote nothing, and the first failure's words went into final.json."""
     run = RunFolder(rec.run_dir)
-    append_jsonl(run.restarts, {"time": time.time() - 300, "restart": 0, "job_id": "42", "world_size": 4})
+    append_jsonl(run.restarts, {"time": FAILED_EPOCH - 270, "restart": 0, "job_id": "42", "world_size": 4})
     for rank in range(4):
         run.rank_log(0, rank).parent.mkdir(parents=True, exist_ok=True)
         run.rank_log(0, rank).write_text(f"hpcjobs: rank {rank}/4 (local {rank % 2}) on node{1 + rank // 2}, job 42 "
                                          f"restart 0, ...\nstep 280 | loss 2.0\n")
-    now = time.time()
+    now = FAILED_EPOCH - 20  # the peers saw their connections reset before Slurm declared the node dead
     for rank in (1, 0):
         append_jsonl(run.failures, {"time": now + rank, "job_id": "42", "restart": 0, "rank": rank, "host": "node1",
                                     "error": CONNECTION_RESET, "log": str(run.rank_log(0, rank))})
