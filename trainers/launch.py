@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.points import Point, as_args
+from hpcjobs.protocol.recovery import REFUSED_EXIT
 from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.protocol.states import FinalState
 from hpcjobs.protocol.taskargs import TaskArgError
@@ -42,10 +43,6 @@ from trainers.logtee import Tee
 from trainers.versions import TorchTooOld, require_torch
 
 KINDS = ("task", "script", "module")
-REFUSED_EXIT = 2
-"""Exit code of a refused start: a contract or environment that cannot be read, a run folder another job holds, a
-trainer or task flag that cannot be used, a resume under other settings. A usage error, like argparse's, not a
-training failure: final.json is left as it was (except for a task flag, see `fail`)."""
 BAD_CONTRACT_EXIT = REFUSED_EXIT
 
 

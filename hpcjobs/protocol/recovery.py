@@ -20,7 +20,9 @@ from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.states import StopReason
 
 REFUSED_EXIT = 2
-"""A refused start (a flag, a run folder in use, a resume that would not continue the run): never recovered."""
+"""Exit code of a refused start (trainers.launch returns it): a contract or environment that cannot be read, a run
+folder another job holds, a trainer or task flag that cannot be used, a resume under other settings. A usage error,
+like argparse's, not a failure: never recovered."""
 
 
 @dataclass(frozen=True)
