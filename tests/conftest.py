@@ -156,6 +156,19 @@ def wait_for_state(job_id: str, states: set[str], timeout: float = 300) -> str:
     raise AssertionError(f"job {job_id} did not reach {states} within {timeout} s (last: {state!r})")
 
 
+def accounted(job_id: str, fields: str, timeout: float = 60) -> str:
+    """sacct's `fields` of the job (-X -P) once accounting has its end: squeue can say FAILED before slurmdbd has
+    the job's end, when sacct still says RUNNING with ExitCode 0:0 (seen in CI)."""
+    deadline = time.time() + timeout
+    while True:
+        state = slurm("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State").strip()
+        if state and state.split()[0] not in ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED"):
+            return slurm("sacct", "-n", "-X", "-P", "-j", job_id, "-o", fields).strip()
+        if time.time() > deadline:
+            raise AssertionError(f"sacct did not record job {job_id}'s end within {timeout} s (last: {state!r})")
+        time.sleep(0.5)
+
+
 def wait_for_step(run: Path, step: int, timeout: float = 180) -> None:
     """Until the run's heartbeat says it reached `step` (a job mid-run, for a signal to interrupt)."""
     deadline = time.time() + timeout

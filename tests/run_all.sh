@@ -44,7 +44,7 @@ echo "[run_all] cluster up in $((SECONDS - t1)) s (setup so far $((SECONDS - t0)
 
 # Tests run on the cluster's login node (the head namespace), where sbatch/squeue reach slurmctld.
 set +e
-tests/cluster/testcluster.sh exec env -C "$PWD" PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -p no:cacheprovider --durations=30 "$@"
+tests/cluster/testcluster.sh exec env -C "$PWD" PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -p no:cacheprovider --durations=60 "$@"
 rc=$?
 set -e
 echo "[run_all] total $((SECONDS - t0)) s"

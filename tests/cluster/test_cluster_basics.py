@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import slurm, wait_for_state
+from conftest import accounted, slurm, wait_for_state
 
 pytestmark = pytest.mark.cluster
 
@@ -48,7 +48,7 @@ def test_srun_gloo_allreduce_across_two_nodes(shared_tmp: Path) -> None:
 def test_sacct_sees_a_finished_job() -> None:
     job = slurm("sbatch", "--parsable", "--wrap", "true", "--output=/dev/null").strip()
     wait_for_state(job, {"COMPLETED"})
-    assert slurm("sacct", "-n", "-X", "-P", "-j", job, "-o", "JobID,State").strip() == f"{job}|COMPLETED"
+    assert accounted(job, "JobID,State") == f"{job}|COMPLETED"
 
 
 def test_eight_gpus_per_node_on_two_nodes_schedule(shared_tmp: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, hpcjobs, slurm, wait_for_state
+from conftest import REPO, accounted, hpcjobs, slurm, wait_for_state
 
 pytestmark = pytest.mark.cluster
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -71,7 +71,7 @@ def test_a_python_without_torch_ends_the_job_before_any_rank(path: str, cluster_
     profile.write_text(yaml.safe_dump(data))
     job, run = start(path, profile, shared_tmp)
     assert wait_for_state(job, DONE) == "FAILED"
-    assert slurm("sacct", "-n", "-X", "-P", "-j", job, "-o", "ExitCode").strip() == "2:0"
+    assert accounted(job, "ExitCode") == "2:0"
     assert not (run / "logs").exists()  # no rank started
     said = job_log(job, run, shared_tmp)
     lines = [line for line in said.splitlines() if line.startswith("hpcjobs: the nodes' Python")]
