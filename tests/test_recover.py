@@ -44,6 +44,13 @@ if what == "stuck":  # a rank recorded its failure, and the step does not end (a
     append_jsonl(run.failures, {"time": time.time(), "job_id": "42", "restart": restart, "rank": 0,
                                 "host": "node1", "error": "RuntimeError: [Gloo] Connection closed by peer"})
     time.sleep(120)
+if what == "dead":  # node2 died: node1's ranks both recorded losing it, node2's never will; srun waits on
+    for rank in range(4):  # a node that does not answer
+        append_jsonl(run.startup, {"job_id": "42", "restart": restart, "rank": rank, "host": f"node{1 + rank // 2}"})
+    for rank in (0, 1):
+        append_jsonl(run.failures, {"time": time.time(), "job_id": "42", "restart": restart, "rank": rank,
+                                    "host": "node1", "error": "RuntimeError: [Gloo] Connection closed by peer"})
+    time.sleep(120)
 sys.exit(0 if what == "ok" else 1)
 """
 
@@ -117,6 +124,34 @@ def test_a_step_that_goes_on_after_a_rank_failed_is_ended_and_recovered(job: Pat
     assert "Connection closed by peer" in fault["cause"]
 
 
+def test_a_step_whose_speaking_ranks_all_said_why_is_ended_without_waiting_out_the_stuck_bound(
+        job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """node2 dies: node1's ranks record losing it, node2's never speak. The step is ended once those that can speak
+    have said why (SAID_S), not after STUCK_S: the node death's recovery time."""
+    monkeypatch.setattr(recover, "STUCK_S", 60.0)
+    began = time.monotonic()
+    assert recover.supervise(step(job, ["dead", "ok"]), Slurm()) == 0
+    assert time.monotonic() - began < 30  # not STUCK_S's 60 s
+    [fault] = faults(job)
+    assert "Connection closed by peer" in fault["cause"]
+
+
+@pytest.mark.parametrize("said,expected", [((), False), ((0,), False), ((0, 1), True), ((0, 1, 2), False),
+                                           ((0, 1, 2, 3), True), ((2, 3), True)])
+def test_all_said_once_every_host_has_all_or_none_of_its_ranks_recorded(tmp_path: Path, said: tuple[int, ...],
+                                                                       expected: bool) -> None:
+    from hpcjobs.protocol.recovery import all_said
+    from hpcjobs.protocol.runfolder import append_jsonl
+    run = RunFolder(tmp_path)
+    for rank in range(4):
+        append_jsonl(run.startup, {"job_id": "42", "restart": 1, "rank": rank, "host": f"node{1 + rank // 2}"})
+    for rank in said:
+        append_jsonl(run.failures, {"time": 1.0, "job_id": "42", "restart": 1, "rank": rank})
+    append_jsonl(run.failures, {"time": 1.0, "job_id": "42", "restart": 0, "rank": 3})  # another start's
+    assert all_said(run, "42", 1) is expected
+    assert not all_said(run, "42", 2)  # nothing known of a start that has no lines
+
+
 def test_a_tasks_own_exception_is_never_recovered(job: Path) -> None:
     assert recover.supervise(step(job, ["task", "ok"]), Slurm()) == 1
     assert faults(job) == [] and len(RunFolder(job).read_restarts()) == 1
@@ -143,6 +178,7 @@ def test_a_down_node_without_a_spare_requeues_the_job_with_it_left_out(job: Path
     assert recover.supervise(step(job, ["peer", "ok"]), slurm) == 0
     [fault] = faults(job)
     assert (fault["how"], fault["exclude"]) == ("requeue", ["node2"])
+    assert fault["cause"].startswith("node node2 is not responding (rank 1 on node2: "), fault  # not sinfo's "down*"
     assert ["scontrol", "update", "JobId=42", "ExcNodeList=node2"] in slurm.asked
     assert ["scontrol", "requeue", "42"] in slurm.asked
     assert [r["restart"] for r in RunFolder(job).read_restarts() if "stopped" not in r] == [0]  # Slurm starts it

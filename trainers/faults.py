@@ -58,9 +58,13 @@ def maybe_die(point: str, step: int) -> None:
         return
     if _ONLY_IN and _ONLY_IN != os.environ.get("HPCJOBS_RESTART", "0"):
         return
+    # when it struck, in the rank's log: a benchmark's "fault to first resumed step" counts from here
+    print(f"hpcjobs: fault injected ({_ACTION}) at {point} of step {step}, at {time.time():.3f}", file=sys.stderr,
+          flush=True)
     if _ACTION == "raise":
         raise InjectedFault(f"injected at {point} of step {step}")
     if _ACTION == "comm":
         raise InjectedCommError(f"DistBackendError: [Gloo] injected at {point} of step {step}: Connection reset by "
                                 "peer")
+    time.sleep(0.2)  # the log's tee is a thread of this process: give it the line before the signal ends it
     os.kill(os.getpid(), signal.SIGSTOP if _ACTION == "stop" else signal.SIGKILL)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.diagnosis import Failure
-from hpcjobs.protocol.recovery import REFUSED_EXIT, Decision, judge, record
+from hpcjobs.protocol.recovery import REFUSED_EXIT, Decision, all_said, judge, record
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.srunwords import srun_failures
 from hpcjobs.protocol.states import FinalState
@@ -169,23 +169,38 @@ rest within seconds of a task's bad exit (--kill-on-bad-exit), except for the ta
 answering: for those it waits until Slurm declares the node dead (measured on the test cluster: about 40 s after
 the peers' 15 s collective timeout, with SlurmdTimeout 60 s; Slurm's default SlurmdTimeout is 300 s)."""
 
+SAID_S = 1.0
+"""Once every rank that can still speak has recorded its failure (recovery.all_said: the ranks of a silent node
+never will), the step is ended after this long instead of STUCK_S: nothing more is coming, and a dead node's
+tasks would hold srun until Slurm declares the node dead."""
+
+ABORT_S = 3.0
+"""How long srun gets to leave after its abort (two SIGINTs) before it is killed: with a node that does not
+answer it waits for that node's tasks (they are gone; Slurm cleans up the step when it declares the node dead)."""
+
 
 def launch(argv: Sequence[str], restart: int, run: RunFolder, job_id: str) -> int:
-    """One step of the ranks, numbered `restart` (their logs and records); its exit code. A step that goes on
-    STUCK_S after a rank recorded its failure is ended as a double Ctrl-C ends it (srun's own abort), then killed."""
+    """One step of the ranks, numbered `restart` (their logs and records); its exit code. A step that goes on after
+    a rank recorded its failure is ended as a double Ctrl-C ends it (srun's own abort), then killed: SAID_S after
+    every rank that can still speak has said why, STUCK_S after the first did."""
     step = subprocess.Popen(list(argv), env={**os.environ, "HPCJOBS_RESTART": str(restart)})
     noticed: float | None = None
+    said: float | None = None
     while True:
         try:
-            return step.wait(timeout=1.0)
+            return step.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
-        if noticed is None and any(str(f.get("job_id")) == job_id and f.get("restart") == restart
-                                   for f in run.read_failures()):
+        if noticed is None:
+            if not any(str(f.get("job_id")) == job_id and f.get("restart") == restart for f in run.read_failures()):
+                continue
             noticed = time.monotonic()
-        if noticed is not None and time.monotonic() - noticed > STUCK_S:
-            print(f"hpcjobs: a rank of restart {restart} failed {STUCK_S:.0f} s ago and the step goes on (a node "
-                  "that does not answer?): ending it", file=sys.stderr, flush=True)
+        if said is None and all_said(run, job_id, restart):
+            said = time.monotonic()
+        now = time.monotonic()
+        if (said is not None and now - said > SAID_S) or now - noticed > STUCK_S:
+            print(f"hpcjobs: a rank of restart {restart} failed {now - noticed:.0f} s ago and the step goes on (a "
+                  "node that does not answer?): ending it", file=sys.stderr, flush=True)
             return end_step(step)
 
 
@@ -195,7 +210,7 @@ def end_step(step: subprocess.Popen[bytes]) -> int:
         step.send_signal(signal.SIGINT)
         time.sleep(0.2)
     try:
-        return step.wait(timeout=STUCK_S)
+        return step.wait(timeout=ABORT_S)
     except subprocess.TimeoutExpired:
         step.kill()
         return step.wait()

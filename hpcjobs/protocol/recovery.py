@@ -86,14 +86,31 @@ def judge(run: RunFolder, recovery: Recovery, job_id: str, restart: int, rc: int
     return Decision("relaunch", why, step=step, silent=silent)
 
 
-def silent_nodes(run: RunFolder, job_id: str, restart: int, silent_ranks: Sequence[int]) -> tuple[str, ...]:
-    """The hosts of start `restart` all of whose ranks are among `silent_ranks` (startup.jsonl says where each rank
-    ran)."""
+def ranks_by_host(run: RunFolder, job_id: str, restart: int) -> dict[str, set[int]]:
+    """Where each rank of start `restart` ran, as startup.jsonl says (a rank writes its line after its first step)."""
     where: dict[str, set[int]] = {}
     for r in read_jsonl(run.startup, {"restart": (int,), "rank": (int,)}):
         if str(r.get("job_id")) == job_id and r["restart"] == restart and isinstance(r.get("host"), str):
             where.setdefault(r["host"], set()).add(r["rank"])
+    return where
+
+
+def silent_nodes(run: RunFolder, job_id: str, restart: int, silent_ranks: Sequence[int]) -> tuple[str, ...]:
+    """The hosts of start `restart` all of whose ranks are among `silent_ranks`."""
+    where = ranks_by_host(run, job_id, restart)
     return tuple(sorted(h for h, ranks in where.items() if ranks <= set(silent_ranks)))
+
+
+def all_said(run: RunFolder, job_id: str, restart: int) -> bool:
+    """Whether every rank of start `restart` that can still speak has recorded its failure: at least one has, and on
+    each host either all ranks have or none has (a host none of whose ranks speaks may be dead: nothing more will
+    come from it). Then the step has nothing left to say, and the recovery need not wait for srun to give up on a
+    dead node's tasks. False while any host is part-way, or where startup.jsonl does not say where ranks ran."""
+    said = {f["rank"] for f in run.read_failures() if str(f.get("job_id")) == job_id and f.get("restart") == restart}
+    where = ranks_by_host(run, job_id, restart)
+    if not said or not where or not said <= set().union(*where.values()):
+        return False
+    return all(ranks <= said or not ranks & said for ranks in where.values())
 
 
 WHERE = {"allocation": "in the allocation", "requeue": "by a requeue", "local": "on this machine"}

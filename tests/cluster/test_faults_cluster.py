@@ -94,6 +94,19 @@ def final_weights(run: Path, steps: int = 100) -> dict[str, torch.Tensor]:
     return model_weights(ref)
 
 
+def fault_report(case: str, **figures: object) -> None:
+    """One line bench/fault_recovery.py collects (pytest -s): the case and its measured figures."""
+    print("FAULT REPORT " + json.dumps({"case": case, **figures}), flush=True)
+
+
+def injected_at(run: Path, rank: int = 3) -> float:
+    """When the injected fault struck (trainers/faults.py says so in the rank's log of the first start)."""
+    m = re.search(r"fault injected \(\w+\) at \S+ of step \d+, at ([\d.]+)",
+                  (run / "logs" / "restart-0" / f"rank-{rank}.log").read_text())
+    assert m is not None, "no injected fault in the rank's log"
+    return float(m.group(1))
+
+
 def recovery_seconds(run: Path, fault_time: float) -> float:
     """From the fault to the first step of the start that recovered (rank 0's startup.jsonl mark)."""
     firsts = [r["first_step"] for r in (json.loads(line) for line in (run / "startup.jsonl").read_text().splitlines())
@@ -126,8 +139,10 @@ def test_a_fault_is_recovered_in_the_allocation_with_the_weights_of_an_uninterru
     assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
     said = status(folder, job).stdout
     assert re.search(r"recoveries:\s+1; the last .*rank 3 on node\d", said) and "COMPLETED" in said, said
-    print(f"FAULT REPORT recovery {fault}: fault to first resumed step "
-          f"{recovery_seconds(run, fault_line['time']):.1f} s after the recovery began; cause: {fault_line['cause']}")
+    struck = injected_at(run)
+    fault_report(f"rank {fault}", how="allocation", fault_to_recovery_s=round(fault_line["time"] - struck, 1),
+                 fault_to_first_resumed_step_s=round(recovery_seconds(run, struck), 1), steps_lost=60 - 40,
+                 cause=fault_line["cause"])
 
 
 def test_status_answers_from_slurm_and_the_run_folder_when_the_job_store_is_lost(folder: Path) -> None:
@@ -244,7 +259,7 @@ def test_a_dead_node_requeues_the_job_and_it_resumes_with_at_most_a_checkpoint_i
     victim = job_nodes(job)[-1]
     net = f"/run/netns/hpcj-{victim}"
     subprocess.run(["nsenter", f"--net={net}", "ip", "link", "set", "eth0", "down"], check=True)
-    died = json.loads(run.joinpath("heartbeat.json").read_text())["step"]
+    died, died_at = json.loads(run.joinpath("heartbeat.json").read_text())["step"], time.time()
     pids = subprocess.run(["ip", "netns", "pids", f"hpcj-{victim}"], capture_output=True, text=True).stdout.split()
     subprocess.run(["kill", "-KILL", *pids], check=False)
     try:
@@ -260,7 +275,9 @@ def test_a_dead_node_requeues_the_job_and_it_resumes_with_at_most_a_checkpoint_i
     last = max(RunFolder(run).restart_dirs())  # a recovery in the allocation may have come before Slurm's requeue
     resumed = re.search(r"resumed from .* \(step (\d+),", (run / "logs" / f"restart-{last}" / "rank-0.log").read_text())
     assert resumed is not None and died - int(resumed.group(1)) <= 20, (died, resumed)
-    print(f"FAULT REPORT node death: heartbeat step {died} at the death, resumed from step {resumed.group(1)}")
+    fault_report("node death, no spare", how="requeue", fault_to_first_resumed_step_s=round(
+        recovery_seconds(run, died_at), 1), steps_lost=died - int(resumed.group(1)), recoveries=[
+        r.get("how") for r in RunFolder(run).read_restarts() if r.get("stopped") == "fault"], slurm_restarts=1)
 
 
 def kill_node(victim: str) -> None:
@@ -313,8 +330,9 @@ def test_a_spare_node_stands_in_for_a_dead_one_without_a_requeue(folder: Path) -
     assert wait_for_state(twin_job, DONE, timeout=400) == "COMPLETED"
     got, reference = final_weights(run, 200), final_weights(twin, 200)
     assert all(torch.equal(got[k], reference[k]) for k in got)
-    print(f"FAULT REPORT spare node: {victim} died, {len(faults)} recoveries ({faults[-1]['cause']}); "
-          f"first resumed step {recovery_seconds(run, died):.1f} s after the death")
+    fault_report("node death, a spare", how="allocation", fault_to_first_resumed_step_s=round(
+        recovery_seconds(run, died), 1), fault_to_recovery_s=round(faults[-1]["time"] - died, 1),
+        recoveries=len(faults), cause=faults[-1]["cause"])
 
 
 def test_every_way_a_job_ends_leaves_its_final_state_in_the_run_folder(folder: Path) -> None:

@@ -102,7 +102,9 @@ def unhealthy_nodes(nodes: list[str], runner: Runner = subprocess.run) -> dict[s
         node, _, rest = line.partition("|")
         state, _, reason = rest.partition("|")
         if state.endswith("*") or state.rstrip("*~#!%$@^-").startswith(BAD_NODE_STATES):
-            bad[node.strip()] = f"{state} ({reason.strip()})" if reason.strip() not in ("", "none") else state
+            # sinfo's `*` (no answer from its slurmd) said in words: "mix*" meant nothing to a user in the log
+            said, reason = "not responding" if state.endswith("*") else state, reason.strip()
+            bad[node.strip()] = f"{said} ({reason})" if reason.lower() not in ("", "none", said) else said
     return bad
 
 
