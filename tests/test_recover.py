@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ restart = int(os.environ["HPCJOBS_RESTART"])
 plan = json.loads(sys.argv[2])  # per start: ok, peer, task, silent, stop, or a checkpoint step to make first
 what = plan[min(restart, len(plan) - 1)]
 run.record_start(restart, "42", 2)
+append_jsonl(run.path / "ends.jsonl", {"restart": restart, "end": os.environ.get("SLURM_JOB_END_TIME")})
 if isinstance(what, int):
     (run.checkpoints / f"step-{what}").mkdir(parents=True, exist_ok=True)
     what = "peer"
@@ -58,13 +60,15 @@ sys.exit(0 if what == "ok" else 1)
 class Slurm:
     """scontrol and sinfo as the test cluster answers them; every command asked is kept."""
 
-    def __init__(self, down: Sequence[str] = (), state: str = "RUNNING") -> None:
+    def __init__(self, down: Sequence[str] = (), state: str = "RUNNING", end: str = "") -> None:
         self.down, self.state, self.asked = list(down), state, []  # type: list[str], str, list[list[str]]
+        self.end = end
 
     def __call__(self, cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
         self.asked.append(cmd)
         if cmd[:3] == ["scontrol", "show", "job"]:
             out = f"JobId=42 JobName=lm JobState={self.state} Restarts=0" if self.state else ""
+            out += f" EndTime={self.end}" if self.end and out else ""
         elif cmd[0] == "sinfo":
             nodes = cmd[cmd.index("-n") + 1].split(",")
             out = "\n".join(f"{n}|down*|Not responding" if n in self.down else f"{n}|alloc|none" for n in nodes)
@@ -150,6 +154,26 @@ def test_all_said_once_every_host_has_all_or_none_of_its_ranks_recorded(tmp_path
     append_jsonl(run.failures, {"time": 1.0, "job_id": "42", "restart": 0, "rank": 3})  # another start's
     assert all_said(run, "42", 1) is expected
     assert not all_said(run, "42", 2)  # nothing known of a start that has no lines
+
+
+@pytest.mark.parametrize("scontrol_says", [True, False])
+def test_a_relaunched_step_ends_when_the_job_does_not_a_time_limit_after_its_own_start(
+        job: Path, monkeypatch: pytest.MonkeyPatch, scontrol_says: bool) -> None:
+    """Slurm 22.05 sets no SLURM_JOB_END_TIME: a relaunched step's ranks counted the limit from their own start and
+    would stop after Slurm had ended the job. They get the job's end: scontrol's EndTime, else the recovery's start
+    plus the limit."""
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    began = time.time()
+    argv = step(job, ["peer", "ok"])
+    contract = LaunchContract.from_json(argv[-1])
+    argv[-1] = replace(contract, time_limit_s=3600).to_json()
+    assert recover.supervise(argv, Slurm(end="2026-11-26T03:00:00" if scontrol_says else "")) == 0
+    ends = {r["restart"]: r["end"] for r in map(json.loads, (job / "ends.jsonl").read_text().splitlines())}
+    assert ends[0] is None  # the first step: the batch script's environment, as Slurm gave it
+    if scontrol_says:
+        assert int(ends[1]) == int(time.mktime(time.strptime("2026-11-26T03:00:00", "%Y-%m-%dT%H:%M:%S")))
+    else:
+        assert began + 3600 - 1 <= int(ends[1]) <= time.time() + 3600
 
 
 def test_a_tasks_own_exception_is_never_recovered(job: Path) -> None:

@@ -35,7 +35,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.srunwords import srun_failures
 from hpcjobs.protocol.states import FinalState
 from trainers.jobenv.base import Runner
-from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, step_again, unhealthy_nodes
+from trainers.jobenv.slurm import allocation, end_time, job_fields, requeue_excluding, step_again, unhealthy_nodes
 
 
 @dataclass
@@ -119,7 +119,7 @@ def supervise(argv: Sequence[str], runner: Runner = subprocess.run) -> int:
             return 0
         restart = run.next_restart()
         output.step_begins()
-        rc = launch(step_argv(argv, alloc, d.exclude), restart, run, alloc.job_id)
+        rc = launch(step_argv(argv, alloc, d.exclude), restart, run, alloc.job_id, job_end_env(contract, alloc, runner))
 
 
 @dataclass
@@ -179,11 +179,21 @@ ABORT_S = 3.0
 answer it waits for that node's tasks (they are gone; Slurm cleans up the step when it declares the node dead)."""
 
 
-def launch(argv: Sequence[str], restart: int, run: RunFolder, job_id: str) -> int:
+def job_end_env(contract: LaunchContract, alloc: Allocation, runner: Runner) -> dict[str, str]:
+    """SLURM_JOB_END_TIME for a relaunched step where Slurm sets none (22.05 does not): its ranks would count the
+    time limit from their own start (LaunchContract.job_end) and stop minutes after Slurm ends the job, their stop
+    checkpoint lost. The job's EndTime as scontrol says it, else this supervisor's start plus the limit."""
+    if os.environ.get("SLURM_JOB_END_TIME"):
+        return {}
+    end = end_time(job_fields(alloc.job_id, runner)) or contract.job_end(None)
+    return {"SLURM_JOB_END_TIME": str(int(end))} if end else {}
+
+
+def launch(argv: Sequence[str], restart: int, run: RunFolder, job_id: str, env: Mapping[str, str] = {}) -> int:
     """One step of the ranks, numbered `restart` (their logs and records); its exit code. A step that goes on after
     a rank recorded its failure is ended as a double Ctrl-C ends it (srun's own abort), then killed: SAID_S after
     every rank that can still speak has said why, STUCK_S after the first did."""
-    step = subprocess.Popen(list(argv), env={**os.environ, "HPCJOBS_RESTART": str(restart)})
+    step = subprocess.Popen(list(argv), env={**os.environ, **env, "HPCJOBS_RESTART": str(restart)})
     noticed: float | None = None
     said: float | None = None
     while True:
