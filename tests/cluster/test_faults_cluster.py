@@ -275,6 +275,8 @@ def test_a_dead_node_requeues_the_job_and_it_resumes_with_at_most_a_checkpoint_i
     last = max(RunFolder(run).restart_dirs())  # a recovery in the allocation may have come before Slurm's requeue
     resumed = re.search(r"resumed from .* \(step (\d+),", (run / "logs" / f"restart-{last}" / "rank-0.log").read_text())
     assert resumed is not None and died - int(resumed.group(1)) <= 20, (died, resumed)
+    said = status(folder, job).stdout  # Slurm's node failure, named, and its requeue
+    assert re.search(rf"node failed:\s+{victim}", said) and re.search(r"restarts:\s+1", said), said
     fault_report("node death, no spare", how="requeue", fault_to_first_resumed_step_s=round(
         recovery_seconds(run, died_at), 1), steps_lost=died - int(resumed.group(1)), recoveries=[
         r.get("how") for r in RunFolder(run).read_restarts() if r.get("stopped") == "fault"], slurm_restarts=1)
@@ -330,6 +332,8 @@ def test_a_spare_node_stands_in_for_a_dead_one_without_a_requeue(folder: Path) -
     assert wait_for_state(twin_job, DONE, timeout=400) == "COMPLETED"
     got, reference = final_weights(run, 200), final_weights(twin, 200)
     assert all(torch.equal(got[k], reference[k]) for k in got)
+    said = status(folder, job).stdout  # names the node and the recovery that left it out
+    assert re.search(rf"recoveries:\s+{len(faults)}; the last .*{victim}.*leaving out {victim}", said), said
     fault_report("node death, a spare", how="allocation", fault_to_first_resumed_step_s=round(
         recovery_seconds(run, died), 1), fault_to_recovery_s=round(faults[-1]["time"] - died, 1),
         recoveries=len(faults), cause=faults[-1]["cause"])
