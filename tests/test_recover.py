@@ -298,7 +298,7 @@ def test_submitits_call_runs_the_step_under_the_recovery_with_the_nodes_python(j
     monkeypatch.setattr(recover, "job_fields", lambda _job, runner: asked.append(runner) or {"JobState": "RUNNING"})
     monkeypatch.setattr(recover, "unhealthy_nodes", lambda _nodes, runner: asked.append(runner) or {})
     assert SupervisedStep([NODE_PYTHON, *step(tmp_path_of(job), ["peer", "ok"])[1:]])() == 0
-    assert asked == [subprocess.run, subprocess.run]
+    assert asked == [subprocess.run] * 3  # the job's state, the nodes' health, the job's end
     with pytest.raises(RuntimeError, match="exited with code 1"):
         SupervisedStep([NODE_PYTHON, *step(tmp_path_of(job, "b"), ["task"])[1:]])()
 
