@@ -53,7 +53,10 @@ def rank_pids() -> list[int]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"trainers.launch" in cmd and b"/bin/sh" not in cmd.split(b"\0")[0]:
+            argv0 = Path(cmd.split(b"\0")[0].decode(errors="replace")).name
+            # a rank's own Python: not srun, whose command line names trainers.launch too (the first campaign
+            # SIGKILLed the batch step's srun once, which the recovery also brought back)
+            if b"trainers.launch" in cmd and argv0.startswith("python"):
                 pids.append(int(pid))
     return pids
 
@@ -100,17 +103,22 @@ def main() -> int:
         print(f"injected {injected[-1]}", flush=True)
     while state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
         time.sleep(5)
+    return write_result(job, folder, run, ns.steps, injected)
+
+
+def write_result(job: str, folder: Path, run: Path, steps: int, injected: list[dict[str, Any]]) -> int:
+    """`hpcjobs goodput`'s report of the campaign's job, with the faults injected, into RESULTS."""
     report = json.loads(hpcjobs("goodput", job, "--json", home=folder).stdout)
     total = report["total"]
-    result = {"job": job, "state": state(job), "steps": ns.steps, "faults": injected, "goodput": total,
-              "buckets_sum_minus_wall_s": round(sum(total["buckets"].values()) - total["wall_s"], 3),
+    result = {"date": time.strftime("%Y-%m-%d"), "job": job, "state": state(job), "steps": steps, "faults": injected,
+              "goodput": total, "advice": report.get("advice"),
+              "buckets_sum_minus_wall_s": round(sum(total["buckets_s"].values()) - total["wall_s"], 3),
               "recoveries": [r for r in map(json.loads, (run / "restarts.jsonl").read_text().splitlines())
                              if r.get("stopped") == "fault"]}
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("job", "state", "buckets_sum_minus_wall_s")}), total["ettr"],
-          json.dumps(total["buckets"]))
+          json.dumps(total["buckets_s"]))
     return 0 if result["state"] == "COMPLETED" else 1
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
