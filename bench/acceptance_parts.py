@@ -74,10 +74,13 @@ def figures(run: Path) -> dict[str, Any]:
         values = [r[key] for r in timed if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    peaks = [r["peak_mem_gib"] for r in timed if "peak_mem_gib" in r]
+    def top(key: str) -> float | None:
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return max(values) if values else None
+
     return {"intervals": len(timed), "mfu": median("mfu"), "tokens_per_s": median("tokens_per_s"),
-            "peak_mem_gib": max(peaks) if peaks else None, "step_s": statistics.median(steps[SKIP:] or steps)
-            if steps else None, "reserved_gib": median("reserved_gib"), "alloc_retries": median("alloc_retries")}
+            "peak_mem_gib": top("peak_mem_gib"), "step_s": statistics.median(steps[SKIP:] or steps)
+            if steps else None, "peak_reserved_gib": top("peak_reserved_gib"), "alloc_retries": top("alloc_retries")}
 
 
 def lm(s: Suite, name: str, shape: Shape, *flags: str, env: dict[str, str] | None = None,

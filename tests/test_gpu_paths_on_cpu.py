@@ -188,3 +188,79 @@ def test_a_background_save_waits_for_its_gpu_copies_once(monkeypatch: pytest.Mon
     out = stage(state, buffers, "", torch.device("cuda", 0))
     assert len(waits) == 1 and len(buffers) == 6
     assert torch.equal(out["model"]["w4"], torch.full((3,), 4.0))
+
+
+@pytest.mark.parametrize(("environ", "conf", "words"), [
+    ({}, "expandable_segments:True", "expandable segments"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "max_split_size_mb:512",
+     "allocator PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 (yours)"),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, None,
+     "allocator PYTORCH_ALLOC_CONF=expandable_segments:False (yours)"),
+])
+def test_cuda_ranks_get_expandable_segments_unless_the_user_set_the_allocator(
+        monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], conf: str | None, words: str) -> None:
+    """Issue 28: FSDP's gathered blocks and activations of changing sizes fragment fixed-size segments."""
+    import torch
+
+    from trainers import allocator
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    allocator.configure(environ)
+    assert environ.get("PYTORCH_CUDA_ALLOC_CONF") == conf
+    assert allocator.words(torch.device("cuda", 0), environ) == words
+    assert allocator.words(torch.device("cpu"), environ) == ""
+
+
+def test_expandable_segments_are_set_directly_when_cuda_is_already_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from trainers import allocator
+
+    said: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", said.append)
+    allocator.configure({})
+    assert said == ["expandable_segments:True"]
+
+
+def test_cuda_distributed_sets_the_allocator_before_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reads PYTORCH_CUDA_ALLOC_CONF when it makes the allocator: set_device must come after."""
+    import torch
+
+    from trainers import dist
+
+    order: list[str] = []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(dist, "pick_backend", lambda env: ("nccl", torch.device("cuda", 0)))
+    monkeypatch.setattr(dist.allocator, "configure", lambda: order.append("allocator"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: order.append("set_device"))
+    with dist.distributed():
+        pass
+    assert order == ["allocator", "set_device"]
+
+
+def test_metrics_carry_reserved_memory_and_allocator_retries_on_cuda(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    from hpcjobs.protocol.runfolder import RunFolder
+    from hpcjobs.protocol.trainconfig import TrainConfig
+    from trainers.dist import DistContext
+    from trainers.meter import Meter
+    from trainers.task import Task
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 2})
+    env = DistEnv(0, 0, 1, 1, "127.0.0.1", 1, "j", 0, "torchrun")
+    task = Task(name="t", model=lambda: torch.nn.Linear(1, 1), train_data=lambda: [], loss=lambda m, b: b)
+    meter = Meter(DistContext(env, torch.device("cpu"), "gloo"), TrainConfig(steps=10), task, RunFolder(tmp_path),
+                  1, 0, None)
+    meter.ctx = DistContext(env, torch.device("cuda", 0), "nccl")  # the counters are the allocator's: no tensor
+    meter.add(torch.tensor(1.0))
+    meter.flush(1, 0.1)
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert (rec["peak_mem_gib"], rec["peak_reserved_gib"], rec["alloc_retries"]) == (3.0, 4.0, 2)
