@@ -79,14 +79,16 @@ def test_gpu_peaks_for_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert peak_flops(cuda, "fp32", tf32=True) == pytest.approx(494.7e12)
     assert peak_flops(cuda, "fp32", tf32=False) == pytest.approx(66.9e12)
     assert peak_flops(torch.device("cpu"), "bf16", tf32=False) is None
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    assert peak_flops(cuda, "bf16", tf32=False) is None
+    for other in ("Some Future GPU", "NVIDIA RTX A1000 Laptop GPU", "NVIDIA H20"):  # an A100 or H200 by substring
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=other: name)
+        assert peak_flops(cuda, "bf16", tf32=False) is None, other
 
 
 @pytest.mark.parametrize(("name", "bf16", "tf32"), [
     ("NVIDIA H100 80GB HBM3", 989.4, 494.7), ("NVIDIA H100 PCIe", 756.5, 378.0), ("NVIDIA H100 NVL", 835.5, 417.5),
     ("NVIDIA H200", 989.4, 494.7), ("NVIDIA H200 NVL", 835.5, 417.5), ("NVIDIA GH200 480GB", 989.4, 494.7),
     ("NVIDIA A100-SXM4-80GB", 312.0, 156.0), ("NVIDIA A100 80GB PCIe", 312.0, 156.0), ("NVIDIA B200", 2250.0, 1100.0),
+    ("NVIDIA GB200", 2500.0, 1250.0), ("NVIDIA A100-PCIE-40GB", 312.0, 156.0),
 ])
 def test_each_gpu_variant_gets_its_own_peak(monkeypatch: pytest.MonkeyPatch, name: str, bf16: float,
                                             tf32: float) -> None:
