@@ -266,3 +266,71 @@ def test_metrics_carry_reserved_memory_and_allocator_retries_on_cuda(monkeypatch
     meter.flush(1, 0.1)
     rec = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert (rec["peak_mem_gib"], rec["peak_reserved_gib"], rec["alloc_retries"]) == (3.0, 4.0, 2)
+
+
+@pytest.mark.parametrize(("device", "capability", "torchao", "said"), [
+    ("cpu", (0, 0), True, "--fp8 on a rank without a GPU; valid: --fp8 on GPUs with float8 tensor cores"),
+    ("cuda", (8, 0), True, "--fp8 on NVIDIA A100-SXM4-80GB (compute capability 8.0: no float8 tensor cores)"),
+    ("cuda", (9, 0), False, "--fp8 on a rank without the torchao package; valid:"),
+    ("cuda", (9, 0), True, None),
+])
+def test_fp8_is_refused_in_one_line_without_float8_tensor_cores_or_torchao(
+        monkeypatch: pytest.MonkeyPatch, device: str, capability: tuple[int, int], torchao: bool,
+        said: str | None) -> None:
+    import importlib.util
+
+    import torch
+
+    from trainers import fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if torchao else None) if name == "torchao" else real(name, *a))
+    why = fp8.unavailable(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+    line = None if why is None else fp8.refusal(why)
+    assert (line is None) == (said is None)
+    if said is not None:
+        assert line is not None and said in line and "\n" not in line and "HINT: pip install 'hpcjobs[fp8]'" in line
+
+
+def test_fp8_converts_the_aligned_linears_first_and_gathers_in_float8_under_fsdp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao is not installed here: a stand-in records what the trainer asks of torchao.float8, and
+    strategy.make converts before activation checkpointing wraps the blocks (torchtitan's order)."""
+    import sys
+    import types
+
+    import torch
+    from torch import nn
+
+    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.trainflags import ConfigError
+    from trainers import fp8, strategy
+    from trainers.dist import DistContext
+
+    calls: list[tuple[nn.Module, dict[str, bool], list[str]]] = []
+    float8 = types.ModuleType("torchao.float8")
+    float8.Float8LinearConfig = lambda **kw: kw  # type: ignore[attr-defined]
+    float8.convert_to_float8_training = lambda model, config, module_filter_fn: calls.append(  # type: ignore[attr-defined]
+        (model, config, [n for n, m in model.named_modules() if module_filter_fn(m, n)]))
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10), nn.Linear(32, 48))
+    assert fp8.convert(model, TrainConfig(strategy="fsdp")) == 2
+    assert calls[-1][1] == {"enable_fsdp_float8_all_gather": True} and calls[-1][2] == ["0", "3"]
+
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, master_addr="h", master_port=1,
+                  job_id="1", restart=0, source="local")
+    ctx = DistContext(env, torch.device("cpu"), "gloo")
+    cfg = TrainConfig(fp8=True, activation_checkpointing=True)
+    with pytest.raises(ConfigError, match="--fp8 on a rank without a GPU"):
+        strategy.make(nn.Sequential(nn.Linear(16, 16)), ctx, cfg, "fp32")
+    seen: list[str] = []
+    monkeypatch.setattr(fp8, "unavailable", lambda device: None)
+    monkeypatch.setattr(fp8, "convert", lambda model, cfg: seen.append("fp8") or 1)
+    monkeypatch.setattr(strategy, "checkpoint_activations", lambda *a: seen.append("ac") or 1)
+    monkeypatch.setattr(strategy, "Ddp", lambda *a: seen.append("ddp"))
+    strategy.make(nn.Sequential(nn.Linear(16, 16)), ctx, cfg, "fp32")
+    assert seen == ["fp8", "ac", "ddp"]

@@ -141,7 +141,7 @@ class Training:
     def describe(self) -> str:
         cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
-        extras = (self.math, "compiled" * cfg.compile, activations.words(cfg),
+        extras = (self.math, "compiled" * cfg.compile, "float8 linears" * cfg.fp8, activations.words(cfg),
                   strategy.layout_words(cfg, world),
                   "CPU offload" * cfg.cpu_offload, allocator.words(ctx.device),
                   memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))
