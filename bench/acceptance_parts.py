@@ -118,8 +118,8 @@ def p0_environment(s: Suite) -> dict[str, Any]:
     kernels = probe.get("kernels", [])
     fast = any("flash" in k.lower() or "cudnn" in k.lower() for k in kernels)
     slow = any(w in k.lower() for k in kernels for w in ("efficient_attention", "cutlassf", "cutlassb", "_math"))
-    checks = [] if s.dry else [check("flash or cuDNN attention kernels, no efficient/math", float(fast and not slow),
-                                     1.0)]
+    value = float(fast and not slow) if "kernels" in probe else None  # None: the profiler failed (kernels_error)
+    checks = [] if s.dry else [check("flash or cuDNN attention kernels, no efficient/math", value, 1.0)]
     return part_record(runs, checks, **probe)
 
 

@@ -114,18 +114,22 @@ def sdpa_probe(dry: bool) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda" if cuda else "cpu")
     shape = (8, 16, 2048, 128) if cuda else (1, 2, 64, 16)
-    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        if cuda:
-            torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = sorted({e.key for e in events if e.device_type == DeviceType.CUDA} if cuda else
-                     {e.key for e in events if "attention" in e.key})
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
-    return {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-            "cuda": torch.version.cuda, "nccl": nccl, "kernels": kernels}
+    found: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+                             "cuda": torch.version.cuda,
+                             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
+    try:  # the suite still runs when the profiler fails: P0 records why
+        q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        found["kernels"] = sorted({e.key for e in events if e.device_type == DeviceType.CUDA} if cuda else
+                                  {e.key for e in events if "attention" in e.key})
+    except Exception as e:  # noqa: BLE001  (whatever the profiler raises is the finding)
+        found["kernels_error"] = f"{type(e).__name__}: {e}"[:500]
+    return found
 
 
 def slug(gpu: str) -> str:
@@ -175,7 +179,10 @@ def summary_line(prio: str, rec: dict[str, Any]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/gpu_acceptance.py", description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]) + "\n\nParts, in priority order "
+                                "(minutes on an H100, model build and compile included):\n" + "\n".join(
+                                    f"  {x.prio}  ~{x.minutes:g} min  {x.what}{' (H200 only)' * x.h200_only}"
+                                    for x in PARTS),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget-min", type=float, default=30.0, help="total minutes for the whole suite (default "
                    "30): a part whose estimate no longer fits is skipped; no command runs past it. Under a "
@@ -212,18 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     started = time.monotonic()
-    work = a.work or (Path(os.environ["OUT"]) if os.environ.get("OUT") else
-                      Path(tempfile.mkdtemp(prefix="gpu-acceptance-")))
-    work.mkdir(parents=True, exist_ok=True)
-    suite = Suite(a.dry, work, started + a.budget_min * 60)
+    suite = Suite(a.dry, Path(), started + a.budget_min * 60)
     probe = suite.run([__file__, "--sdpa-probe", *(["--dry"] if a.dry else [])])
     env = json.loads(probe["tail"].strip().splitlines()[-1]) if probe["rc"] == 0 else {}
     suite.gpu = env.get("gpu", "unknown")
-    suite.found["probe"] = {"run": probe, "env": env}
-    if not a.dry and suite.gpu in ("cpu", "unknown"):
-        print("bench/gpu_acceptance.py: no CUDA GPU visible; valid: a machine where torch.cuda.is_available(). "
-              "HINT: run it on a GPU machine, or --dry to run the suite's commands on the CPU", file=sys.stderr)
+    if suite.gpu == "unknown" or (suite.gpu == "cpu" and not a.dry):  # before anything is written
+        why = ("no CUDA GPU visible" if suite.gpu == "cpu" else
+               f"its probe of torch failed ({probe['rc']}: {probe['tail'].strip().splitlines()[-1:]})")
+        print(f"bench/gpu_acceptance.py: {why}; valid: a machine where torch.cuda.is_available(). HINT: run it on a "
+              "GPU machine, or --dry to run the suite's commands on the CPU", file=sys.stderr)
         return 2
+    suite.found["probe"] = {"run": probe, "env": env}
+    suite.work = work = a.work or (Path(os.environ["OUT"]) if os.environ.get("OUT") else
+                                   Path(tempfile.mkdtemp(prefix="gpu-acceptance-")))
+    work.mkdir(parents=True, exist_ok=True)
     out = a.out or (work / "gpu-dry-acceptance.json" if a.dry else RESULTS / f"gpu-{slug(suite.gpu)}-acceptance.json")
     outs, chosen, code = [out, work / "acceptance.json"], set(a.parts.split(",")), 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)

@@ -4,6 +4,7 @@ end to end on the CPU (--dry), so the one command a session with a lent GPU runs
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +27,15 @@ def test_help_names_the_budget_and_a_bad_part_is_refused_in_one_line() -> None:
     assert help_.returncode == 0 and "--budget-min" in help_.stdout and "--dry" in help_.stdout
     bad = subprocess.run([sys.executable, SCRIPT, "--parts", "P0,P9"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "valid: parts P0,P1" in bad.stderr
+
+
+def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    got = subprocess.run([sys.executable, SCRIPT, "--work", str(tmp_path / "w"), "--out", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, cwd=REPO, env=env)
+    refusal = [line for line in got.stderr.splitlines() if line.startswith("bench/gpu_acceptance.py")]
+    assert got.returncode == 2 and len(refusal) == 1 and "no CUDA GPU visible" in refusal[0] and "--dry" in refusal[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failing_part_is_recorded_and_the_budget_and_the_gpu_decide_what_runs(tmp_path: Path) -> None:
