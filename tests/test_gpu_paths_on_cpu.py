@@ -237,6 +237,8 @@ def test_cuda_distributed_sets_the_allocator_before_the_device(monkeypatch: pyte
     monkeypatch.setattr(dist, "pick_backend", lambda env: ("nccl", torch.device("cuda", 0)))
     monkeypatch.setattr(dist.allocator, "configure", lambda: order.append("allocator"))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: order.append("set_device"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process's settings stay as they were
+    monkeypatch.setattr(dist.startup, "mark", lambda name: None)
     with dist.distributed():
         pass
     assert order == ["allocator", "set_device"]
