@@ -186,3 +186,17 @@ def test_a_short_random_kill_campaign(tmp_path: Path) -> None:
 
     result = campaign(tmp_path, kills=3, seed=7)
     assert result["bit_identical"] and result["kills"] >= 2, result
+
+
+@pytest.mark.train
+def test_a_memory_mapped_text_file_resumes_exactly(tmp_path: Path) -> None:
+    """--text maps the file (trainers.tasks.lm.text_tokens) instead of reading it whole as int64: a kill and a
+    resume still give the uninterrupted run's losses and weights."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(32, 127)) * 400)  # 38,000 bytes: 563 training windows of 65, 29 for validation
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert train(straight, 1, None, "ddp", "--text", str(text)) == 0
+    assert train(run, 1, "step@7", "ddp", "--text", str(text)) != 0
+    assert train(run, 1, None, "ddp", "--text", str(text)) == 0
+    assert "resumed from" in newest_log(run)
+    assert_same_run(straight, run)

@@ -45,8 +45,10 @@ def test_a_local_job_trains_on_the_gpu_in_bf16_and_reports_mfu(tmp_path: Path) -
     log = train(tmp_path / "run")
     start = next(line for line in log.splitlines() if "| precision" in line)
     assert "on cuda" in start and "precision bf16" in start, start  # auto: bf16 where the GPU has it
+    assert "expandable segments" in start, start  # the allocator, unless the user set it
     recs = [r for r in records(tmp_path / "run") if "loss" in r]
     assert len(recs) == 12 and all(r["loss"] == r["loss"] for r in recs)  # no NaN
+    assert all(r["peak_reserved_gib"] >= r["peak_mem_gib"] and r["alloc_retries"] >= 0 for r in recs)
     if any(name in torch.cuda.get_device_name() for name in ("H100", "H200", "A100")):
         assert all(0 < r["mfu"] < 1 for r in recs)
 

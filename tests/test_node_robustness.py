@@ -639,3 +639,29 @@ def test_under_a_terminal_the_bar_goes_to_the_terminal_and_not_into_the_log(tmp_
     log = (run / "logs" / "restart-0" / "rank-0.log").read_text()
     assert "ETA" in text and "elapsed" in text and "finished at step 400" in text
     assert "ETA" not in log and "finished at step 400" in log
+
+
+def test_a_text_file_is_memory_mapped_and_read_as_before(tmp_path: Path) -> None:
+    """--text read the whole file as int64 on every rank, for the training and the validation set each (16 bytes of
+    memory a byte of text): now every rank maps the file's bytes, and the windows are the same int64 tokens."""
+    import pickle
+
+    from trainers.tasks import lm
+
+    text = tmp_path / "corpus.txt"
+    data = bytes(range(256)) * 40
+    text.write_bytes(data)
+    task = lm.make_task(["--text", str(text), "--seq-len", "16"])
+    train, val = task.train_data(), task.val_data()
+    old = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # what the old path built
+    cut = len(data) * 19 // 20
+    assert len(train) == (cut - 1) // 16 and len(val) == (len(data) - cut - 1) // 16
+    assert all(torch.equal(train[i], old[i * 16: i * 16 + 17]) for i in range(len(train)))
+    assert all(torch.equal(val[i], old[cut + i * 16: cut + i * 16 + 17]) for i in range(len(val)))
+    assert train[0].dtype == torch.int64 and train.tokens.dtype == torch.uint8
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines() if str(text) in line]
+    spans = [tuple(int(x, 16) for x in m[0].split("-")) for m in maps]
+    for tokens in (train.tokens, val.tokens):  # views into a mapping of the file, not a copy
+        assert any(lo <= tokens.data_ptr() < hi for lo, hi in spans)
+    again = pickle.loads(pickle.dumps(val))  # a spawned loader worker maps the file again
+    assert again.source == val.source and torch.equal(again[3], val[3])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers import jobenv, startup
+from trainers import allocator, jobenv, startup
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, setting_seconds
 
 
@@ -139,6 +139,7 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
     env = from_environ(os.environ)
     backend, device = pick_backend(env)
     if device.type == "cuda":
+        allocator.configure()  # before set_device makes the allocator
         torch.cuda.set_device(device)
     torch.set_num_threads(cpu_threads(env))
     timeout_s = timeout_s or setting_seconds(INIT_TIMEOUT, os.environ)

@@ -8,7 +8,7 @@ import torch
 
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from hpcjobs.protocol.trainconfig import TrainConfig
-from trainers import tracking, watchdog
+from trainers import allocator, tracking, watchdog
 from trainers.dist import DistContext
 from trainers.progress import Bar, Terminal
 from trainers.task import Task
@@ -75,8 +75,8 @@ class Meter:
             rec["tokens_per_s"] = samples_s * self.tokens_per_sample
         if self.peak_flops:
             rec["mfu"] = samples_s * self.flops_per_sample / self.peak_flops
-        if self.ctx.device.type == "cuda":  # the allocator's own counter: no device sync
-            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
+        if self.ctx.device.type == "cuda":  # the allocator's own counters: no device sync
+            rec.update(allocator.figures(self.ctx.device))
         append_jsonl(self.run.metrics, rec)
         self.run.write_heartbeat(step, loss=loss, restart=self.restart)
         tokens = f" | {rec['tokens_per_s']:,.0f} tok/s" if self.tokens_per_sample else ""

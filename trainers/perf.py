@@ -7,29 +7,46 @@ from the log whether a run was deterministic and whether fp32 matmuls ran as TF3
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 CUBLAS_WORKSPACE = ":4096:8"
 """cuBLAS's workspace setting that makes its reductions run in a fixed order (CUDA's reproducibility notes)."""
 
-# Dense peak TFLOP/s per GPU (the vendors' datasheet figures without sparsity), by a substring of the device name
-# (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
-# "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA B200"). The first key found in the name wins, so a variant comes
-# before its family: an H100 PCIe or NVL runs at lower clocks and power than the SXM part (756 and 835 bf16 TFLOP/s
-# against 989), and taking the SXM peak for them understated their MFU by up to a quarter. TF32 is what an fp32
-# matmul runs as when TF32 is on; with it off, fp32 is the plain FMA figure.
+# Dense peak TFLOP/s per GPU (the vendors' datasheet figures without sparsity: NVIDIA quotes Tensor Core figures
+# "with sparsity", twice the dense ones), by the device name torch.cuda.get_device_name gives: "NVIDIA H100 80GB HBM3"
+# is the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA GH200 480GB",
+# "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA B200", "NVIDIA GB200". A key matches a whole model name
+# (trainers.perf.peak_key): "A100" is not the "RTX A1000", "H100" not the "GH100" inside another word. The first key
+# found wins, so a form factor comes before its family: an H100 PCIe or NVL runs at lower clocks and power than the
+# SXM part (756 and 835 bf16 TFLOP/s against 989), and taking the SXM peak for them understated their MFU by up to a
+# quarter. TF32 is what an fp32 matmul runs as when TF32 is on; with it off, fp32 is the plain FMA figure.
+# Sources: NVIDIA's H100 datasheet (nvidia.com/en-us/data-center/h100: SXM 1,979 / PCIe 1,513 / NVL 1,671 bf16
+# TFLOP/s with sparsity; TF32 989 / 756 / 835; FP32 67 / 51 / 60), H200 datasheet (nvidia.com/en-us/data-center/h200:
+# SXM as the H100 SXM, NVL as the H100 NVL), A100 datasheet (312 / 156 dense, 19.5 FP32, SXM4 and PCIe alike), HGX B200
+# and GB200 NVL72 specifications (nvidia.com/en-us/data-center/hgx, /gb200-nvl72: per GPU 4.5 / 5 PFLOP/s FP16/BF16
+# and 2.2 / 2.5 TF32 with sparsity, FP32 75 / 80 TFLOP/s), as tabulated per form factor at
+# glennklockwood.com/garden/processors/B200 (HGX B200 at 1,000 W, GB200 at 1,200 W).
 _HOPPER_SXM = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}
 _HOPPER_NVL = {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
     "H100 NVL": _HOPPER_NVL,
     "H200 NVL": _HOPPER_NVL,
-    "H100": _HOPPER_SXM,  # SXM5 (and the GH200's H100)
-    "H200": _HOPPER_SXM,  # SXM (and GH200): the H100 SXM's compute with more and faster memory
+    "H100": _HOPPER_SXM,  # SXM5
+    "H200": _HOPPER_SXM,  # SXM: the H100 SXM's compute with more and faster memory
+    "GH200": _HOPPER_SXM,  # Grace Hopper: the SXM part's compute
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},  # SXM4 and PCIe alike
-    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},  # HGX B200 / 8 (TF32: 2.2 sparse)
+    "GB200": {"bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0, "fp32": 80.0},  # a GB200's GPU, 1,200 W
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},  # HGX B200, 1,000 W
 }
+
+
+def peak_key(name: str) -> str | None:
+    """The first PEAK_TFLOPS key found in the device name as whole words ("NVIDIA RTX A1000" is no A100)."""
+    return next((key for key in PEAK_TFLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name)),
+                None)
 
 
 def configure_math(precision: str, deterministic: bool, device: torch.device) -> str:
@@ -64,9 +81,7 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None
     """The GPU's dense peak FLOP/s for this precision (None: not a GPU in PEAK_TFLOPS, or the CPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in name:
-            kind = "tf32" if precision == "fp32" and tf32 else precision
-            return peaks[kind] * 1e12
-    return None
+    key = peak_key(torch.cuda.get_device_name(device))
+    if key is None:
+        return None
+    return PEAK_TFLOPS[key]["tf32" if precision == "fp32" and tf32 else precision] * 1e12

@@ -15,6 +15,7 @@ from torch import nn
 
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError, check_world
+from trainers import fp8
 from trainers.dist import DistContext
 from trainers.sharding import Sharding
 
@@ -286,6 +287,11 @@ def make(model: nn.Module, ctx: DistContext, cfg: TrainConfig, precision: str,
     if cfg.cpu_offload and ctx.device.type != "cuda":
         raise ConfigError("--cpu-offload on a rank without a GPU; valid: --cpu-offload on GPU ranks. HINT: on the "
                           "CPU everything is already in host memory: drop --cpu-offload")
+    if cfg.fp8:  # first: activation checkpointing, compile and sharding then wrap the float8 layers
+        why = fp8.unavailable(ctx.device)
+        if why:
+            raise ConfigError(fp8.refusal(why))
+        fp8.convert(model, cfg)
     if cfg.activation_checkpointing:
         checkpoint_activations(model, cfg.ac_mode, cfg.ac_every)
     if cfg.strategy == "ddp":

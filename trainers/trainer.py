@@ -21,7 +21,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome
 from hpcjobs.protocol.trainconfig import TrainConfig
 from hpcjobs.protocol.trainflags import ConfigError
-from trainers import activations, checkpoint, faults, memory, perf, preemption, startup, strategy, watchdog
+from trainers import activations, allocator, checkpoint, faults, memory, perf, preemption, startup, strategy, watchdog
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import Checkpointer, Parts, tensors_of
@@ -141,9 +141,9 @@ class Training:
     def describe(self) -> str:
         cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
         threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
-        extras = (self.math, "compiled" * cfg.compile, activations.words(cfg),
+        extras = (self.math, "compiled" * cfg.compile, "float8 linears" * cfg.fp8, activations.words(cfg),
                   strategy.layout_words(cfg, world),
-                  "CPU offload" * cfg.cpu_offload,
+                  "CPU offload" * cfg.cpu_offload, allocator.words(ctx.device),
                   memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))
         return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "
                 f"{threads} thread{'s' * (threads != 1)} per rank | batch {self.micro}×{cfg.grad_accum} per rank, "

@@ -26,7 +26,8 @@ COUNT = Number(int, low=1)
 
 def add_data_flags(p: TaskArgParser) -> None:
     """--text, --seq-len, --samples: the flags trainers.tasks.lm's datasets read (lora has them too)."""
-    p.add_argument("--text", type=Path, help="train on this text file's bytes instead of synthetic tokens")
+    p.add_argument("--text", type=Path, help="train on this text file's bytes instead of synthetic tokens "
+                   "(memory-mapped: the ranks of a node share one copy)")
     p.add_argument("--seq-len", type=COUNT, help="context length (default: the size's)")
     p.add_argument("--samples", type=COUNT, default=8192, help="synthetic windows in the dataset")
 

@@ -80,6 +80,11 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (with fsdp: each block), off by default; the first steps take longer while it
     compiles."""
+    fp8: bool = False
+    """Float8 training of the linear layers (torchao's float8, dynamic scaling; with fsdp the parameters are also
+    all-gathered in float8): on GPUs with float8 tensor cores (H100/H200-class, compute capability 8.9+) with torchao
+    installed (pip install 'hpcjobs[fp8]'); refused in one line elsewhere. Layers whose dimensions are not multiples
+    of 16 stay in the run's precision."""
     strategy: str = field(default="ddp", metadata={
         "choices": STRATEGIES,
         "hint": "fsdp shards a model that does not fit on one GPU; ddp is faster when it fits."})

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,17 +91,39 @@ class GPT(nn.Module):
 
 
 class Sequences(Dataset[torch.Tensor]):
-    """Fixed windows of seq_len + 1 tokens (inputs and shifted targets)."""
+    """Fixed windows of seq_len + 1 tokens (inputs and shifted targets), as int64 one window at a time: the tokens
+    themselves may be a narrower type (a --text file's bytes, memory-mapped)."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens: torch.Tensor, seq_len: int, source: tuple[str, int, int] | None = None) -> None:
+        self.tokens, self.seq_len, self.source = tokens, seq_len, source
         self.n = (len(tokens) - 1) // seq_len
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1]
+        return self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A loader worker started by spawn or forkserver maps the file again rather than receiving its bytes."""
+        if self.source is None:
+            return (Sequences, (self.tokens, self.seq_len))
+        return (mapped_sequences, (*self.source, self.seq_len))
+
+
+def text_tokens(path: Path) -> torch.Tensor:
+    """The file's bytes as byte-level tokens (uint8), memory-mapped (MAP_PRIVATE: read-only in practice): every rank
+    and loader worker of a node shares the page cache's one copy, read as it is touched, where the file was read whole
+    and widened to int64 on every rank, for the training and the validation set each (16 bytes of memory a byte of
+    text a rank). A tokenizer's dataset would map a uint16 token cache the same way (torch.from_file)."""
+    size = path.stat().st_size
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+
+
+def mapped_sequences(path: str, start: int, stop: int, seq_len: int) -> Sequences:
+    return Sequences(text_tokens(Path(path))[start:stop], seq_len, (path, start, stop))
 
 
 def synthetic_tokens(n_seq: int, seq_len: int, seed: int = 1234) -> torch.Tensor:
@@ -125,12 +148,12 @@ def datasets(prog: str, text: Path | None, samples: int, seq_len: int) -> tuple[
         if not text.is_file():
             raise TaskArgError(f"{prog}: --text {text} is not a file; valid: --text PATH of a text file. "
                                "HINT: give the path from the folder the job starts in, or an absolute one")
-        path = text
+        path = text.resolve()  # what a loader worker maps again, whatever its folder
 
         def split(part: int) -> Sequences:  # the last 5% of the bytes are the validation set
-            tokens = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
-            cut = len(tokens) * 19 // 20
-            return Sequences(tokens[:cut] if part == 0 else tokens[cut:], seq_len)
+            size = path.stat().st_size
+            cut = size * 19 // 20
+            return mapped_sequences(str(path), *((0, cut) if part == 0 else (cut, size)), seq_len)
         return str(text.resolve()), split
 
     def synthetic(part: int) -> Sequences:  # other windows of the same kind for validation
