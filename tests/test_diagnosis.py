@@ -155,4 +155,7 @@ def test_a_node_that_failed_before_the_last_start_is_an_earlier_starts(tmp_path:
     earlier = NodeFault(("node2",), "Not responding", "sacct: the allocation ended NODE_FAIL", time=start - 60)
     found = diagnose(run, "7", [], [earlier])
     assert found is not None and found.first is not None and found.first.describe() == "rank 1 on node1: ValueError: x"
-    assert diagnose(run_with(tmp_path / "b", []), "7", [], [earlier]) is None
+    # nothing failed in the last start: the node that ended the earlier one, diagnosed against that start
+    alone = diagnose(run_with(tmp_path / "b", []), "7", [], [earlier])
+    assert alone is not None and alone.first is not None and alone.first.describe().startswith(
+        "node node2 failed: Not responding (sacct: the allocation ended NODE_FAIL)"), alone

@@ -207,3 +207,37 @@ def test_a_local_job_has_no_scheduler_facts(tmp_path: Path) -> None:
     rec = record(tmp_path)
     facts = LocalBackend().scheduler_facts(rec)
     assert facts.restarts is None and facts.node_faults == ()
+
+
+def test_a_job_that_completed_after_its_node_failed_names_that_node_not_the_ranks_slurm_killed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Measured on the test cluster: node2's link and processes killed; Slurm declared it dead (SlurmdTimeout), ended
+    the allocation NODE_FAIL, killing node1's ranks too (none of the four recorded anything; srun named node1's
+    tasks), and requeued the job, which completed. Status said `failed first: rank 0 on node1: Killed (said by srun)`
+    and `node failed: one of node1, node2`: the healthy node."""
+    rec = record(tmp_path)
+    run = RunFolder(rec.run_dir)
+    append_jsonl(run.restarts, {"time": FAILED_EPOCH - 270, "restart": 0, "job_id": "42", "world_size": 4})
+    for rank in range(4):
+        run.rank_log(0, rank).parent.mkdir(parents=True, exist_ok=True)
+        run.rank_log(0, rank).write_text(f"hpcjobs: rank {rank}/4 (local {rank % 2}) on node{1 + rank // 2}, job 42 "
+                                         f"restart 0, ...\nstep 60 | loss 2.0\n")
+    append_jsonl(run.restarts, {"time": FAILED_EPOCH + 20, "restart": 1, "job_id": "42", "world_size": 4})
+    run.write_final(FinalState.FINISHED, "reached step 400", job_id="42")
+    out = tmp_path / "slurm-42.out"
+    out.write_text("srun: error: node1: task 0: Killed\nsrun: error: node1: task 1: Killed\n")
+    rec = JobRecord(**{**rec.__dict__, "logs": {"slurm": str(out)}})
+    slurm = Slurm(squeue=(0, f"COMPLETED|{job_comment(rec.run_dir)}\n"),
+                  scontrol_show_job=(0, job_line(rec, "COMPLETED", "None", 1, end="2026-11-25T10:20:00")),
+                  sacct=(0, f"NODE_FAIL|node[1-2]|{FAILED_AT}\nCOMPLETED|node[1-2]|2026-11-25T10:20:00\n"),
+                  scontrol_show_node=(0, f"{NODE1}\n{NODE2_BACK}\n"))
+    st = status_of(rec, SlurmBackend(slurm))
+    assert st.state == JobState.COMPLETED and st.restarts == 1
+    assert st.first_failure is not None and st.first_failure.startswith("node node2 failed: its reason is gone"), \
+        st.first_failure
+    assert "ranks 2, 3 on it recorded nothing" in st.first_failure
+    assert st.node_faults == ("node2: its reason is gone: the node is up again (sacct: the job's allocation ended "
+                              "NODE_FAIL; Slurm requeued the job)",)
+    present.status(st, None)
+    said = capsys.readouterr().out
+    assert "node1: Killed" not in said and "one of node1" not in said, said

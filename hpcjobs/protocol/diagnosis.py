@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from hpcjobs.protocol.faults import HUNG, PEER_LOST, TIMEOUT
 from hpcjobs.protocol.runfolder import RunFolder
@@ -105,6 +106,9 @@ def diagnose(run: RunFolder, job_id: str, said: list[Failure], nodes: Sequence[N
     recorded = [Failure(int(r["rank"]), str(r.get("host")), str(r.get("error")), "rank", r.get("log"),
                         float(r.get("time", 0))) for r in records]
     lost = [n for n in nodes if not n.time or n.time + 1 >= began]  # sacct's times are whole seconds
+    earlier = [n for n in nodes if n not in lost]
+    if not recorded and not lost and earlier:  # the last start failed in nothing: a node ended an earlier one
+        return earlier_node_failure(run, job_id, starts, world, said, earlier[-1])
     if not recorded and not said and not lost:
         return None
     named = {f.rank for f in recorded} | {f.rank for f in said}
@@ -114,6 +118,19 @@ def diagnose(run: RunFolder, job_id: str, said: list[Failure], nodes: Sequence[N
     log = first.log or str(run.rank_log(restart, first.rank))
     return Diagnosis(replace(first, log=log), silent,
                      tuple(read_text(Path(log)).splitlines()[-TAIL_LINES:]))
+
+
+def earlier_node_failure(run: RunFolder, job_id: str, starts: list[dict[str, Any]], world: int,
+                         said: list[Failure], fault: NodeFault) -> Diagnosis:
+    """The node that ended the start it came in (a requeued job that went on): diagnosed against that start's
+    records, and srun's words, which name the tasks it could still reach (Slurm killed the healthy node's ranks when
+    it ended the allocation: they record nothing either; the dead node's, srun cannot name)."""
+    restart = max((int(r.get("restart", 0)) for r in starts if float(r.get("time", 0)) <= fault.time), default=0)
+    recorded = [Failure(int(r["rank"]), str(r.get("host")), str(r.get("error")), "rank", r.get("log"),
+                        float(r.get("time", 0))) for r in run.read_failures()
+                if str(r.get("job_id")) == job_id and r.get("restart", 0) == restart]
+    first = node_failure(run, restart, world, recorded, fault, heard=said)
+    return Diagnosis(first, (), tuple(read_text(Path(first.log or "")).splitlines()[-TAIL_LINES:]))
 
 
 def first_failure(run: RunFolder, restart: int, world: int, recorded: list[Failure],
@@ -161,13 +178,15 @@ def hung_rank(run: RunFolder, restart: int, world: int, recorded: list[Failure],
                                "Slurm's SIGCONT woke it)", source="timeouts")
 
 
-def node_failure(run: RunFolder, restart: int, world: int, recorded: list[Failure], fault: NodeFault) -> Failure:
+def node_failure(run: RunFolder, restart: int, world: int, recorded: list[Failure], fault: NodeFault,
+                 heard: Sequence[Failure] = ()) -> Failure:
     """A failed node as the first failure: of the nodes the scheduler names, the one whose ranks recorded nothing
-    (a dead node's ranks write nothing), with those ranks named."""
-    hosts = {f.rank: f.host for f in recorded}
+    (a dead node's ranks write nothing) and of whose tasks the scheduler said nothing (`heard`), with those ranks
+    named."""
+    hosts = {f.rank: f.host for f in [*recorded, *heard]}
     on = {n: [r for r in range(world) if short(hosts.get(r) or host_of(run, restart, r)) == short(n)]
           for n in fault.nodes}
-    wrote = {f.rank for f in recorded}
+    wrote = {f.rank for f in recorded} | {f.rank for f in heard}
     node = next((n for n in fault.nodes if on[n] and not set(on[n]) & wrote), None)
     if node is None and len(fault.nodes) == 1:
         node = fault.nodes[0]
