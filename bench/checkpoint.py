@@ -83,7 +83,9 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
 
     from hpcjobs.protocol.trainconfig import TrainConfig
     from trainers import strategy
-    from trainers.checkpoint.sharded import Checkpointer, Parts, tensors_of
+    from trainers.checkpoint.sharded import Checkpointer
+    from trainers.checkpoint.state import RngState
+    from trainers.checkpoint.stateful import ModelState, OptimizerState, Stateful, gather
     from trainers.dist import distributed
 
     width = 2048
@@ -97,12 +99,10 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(4, width)).sum().backward()
         opt.step()
-        ckpt = Checkpointer(folder / "sharded", ctx, keep=2)
+        states: dict[str, Stateful] = {"model": ModelState(model), "optimizer": OptimizerState(model, opt),
+                                       "rng": RngState(ctx.device)}
+        ckpt = Checkpointer(folder / "sharded", ctx, keep=2, states=states)
         x = torch.randn(64, width)
-
-        def parts() -> Parts:
-            tensors, groups = tensors_of(model, opt)
-            return Parts(tensors, {"optimizer_groups": groups}, {"rng": torch.get_rng_state()})
 
         def step() -> tuple[float, float]:
             """One training step as the trainer runs it: (its seconds, of which waiting for the save in flight to
@@ -134,14 +134,14 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
         for r in range(rounds):
             ctx.barrier()
             t = time.perf_counter()
-            ckpt.save(2 * r, parts(), {}, background=False)
+            ckpt.save(2 * r, {}, background=False)
             sync_s = time.perf_counter() - t
             size = sum(f.stat().st_size for f in (folder / "sharded" / f"step-{2 * r}").iterdir())
             dd_s = time_dd(folder, size) if ctx.is_main else 0.0
             ctx.barrier()
             plain = statistics.median([plain, step()[0], step()[0]])
             t = time.perf_counter()
-            ckpt.save(2 * r + 1, parts(), {}, background=True)
+            ckpt.save(2 * r + 1, {}, background=True)
             in_save = time.perf_counter() - t
             waited, lost = steps_while(lambda: ckpt.pending is not None and ckpt.pending.is_alive())
             ckpt.wait()
@@ -149,7 +149,7 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
             async_s = time.perf_counter() - t
             # DCP's own asynchronous save of the same tensors, measured the same way.
             t = time.perf_counter()
-            future = dcp.async_save(parts().tensors, checkpoint_id=folder / "dcp-async" / str(r),
+            future = dcp.async_save(gather(states).tensors, checkpoint_id=folder / "dcp-async" / str(r),
                                     process_group=ctx.checkpoint_group)
             dcp_call = time.perf_counter() - t
             _, dcp_lost = steps_while(lambda f=future: not f.done())
@@ -157,9 +157,9 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
             ctx.barrier()
             if ctx.is_main:  # the same disk footprint in every round
                 shutil.rmtree(folder / "dcp-async", ignore_errors=True)
-            tensors, _ = tensors_of(model, opt)
+            tensors = gather(states).tensors
             before = read_bytes()
-            ckpt.load(CheckpointRef(2 * r, folder / "sharded" / f"step-{2 * r}"), tensors)
+            ckpt.read_tensors(CheckpointRef(2 * r, folder / "sharded" / f"step-{2 * r}"), tensors)
             rows.append({"sync_s": sync_s, "dd_s": dd_s, "blocked_s": in_save + waited, "in_save_call_s": in_save,
                          "waited_s": waited, "lost_s": in_save + lost, "plain_step_s": plain,
                          "async_total_s": async_s, "dcp_async_call_s": dcp_call,

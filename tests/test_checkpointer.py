@@ -18,7 +18,9 @@ from torch import nn
 
 from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
-from trainers.checkpoint.sharded import Checkpointer, Parts, flat, model_weights, tensors_of
+from trainers.checkpoint.sharded import Checkpointer, flat, model_weights
+from trainers.checkpoint.state import RngState
+from trainers.checkpoint.stateful import ModelState, OptimizerState, Place, Stateful, gather
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 
@@ -38,13 +40,13 @@ def trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def parts(model: nn.Module, opt: torch.optim.Optimizer) -> Parts:
-    return Parts(template(model, opt), {"groups": 1}, {"rng": torch.get_rng_state()},
-                 frozenset(name for name, _ in model.named_buffers()))
+def states(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Stateful]:
+    return {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "rng": RngState(torch.device("cpu"))}
 
 
 def template(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return tensors_of(model, opt)[0]
+    """The live tensors of a model and its optimizer, by part name: what a load fills in place."""
+    return gather(states(model, opt)).tensors
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -55,8 +57,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_a_save_loads_back_exactly(background: bool, tmp_path: Path) -> None:
     model, opt = trained()
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    ckpt = Checkpointer(tmp_path, context(), keep=2)
-    ckpt.save(1, parts(model, opt), {}, background)
+    want_all = {k: v.clone() for k, v in flat(template(model, opt))}
+    want_rng = torch.get_rng_state()
+    ckpt = Checkpointer(tmp_path, context(), keep=2, states=states(model, opt))
+    ckpt.save(1, {}, background)
     if background:  # what the trainer does next: a forward and backward, then the update waits for the copy
         model(torch.randn(16, 4)).sum().backward()  # changes BatchNorm's running statistics: copied at once
         ckpt.before_update()
@@ -66,9 +70,13 @@ def test_a_save_loads_back_exactly(background: bool, tmp_path: Path) -> None:
     assert ref is not None and ref.step == 1 and (ref.path / ".metadata").is_file()
     assert same(model_weights(ref), want)  # the saved state is the one of save(), not of after the update
     fresh, fresh_opt = trained(seed=1)
-    state = template(fresh, fresh_opt)
-    ckpt.load(ref, state)
-    assert same(state["model"], want)
+    loader = Checkpointer(tmp_path, context(), keep=2, states=states(fresh, fresh_opt))
+    assert loader.names(Place.SHARED) == ("optimizer_groups",) and loader.names(Place.OWN) == ("rng",)
+    shared, own = checkpoint.read_states(ref, 0, loader.names(Place.SHARED), loader.names(Place.OWN))
+    loader.load(ref, shared, own)
+    assert same(fresh.state_dict(), want)
+    assert same(dict(flat(template(fresh, fresh_opt))), want_all)  # the optimizer's moments and steps too
+    assert torch.equal(torch.get_rng_state(), want_rng)  # the OWN part, from rank-0.pt
 
 
 def _replica(rank: int, world: int, store: str, root: str, background: bool) -> None:
@@ -77,14 +85,14 @@ def _replica(rank: int, world: int, store: str, root: str, background: bool) -> 
                       "gloo", dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
     model, opt = trained()  # the same on every rank, as DDP's replicas are
     want = {k: v.clone() for k, v in flat(template(model, opt))}
-    ckpt = Checkpointer(Path(root), ctx, keep=2)
-    ckpt.save(1, parts(model, opt), {}, background)
+    ckpt = Checkpointer(Path(root), ctx, keep=2, states=states(model, opt))
+    ckpt.save(1, {}, background)
     ckpt.before_update()
     ckpt.wait()
     ctx.barrier()  # a background save is committed by rank 0 alone, once every rank has written
     fresh, fresh_opt = trained(seed=1)
     state = template(fresh, fresh_opt)
-    ckpt.load(checkpoint.latest(Path(root)), state)  # type: ignore[arg-type]
+    ckpt.read_tensors(checkpoint.latest(Path(root)), state)  # type: ignore[arg-type]
     got = dict(flat(state))
     torch.save({"staged": {k: b.nbytes for k, b in ckpt.buffers.items()}, "loaded": same(got, want),
                 "total": sum(t.nbytes for t in want.values())}, f"{root}-{rank}")
@@ -118,14 +126,14 @@ class Payload:
 
 def test_a_crafted_metadata_is_refused_and_never_run(tmp_path: Path) -> None:
     model, opt = trained()
-    ckpt = Checkpointer(tmp_path / "ck", context(), keep=2)
-    ckpt.save(1, parts(model, opt), {}, background=False)
+    ckpt = Checkpointer(tmp_path / "ck", context(), keep=2, states=states(model, opt))
+    ckpt.save(1, {}, background=False)
     ref = checkpoint.latest(tmp_path / "ck")
     assert ref is not None
     Payload.marker = str(tmp_path / "ran")
     (ref.path / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(checkpoint.CorruptCheckpoint, match="posix.system is not allowed|os.system is not allowed"):
-        ckpt.load(ref, template(model, opt))
+        ckpt.read_tensors(ref, template(model, opt))
     with pytest.raises(checkpoint.CorruptCheckpoint):
         model_weights(ref)
     assert not (tmp_path / "ran").exists()
@@ -133,14 +141,14 @@ def test_a_crafted_metadata_is_refused_and_never_run(tmp_path: Path) -> None:
 
 def test_a_checkpoint_of_another_model_is_refused_with_the_difference(tmp_path: Path) -> None:
     model, opt = trained()
-    ckpt = Checkpointer(tmp_path, context(), keep=2)
-    ckpt.save(1, parts(model, opt), {}, background=False)
+    ckpt = Checkpointer(tmp_path, context(), keep=2, states=states(model, opt))
+    ckpt.save(1, {}, background=False)
     ref = checkpoint.latest(tmp_path)
     assert ref is not None
     wider = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     other = torch.optim.AdamW(wider.parameters(), lr=0.1)
     with pytest.raises(ResumeError, match=r"model.2.weight is \(2, 8\) there, \(3, 8\) here"):
-        ckpt.load(ref, template(wider, other))
+        ckpt.read_tensors(ref, template(wider, other))
 
 
 def test_checkpoint_files_carry_no_crc32_and_overlapping_saves_restore_the_setting(tmp_path: Path) -> None:

@@ -60,7 +60,8 @@ SHARDED = r'''
 import sys, time, torch
 from pathlib import Path
 from trainers import checkpoint
-from trainers.checkpoint.sharded import Checkpointer, Parts, model_weights, tensors_of
+from trainers.checkpoint.sharded import Checkpointer, model_weights
+from trainers.checkpoint.stateful import ModelState, OptimizerState
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 root = Path(sys.argv[1]) / "checkpoints"
@@ -73,11 +74,10 @@ model = torch.nn.Linear(300, 1000)  # 1.2 MB of weights, 3.6 MB with AdamW's mom
 opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 300)).sum().backward()
 opt.step()
-def parts():
-    return Parts(tensors_of(model, opt)[0], {}, {"rng": 1})
-ckpt = Checkpointer(root, DistContext(env, torch.device("cpu"), "gloo"), keep=2)
-ckpt.save(1, parts(), {}, background=False)
-ckpt.save(2, parts(), {}, background=True)
+states = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
+ckpt = Checkpointer(root, DistContext(env, torch.device("cpu"), "gloo"), keep=2, states=states)
+ckpt.save(1, {}, background=False)
+ckpt.save(2, {}, background=True)
 try:
     for _ in range(600):  # the trainer's steps: each asks whether the save in flight failed
         ckpt.before_update()

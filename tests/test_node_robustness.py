@@ -194,16 +194,23 @@ def test_a_load_that_failed_halfway_lets_go_of_the_old_model_before_building_ane
     import types
     import weakref
 
+    from trainers.checkpoint.sharded import Checkpointer
+    from trainers.checkpoint.stateful import ModelState, OptimizerState
     from trainers.trainer import Training
 
     training = Training.__new__(Training)
     model = torch.nn.Linear(4, 4)
     model.me = model  # type: ignore[assignment]  # a cycle, as FSDP's hooks make
-    training.model, training.optimizer = model, torch.optim.AdamW(model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    training.model, training.optimizer = model, optimizer
     training.strategy, training.scaler = object(), torch.amp.GradScaler("cpu", enabled=False)  # type: ignore[assignment]
     training.ctx = types.SimpleNamespace(device=torch.device("cpu"))  # type: ignore[assignment]
+    # The scheduler and the checkpoint manager's named parts hold the model and the optimizer too.
+    training.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    training.checkpointer = Checkpointer(Path("unused"), training.ctx, 2, {
+        "model": ModelState(model), "optimizer": OptimizerState(model, optimizer)})
     old, alive_while_building = weakref.ref(model), []
-    del model
+    del model, optimizer
     monkeypatch.setattr(Training, "build", lambda self: alive_while_building.append(old() is not None))
     training.rebuild()
     assert alive_while_building == [False]

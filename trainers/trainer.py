@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.utils.data import DataLoader, DistributedSampler
 
 from hpcjobs.protocol.contract import LaunchContract
@@ -24,8 +24,9 @@ from hpcjobs.protocol.trainflags import ConfigError
 from trainers import activations, allocator, checkpoint, faults, memory, perf, preemption, startup, strategy, watchdog
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
-from trainers.checkpoint.sharded import Checkpointer, Parts, tensors_of
-from trainers.checkpoint.state import Position, reseed, rng_state, seed_all, set_rng_state
+from trainers.checkpoint.sharded import Checkpointer
+from trainers.checkpoint.state import Position, RngState, reseed, rng_state, seed_all, set_rng_state
+from trainers.checkpoint.stateful import ModelState, OptimizerState, Place, Stateful
 from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
 from trainers.logtee import Tee
@@ -36,7 +37,6 @@ from trainers.task import Task
 __all__ = ["Training", "default_optimizer", "train"]
 
 
-WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 SETTLE_S = 60.0
 """How long a failing start waits for its save in flight to commit before it ends (Checkpointer.settle)."""
 
@@ -129,7 +129,6 @@ class Training:
             log(ctx, f"--compile: {why}; running eager (same results, slower). HINT: install it, or drop --compile")
             self.cfg = cfg = dataclasses.replace(cfg, compile=False)
         log(ctx, self.describe())
-        self.checkpointer = Checkpointer(run.checkpoints, ctx, cfg.keep)
         # Without the frozen parameters (save_frozen=False), the model's state is partial: loaded not strictly.
         self.state_options = StateDictOptions(ignore_frozen_params=not task.save_frozen, strict=task.save_frozen)
         self.build()
@@ -170,12 +169,22 @@ class Training:
             self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=fp16)
         seed_all(cfg.seed * 100003 + ctx.rank + 1)
         self.pos = Position()
+        # The plan from step 0; a resume gives it the saved run's anchor (LambdaLR saves no closure: it stays).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.dirty = False
+        self.checkpointer = Checkpointer(self.folder.checkpoints, ctx, cfg.keep, self.states())
+
+    def states(self) -> dict[str, Stateful]:
+        """What a checkpoint holds, by name (the names are the keys in its files: trainers.checkpoint.stateful)."""
+        return {"model": ModelState(self.model, self.state_options),
+                "optimizer": OptimizerState(self.model, self.optimizer, self.state_options),
+                "scheduler": self.scheduler, "scaler": self.scaler, "position": self.pos,
+                "rng": RngState(self.ctx.device)}
 
     def rebuild(self) -> None:
         """After a load that failed halfway: fresh weights and optimizer, as if it never happened. The old ones are let
         go first, cycles included (FSDP's hooks make some), so a rank never holds two models and two optimizers."""
-        del self.model, self.strategy, self.optimizer, self.scaler
+        del self.model, self.strategy, self.optimizer, self.scaler, self.scheduler, self.checkpointer
         gc.collect()
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -189,23 +198,16 @@ class Training:
         def check(meta: dict[str, Any], where: str) -> bool:
             return check_compatible(meta, cfg, self.task, ctx.world_size, where)
 
-        found = newest_readable(self.folder, ctx, check, self.load)
+        keys = self.checkpointer.names(Place.SHARED), self.checkpointer.names(Place.OWN)
+        found = newest_readable(self.folder, ctx, check, self.load, keys)
         if found is None and self.dirty:
             self.rebuild()
         self.anchor, note = lr_anchor(found.meta, cfg, self.lr) if found else (None, "")
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.anchor))
         if found is None:
             log(ctx, f"no finished checkpoint in {self.folder.checkpoints}: starting at step 0")
             return None
-        self.scheduler.load_state_dict(found.shared["scheduler"])
-        saved_groups = found.shared.get("optimizer_groups") or found.shared["optimizer"]["param_groups"]
-        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
-            group["lr"] = saved["lr"]  # LambdaLR's constructor set the LR of step 0
-        self.scaler.load_state_dict(found.shared["scaler"])
-        self.pos = Position(**found.shared["position"])
-        if found.mine:
-            set_rng_state(found.mine["rng"], ctx.device)
-        else:  # resharded: the saved streams belong to other ranks (docs/how-to/fsdp.md, "Resharding")
+        self.scheduler.lr_lambdas = [lr_lambda(cfg, self.anchor)] * len(self.optimizer.param_groups)  # as LambdaLR
+        if not found.mine:  # resharded: the saved streams belong to other ranks (docs/how-to/fsdp.md, "Resharding")
             reseed(cfg.seed, ctx.rank, self.pos.step)
         resharded = "" if found.mine else f", resharded from {found.meta.get('world_size')} ranks"
         log(ctx, f"resumed from {found.ref.path} (step {self.pos.step}, epoch {self.pos.epoch}, micro-batch "
@@ -215,25 +217,11 @@ class Training:
         return found.ref
 
     def load(self, found: Resumed) -> None:
-        """Every rank: the checkpoint's model and optimizer tensors, read straight into this rank's (sharded)
-        tensors, then the optimizer's param groups. (The trainer's single-file layout, from before the sharded one,
-        is no longer read: no released version wrote it.)"""
+        """Every rank: each named part from the checkpoint (the model's and optimizer's tensors read straight into
+        this rank's shards). (The trainer's single-file layout, from before the sharded one, is no longer read: no
+        released version wrote it.)"""
         self.dirty = True
-        tensors, _ = tensors_of(self.model, self.optimizer, self.state_options)
-        self.checkpointer.load(found.ref, tensors)
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={**tensors["optimizer"], "param_groups": found.shared["optimizer_groups"]},
-                       options=self.state_options)
-
-    def parts(self) -> Parts:
-        tensors, groups = tensors_of(self.model, self.optimizer, self.state_options)
-        shared = {"optimizer_groups": groups, "scheduler": self.scheduler.state_dict(),
-                  "scaler": self.scaler.state_dict(), "position": vars(self.pos).copy()}
-        # State-dict keys drop the wrappers' parts of module names (activation checkpointing, compile).
-        buffers = {".".join(p for p in name.split(".") if p not in WRAPPER_NAMES)
-                   for name, _ in self.model.named_buffers()}
-        return Parts(tensors, shared, {"rng": rng_state(self.ctx.device)},
-                     frozenset(buffers))
+        self.checkpointer.load(found.ref, found.shared, found.mine)
 
     def prepare(self) -> None:
         """Everything the loop reads: the validation set, the compiled net, the data from the resumed position."""
@@ -371,7 +359,7 @@ class Training:
         meta = {"config": self.cfg.as_dict(), "task": self.task.name, "task_config": self.task.config,
                 "lr_anchor": list(self.anchor) if self.anchor else None}  # how a resume re-plans the schedule
         watchdog.saving(self.pos.step)  # the hang watchdog allows for it, and bounds it
-        self.checkpointer.save(self.pos.step, self.parts(), meta, background)
+        self.checkpointer.save(self.pos.step, meta, background)
         watchdog.saved(until=self.checkpointer.pending)  # a background save: in flight while its thread writes
         self.last_saved = self.pos.step
         saves.record(self.folder, self.ctx.env, self.pos.step, began, background)

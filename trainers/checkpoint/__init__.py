@@ -1,6 +1,7 @@
 """Checkpoints, one package by concept: the folder and its protocol (folder), the torch files (files), what goes wrong
-(errors), one call for users' scripts (single_file), the shared trainer's sharded and asynchronous saves (sharded),
-where a start resumes (resume) and the position and RNG states saved beside the weights (state). Atomic:
+(errors), one call for users' scripts (single_file), the shared trainer's checkpoint manager with its sharded and
+asynchronous saves (sharded, staging), the named parts it is handed and where each goes (stateful), where a start
+resumes (resume) and the position and RNG states saved beside the weights (state). Atomic:
 RUN/checkpoints/step-N/, only finished ones count; every layout goes through the same three steps (`begin`, its
 files, `commit`).
 

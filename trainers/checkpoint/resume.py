@@ -27,8 +27,8 @@ from trainers.checkpoint import CheckpointRef, CorruptCheckpoint
 from trainers.dist import DistContext
 from trainers.task import Task
 
-SHARED_KEYS = ("scheduler", "scaler", "position")
-OWN_KEYS = ("rng",)
+Keys = tuple[tuple[str, ...], tuple[str, ...]]
+"""The keys shared.pt and rank-R.pt must hold (Checkpointer.names), checked before anything is applied."""
 _OK, _CORRUPT, _REFUSED = 0, 1, 2
 Anchor = tuple[int, float]
 """(step k, LR factor at k) an --extend continues the schedule from; stored in every later checkpoint's meta."""
@@ -153,7 +153,7 @@ Load = Callable[[Resumed], None]
 """load(resumed): every rank applies the checkpoint (a collective); raises CorruptCheckpoint on every rank alike."""
 
 
-def _examine(ref: CheckpointRef, rank: int, check: Check) -> tuple[int, str, Resumed | None]:
+def _examine(ref: CheckpointRef, rank: int, check: Check, keys: Keys) -> tuple[int, str, Resumed | None]:
     """This rank's verdict on a checkpoint's small files: ok (with them read), corrupt or refused (with why)."""
     try:
         meta = checkpoint.read_meta(ref)
@@ -161,7 +161,7 @@ def _examine(ref: CheckpointRef, rank: int, check: Check) -> tuple[int, str, Res
             reshard = check(meta, str(ref.path))
         except ResumeError as e:
             return _REFUSED, str(e), None
-        shared, mine = checkpoint.read_states(ref, rank, SHARED_KEYS, () if reshard else OWN_KEYS, own=not reshard)
+        shared, mine = checkpoint.read_states(ref, rank, keys[0], () if reshard else keys[1], own=not reshard)
     except CorruptCheckpoint as e:
         return _CORRUPT, str(e), None
     return _OK, "", Resumed(ref, meta, shared, mine)
@@ -176,7 +176,7 @@ def _everyones(ctx: DistContext, mine: Any) -> list[Any]:
     return out
 
 
-def newest_readable(run: RunFolder, ctx: DistContext, check: Check, load: Load) -> Resumed | None:
+def newest_readable(run: RunFolder, ctx: DistContext, check: Check, load: Load, keys: Keys) -> Resumed | None:
     """The newest finished checkpoint that every rank read and applied, after moving aside those some rank could not
     read; None: none left (start fresh; a failed `load` may have changed the model: build it anew). Raises
     ResumeError on every rank when its settings do not match (`check`)."""
@@ -186,7 +186,7 @@ def newest_readable(run: RunFolder, ctx: DistContext, check: Check, load: Load) 
         if step is None:                                      # directory cache may lag behind a rename)
             return None
         ref = CheckpointRef(step, run.checkpoints / f"step-{step}")
-        code, why, resumed = _examine(ref, ctx.rank, check)
+        code, why, resumed = _examine(ref, ctx.rank, check, keys)
         verdicts = _everyones(ctx, (code, why))
         refusals = [w for c, w in verdicts if c == _REFUSED]
         if refusals:

@@ -1,9 +1,9 @@
 """The shared trainer's checkpoints: sharded, optionally in the background, in trainers.checkpoint's folder protocol.
-
-A step folder (RUN/checkpoints/step-N/) holds
-  - the model's and the optimizer's tensors in torch's Distributed Checkpoint format (`.metadata`, `__R_0.distcp`):
-    every rank writes the shards it holds, and each tensor that every rank holds whole (all of them under DDP) is
-    written by one rank, chosen before anything is copied (written_here);
+The Checkpointer is handed the trainer's named parts once (trainers.checkpoint.stateful) and saves and loads them by
+name; where each goes is the part's place. With the trainer's parts, a step folder (RUN/checkpoints/step-N/) holds
+  - the SHARDED parts' tensors (model, optimizer) in torch's Distributed Checkpoint format (`.metadata`,
+    `__R_0.distcp`) under each part's name: every rank writes the shards it holds, and each tensor that every rank
+    holds whole (all of them under DDP) is written by one rank, chosen before anything is copied (written_here);
   - shared.pt (rank 0): the small states, i.e. the optimizer's param groups, scheduler, GradScaler and position;
   - rank-R.pt (every rank): its RNG states;
   - meta.json and FINISHED, written by rank 0 once every rank's files are on disk, then the rename
@@ -34,7 +34,7 @@ import sys
 import textwrap
 import threading
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
 
 from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
 from trainers.checkpoint.errors import corrupt
+from trainers.checkpoint.staging import stage
+from trainers.checkpoint.stateful import Parts, Place, Stateful, gather, place_of, small_entries
 from trainers.dist import DistContext
 from trainers.faults import maybe_die
 
@@ -62,30 +63,26 @@ warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?una
                         "the intent is to", category=UserWarning)
 
 
-@dataclass
-class Parts:
-    """One checkpoint's content, by where it goes."""
-
-    tensors: dict[str, Any]
-    """The model and optimizer tensors (DTensor shards under FSDP): DCP files, {"model": {...}, "optimizer": {...}}."""
-    shared: dict[str, Any]
-    """Small states every rank has the same copy of: shared.pt, written by rank 0."""
-    own: dict[str, Any]
-    """This rank's states (its RNG streams): rank-R.pt."""
-    buffers: frozenset[str] = frozenset()
-    """Keys of tensors["model"] that a forward may change (buffers: running statistics, DDP's broadcast): an
-    asynchronous save copies them at once. Everything else only changes in the optimizer's step."""
-
-
 class Checkpointer:
-    def __init__(self, root: Path, ctx: DistContext, keep: int) -> None:
-        self.root, self.ctx, self.keep = root, ctx, keep
+    """The one checkpoint manager of a trainer: handed its named parts once (trainers.checkpoint.stateful), it saves
+    and loads them by name, and knows nothing else of the trainer."""
+
+    def __init__(self, root: Path, ctx: DistContext, keep: int, states: Mapping[str, Stateful]) -> None:
+        self.root, self.ctx, self.keep, self.states = root, ctx, keep, dict(states)
         self.buffers: dict[str, torch.Tensor] = {}
         self.pending: threading.Thread | None = None
         self.staged: threading.Event | None = None
         self.failed: BaseException | None = None
 
-    def save(self, step: int, parts: Parts, meta: dict[str, Any], background: bool) -> None:
+    def names(self, place: Place) -> tuple[str, ...]:
+        """The keys a step folder's small file must hold for a load (shared.pt: SHARED; rank-R.pt: OWN)."""
+        if place is Place.SHARED:
+            return tuple(n for n, p in self.states.items() if place_of(p) is Place.SHARED) + tuple(
+                kept for p in self.states.values() if place_of(p) is Place.SHARDED
+                for kept in small_entries(p).values())
+        return tuple(n for n, p in self.states.items() if place_of(p) is place)
+
+    def save(self, step: int, meta: dict[str, Any], background: bool) -> None:
         """Save step `step` on every rank; returns once committed, or (`background`) once the tensors are staged.
         A background save that failed is raised here, except before a foreground save (a stop, the end), which is
         then the retry: a preemption must not lose its checkpoint to an earlier failure."""
@@ -97,17 +94,17 @@ class Checkpointer:
             print(f"hpcjobs: rank {self.ctx.rank}: the background save before step {step} failed ({e}); saving step "
                   f"{step} in the foreground", file=sys.stderr, flush=True)
         tmp = checkpoint.begin(self.root, step, self.ctx.rank, self.ctx.barrier, self.keep)
-        parts = dataclasses.replace(parts, tensors=written_here(parts.tensors, self.ctx.rank, self.ctx.world_size))
+        parts = gather(self.states)
+        parts.tensors = written_here(parts.tensors, self.ctx.rank, self.ctx.world_size)
         if not background:
             self.write(step, tmp, parts, meta)
             self.ctx.barrier()  # every rank returns knowing the checkpoint is committed
             return
-        model = parts.tensors["model"]
-        now = {"model": stage({k: v for k, v in model.items() if k in parts.buffers}, self.buffers, "model",
-                              self.ctx.device)}
-        later = {"model": {k: v for k, v in model.items() if k not in parts.buffers},
-                 "optimizer": parts.tensors["optimizer"]}
-        small = Parts(now, copy.deepcopy(parts.shared), copy.deepcopy(parts.own))
+        tensors, now = parts.tensors, parts.now
+        changing = stage({n: {k: v for k, v in t.items() if k in now[n]} for n, t in tensors.items()}, self.buffers,
+                         "", self.ctx.device)
+        later = {n: {k: v for k, v in t.items() if k not in now[n]} for n, t in tensors.items()}
+        small = Parts(changing, copy.deepcopy(parts.shared), copy.deepcopy(parts.own))
         self.staged = threading.Event()
         self.pending = threading.Thread(target=self.write_in_background, args=(step, tmp, small, later, meta),
                                         name=f"hpcjobs-save-{step}", daemon=True)
@@ -125,7 +122,7 @@ class Checkpointer:
                 staged = stage(later, self.buffers, "", self.ctx.device)
             finally:
                 self.staged.set()
-            parts.tensors = {"model": {**parts.tensors["model"], **staged["model"]}, "optimizer": staged["optimizer"]}
+            parts.tensors = {n: {**parts.tensors[n], **t} for n, t in staged.items()}
             self.write(step, tmp, parts, meta)
         except BaseException as e:  # noqa: BLE001 - raised by wait(), on the training thread
             self.failed = e
@@ -188,8 +185,29 @@ class Checkpointer:
         if self.pending is not None:
             self.pending.join(timeout)
 
-    def load(self, ref: checkpoint.CheckpointRef, tensors: dict[str, Any]) -> None:
-        """Fill `tensors` (this rank's model and optimizer tensors, any sharding) in place from `ref`; every rank
+    def load(self, ref: checkpoint.CheckpointRef, shared: dict[str, Any], own: dict[str, Any]) -> None:
+        """Every rank: load each part from `ref`, whose small files are read already (`shared`, and this rank's
+        `own`: {} after a reshard, when the OWN parts are left as they are). The SHARDED parts first, their tensors
+        read straight into this rank's (any sharding), then the others in the order they were named."""
+        templates: dict[str, dict[str, Any]] = {}
+        for name, part in self.states.items():
+            if place_of(part) is Place.SHARDED:
+                templates[name] = part.state_dict()  # the live tensors: filled in place
+                for key in small_entries(part):
+                    templates[name].pop(key)
+        self.read_tensors(ref, templates)
+        for name, part in self.states.items():
+            place = place_of(part)
+            if place is Place.SHARDED:
+                part.load_state_dict({**templates[name], **{k: shared[kept] for k, kept in
+                                                            small_entries(part).items()}})
+            elif place is Place.SHARED:
+                part.load_state_dict(shared[name])
+            elif own:
+                part.load_state_dict(own[name])
+
+    def read_tensors(self, ref: checkpoint.CheckpointRef, tensors: dict[str, Any]) -> None:
+        """Fill `tensors` (this rank's tensors of the SHARDED parts, any sharding) in place from `ref`; every rank
         calls it. Raises ResumeError when the checkpoint holds other tensors than these (the model changed), and
         checkpoint.CorruptCheckpoint on every rank if any rank could not read its part."""
         if not (ref.path / METADATA).is_file():
@@ -312,48 +330,6 @@ def mismatch(key: str, t: torch.Tensor, saved: dict[str, Any]) -> str:
     if tuple(entry.size) != tuple(t.shape):
         return f"{key} is {tuple(entry.size)} there, {tuple(t.shape)} here"
     return ""
-
-
-def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               options: StateDictOptions | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """What a checkpoint holds of a model and its optimizer, as this rank has them: ({"model": ..., "optimizer":
-    ...} with tensors only, for DCP; the optimizer's param groups, small, for shared.pt). The tensors are the live
-    ones (a load fills them in place)."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    groups = optim_state.pop("param_groups")
-    return {"model": model_state, "optimizer": optim_state}, list(groups)  # type: ignore[arg-type]
-
-
-def stage(state: Any, buffers: dict[str, torch.Tensor], key: str, device: torch.device) -> Any:
-    """A copy of `state` whose tensors live in host buffers that are reused by the next save (pinned when the
-    tensors are on a GPU: the copy is then a DMA). DTensors stay DTensors (same mesh and placements) around their
-    local shard's copy, so DCP plans the same write. On a GPU the copies are queued on the current stream, behind
-    what training queued there, and the host waits once for all of them (not once per tensor: thousands of waits
-    for a large model's optimizer state), so the copies are whole when this returns."""
-    out = _stage(state, buffers, key)
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    return out
-
-
-def _stage(state: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
-    if isinstance(state, dict):
-        return {k: _stage(v, buffers, f"{key}.{k}") for k, v in state.items()}
-    if isinstance(state, DTensor):
-        # The constructor, not DTensor.from_local: that would copy the host buffer back onto the mesh's device.
-        return DTensor(_stage_tensor(state.to_local(), buffers, key), state._spec, requires_grad=False)
-    if isinstance(state, torch.Tensor):
-        return _stage_tensor(state, buffers, key)
-    return copy.deepcopy(state)
-
-
-def _stage_tensor(t: torch.Tensor, buffers: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    buf = buffers.get(key)
-    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-        buffers[key] = buf
-    buf.copy_(t.detach(), non_blocking=t.is_cuda)
-    return buf
 
 
 def model_weights(ref: checkpoint.CheckpointRef) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """What a run's position is, beyond its weights: the step, where the data stands, and each rank's RNG streams.
-Saved in every checkpoint (the position in shared.pt, the RNG states in each rank's rank-R.pt)."""
+Saved in every checkpoint as parts named by the trainer (the position in shared.pt, the RNG states in each rank's
+rank-R.pt)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+
+from trainers.checkpoint.stateful import Place
 
 
 @dataclass
@@ -20,6 +23,28 @@ class Position:
     micro: int = 0
     """Micro-batches this rank has read of the epoch. The same count at any world size means the same samples
     consumed, since a --reshard keeps the global batch (trainers.checkpoint.resume.check_layout)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return vars(self).copy()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """In place: the data iterator reads this very object (trainers.data.micro_batches)."""
+        vars(self).update(vars(Position(**state_dict)))  # a key that is no field raises, as a new Position would
+
+
+class RngState:
+    """This rank's RNG streams, as a part that is every rank's own (rank-R.pt)."""
+
+    place = Place.OWN
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state(self.device)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_rng_state(state_dict, self.device)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
