@@ -297,6 +297,7 @@ def test_submitits_call_runs_the_step_under_the_recovery_with_the_nodes_python(j
     asked: list[Any] = []  # Slurm's answers, with the command runner the recovery asks them through
     monkeypatch.setattr(recover, "job_fields", lambda _job, runner: asked.append(runner) or {"JobState": "RUNNING"})
     monkeypatch.setattr(recover, "unhealthy_nodes", lambda _nodes, runner: asked.append(runner) or {})
+    monkeypatch.setattr(recover, "stated_end_env", lambda _job, _env, _end, runner: asked.append(runner) or {})
     assert SupervisedStep([NODE_PYTHON, *step(tmp_path_of(job), ["peer", "ok"])[1:]])() == 0
     assert asked == [subprocess.run] * 3  # the job's state, the nodes' health, the job's end
     with pytest.raises(RuntimeError, match="exited with code 1"):

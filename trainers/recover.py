@@ -35,7 +35,7 @@ from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.srunwords import srun_failures
 from hpcjobs.protocol.states import FinalState
 from trainers.jobenv.base import Runner
-from trainers.jobenv.slurm import allocation, end_time, job_fields, requeue_excluding, step_again, unhealthy_nodes
+from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, stated_end_env, step_again, unhealthy_nodes
 
 
 @dataclass
@@ -182,13 +182,10 @@ answer it waits for that node's tasks (they are gone; Slurm cleans up the step w
 
 
 def job_end_env(contract: LaunchContract, alloc: Allocation, runner: Runner) -> dict[str, str]:
-    """SLURM_JOB_END_TIME for a relaunched step where Slurm sets none (22.05 does not): its ranks would count the
-    time limit from their own start (LaunchContract.job_end) and stop minutes after Slurm ends the job, their stop
-    checkpoint lost. The job's EndTime as scontrol says it, else this supervisor's start plus the limit."""
-    if os.environ.get("SLURM_JOB_END_TIME"):
-        return {}
-    end = end_time(job_fields(alloc.job_id, runner)) or contract.job_end(None)
-    return {"SLURM_JOB_END_TIME": str(int(end))} if end else {}
+    """The job's end for a relaunched step where the scheduler states none in the environment (Slurm 22.05): its
+    ranks would count the time limit from their own start (LaunchContract.job_end) and stop minutes after Slurm ends
+    the job, their stop checkpoint lost. Slurm's EndTime, else this supervisor's start plus the limit."""
+    return stated_end_env(alloc.job_id, os.environ, contract.job_end(None), runner)
 
 
 def launch(argv: Sequence[str], restart: int, run: RunFolder, job_id: str, env: Mapping[str, str] = {}) -> int:

@@ -275,8 +275,9 @@ def test_a_dead_node_requeues_the_job_and_it_resumes_with_at_most_a_checkpoint_i
     last = max(RunFolder(run).restart_dirs())  # a recovery in the allocation may have come before Slurm's requeue
     resumed = re.search(r"resumed from .* \(step (\d+),", (run / "logs" / f"restart-{last}" / "rank-0.log").read_text())
     assert resumed is not None and died - int(resumed.group(1)) <= 20, (died, resumed)
-    said = status(folder, job).stdout  # Slurm's node failure, named, and its requeue
-    assert re.search(rf"node failed:\s+{victim}", said) and re.search(r"restarts:\s+1", said), said
+    said = status(folder, job).stdout  # Slurm's node failure (its node, not the peers Slurm killed) and its requeue
+    assert re.search(rf"node failed:\s+{victim}: ", said) and re.search(r"restarts:\s+1", said), said
+    assert re.search(rf"failed first: node {victim} failed", said), said
     fault_report("node death, no spare", how="requeue", fault_to_first_resumed_step_s=round(
         recovery_seconds(run, died_at), 1), steps_lost=died - int(resumed.group(1)), recoveries=[
         r.get("how") for r in RunFolder(run).read_restarts() if r.get("stopped") == "fault"], slurm_restarts=1)

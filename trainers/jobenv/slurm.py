@@ -108,6 +108,17 @@ def unhealthy_nodes(nodes: list[str], runner: Runner = subprocess.run) -> dict[s
     return bad
 
 
+def stated_end_env(job_id: str, env: Mapping[str, str], fallback: float | None,
+                   runner: Runner = subprocess.run) -> dict[str, str]:
+    """SLURM_JOB_END_TIME for a step the recovery starts, where Slurm set none in `env` (22.05): `scontrol`'s
+    EndTime, else `fallback`; {} where it is set or nothing is known (SlurmJobEnv.stated_end reads it in the
+    ranks)."""
+    if env.get("SLURM_JOB_END_TIME"):
+        return {}
+    end = end_time(job_fields(job_id, runner)) or fallback
+    return {"SLURM_JOB_END_TIME": str(int(end))} if end else {}
+
+
 def allocation(env: Mapping[str, str]) -> tuple[str, list[str]]:
     """The job's id and its nodes, in the batch step (trainers/recover.py)."""
     nodelist = env.get("SLURM_JOB_NODELIST", "")
