@@ -320,3 +320,33 @@ def test_the_probes_folder_is_mounted_when_the_runs_folder_is_not(monkeypatch: p
     spec = container_spec("pyxis", monkeypatch, run_dir="/elsewhere/r-%j")
     folder = str(probe_folder(spec))
     assert f"{folder}:{folder}" in probe_script(spec, probe_folder(spec) / "r.json")
+
+
+def oci_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
+    """An oci rank's words as srun starts them inside the bundle, run here up to a command that prints what the
+    rank's Python would see: its index and the folder it starts in (the spec's working folder is `tmp_path/proj`)."""
+    from hpcjobs.backends.slurm_container import rank_argv
+
+    spec = container_spec("oci", monkeypatch)
+    (tmp_path / "proj").mkdir(parents=True)
+    spec = replace(spec, container=replace(spec.container, workdir=str(tmp_path / "proj")))
+    argv = rank_argv(spec, [*signal_guard(spec), "/bin/sh", "-c", 'echo "$SLURM_PROCID $SLURM_NODEID $(pwd)"'])
+    out = subprocess.run(argv, env={"PATH": os.environ["PATH"], **env}, cwd="/", text=True, capture_output=True)
+    return out.stdout.strip() + out.stderr.strip()
+
+
+def test_an_oci_rank_starts_in_the_jobs_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm starts an --container step in the bundle config.json's cwd (`/`), not the step's --chdir (measured on
+    the test cluster): the rank goes to the code snapshot itself."""
+    nodes = f"elsewhere {os.uname().nodename}"
+    assert oci_rank(tmp_path, monkeypatch, {"HPCJOBS_NODES": nodes}) == f"1 1 {tmp_path / 'proj'}"
+
+
+def test_an_oci_rank_ignores_the_batch_steps_rank_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a batch job, every --container task gets the batch step's SLURM_PROCID=0 and SLURM_NODEID=0 (measured
+    on the test cluster): the index is the host's place in the job's host list, or one line when it is not there."""
+    leaked = {"SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURMD_NODENAME": "elsewhere"}
+    nodes = f"elsewhere {os.uname().nodename}"
+    assert oci_rank(tmp_path, monkeypatch, {"HPCJOBS_NODES": nodes, **leaked}) == f"1 1 {tmp_path / 'proj'}"
+    said = oci_rank(tmp_path / "b", monkeypatch, {"HPCJOBS_NODES": "elsewhere other", **leaked})
+    assert said.startswith("hpcjobs: this rank's host name") and "HINT: remove the uts namespace" in said, said

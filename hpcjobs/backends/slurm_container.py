@@ -26,12 +26,25 @@ from hpcjobs.spec import JobSpec
 REQUEUE_FILE = REQUEUE_FILE_VAR  # the file rank 0 writes to ask the batch script for a requeue (the module's doc)
 NODES_VAR = "HPCJOBS_NODES"
 """oci only: the job's hosts in order, from which each rank finds its node index (see OCI_IDENTITY)."""
-OCI_IDENTITY = ('i=0; for n in $HPCJOBS_NODES; do [ "$n" = "$(uname -n)" ] && break; i=$((i+1)); done; '
-                'export SLURM_PROCID="${SLURM_PROCID:-$i}" SLURM_NODEID="${SLURM_NODEID:-$i}" '
-                'SLURM_LOCALID="${SLURM_LOCALID:-0}"; ')
-"""Slurm 22.05 gives an --container step no per-task variables (SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID:
-measured); with one task per node, a rank's index is its host's place in the job's host list. A site whose oci.conf
-sets them (an ociwrap that edits config.json) keeps its own values."""
+OCI_IDENTITY = ('hpcjobs_at=""; i=0; for n in $HPCJOBS_NODES; do '
+                'if [ "$n" = "$(uname -n)" ]; then hpcjobs_at=$i; break; fi; i=$((i+1)); done; '
+                'if [ -z "$hpcjobs_at" ]; then echo "hpcjobs: this rank\'s host name $(uname -n) is not one of the '
+                'job\'s nodes ($HPCJOBS_NODES), so it cannot know its rank; valid: a bundle that keeps the node\'s '
+                'host name. HINT: remove the uts namespace and hostname from the bundle\'s config.json" >&2; exit 2; '
+                'fi; export SLURM_PROCID=$hpcjobs_at SLURM_NODEID=$hpcjobs_at SLURM_LOCALID=0; ')
+"""Slurm 22.05 gives an --container step no per-task variables of its own (SLURM_PROCID, SLURM_LOCALID,
+SLURM_NODEID): the container gets the srun's environment, and inside a batch job that holds the batch step's
+SLURM_PROCID=0, SLURM_NODEID=0 and SLURMD_NODENAME of the first node, on every node (measured on the test cluster:
+both ranks took rank 0). With one task per node, a rank's index is its host's place in the job's host list, always
+(a site's ociwrap that sets them per task gives the same index)."""
+
+
+def oci_chdir(image: Image) -> str:
+    """oci only: shell words that enter the job's working folder (the code snapshot) inside the bundle. Slurm runs
+    the container in its config.json's process.cwd (`/` from `runc spec`), not in the step's --chdir: the generated
+    config.json takes the bundle's own (22.05; measured on the test cluster), so a rank would import the project from
+    wherever its Python finds it instead of the snapshot, and a script's relative paths would point into `/`."""
+    return f"cd {shlex.quote(image.workdir)} || exit 2; "
 
 
 def mounts(image: Image, sep: str = ",") -> str:
@@ -66,7 +79,7 @@ def rank_argv(spec: JobSpec, argv: list[str]) -> list[str]:
     if image is None:
         return argv
     if image.runtime == "oci":
-        return [*argv[:2], OCI_IDENTITY + argv[2], *argv[3:]]
+        return [*argv[:2], OCI_IDENTITY + oci_chdir(image) + argv[2], *argv[3:]]
     if image.wrapper:
         return [*argv[:4], *wrapper_prefix(spec, image), *argv]
     return argv
@@ -78,8 +91,9 @@ def check_prefix(spec: JobSpec) -> list[str]:
     assert image is not None
     if image.wrapper:
         return wrapper_prefix(spec, image)
+    inside = ["/bin/sh", "-c", oci_chdir(image) + 'exec "$@"', "hpcjobs-check"] if image.runtime == "oci" else []
     return ["srun", "--nodes=1", "--ntasks=1", f"--cpus-per-task={spec.profile.cpus_per_gpu}",
-            *srun_container_flags(image)]
+            *srun_container_flags(image), *inside]
 
 
 def container_lines(spec: JobSpec, handoff_dir: str) -> list[str]:

@@ -48,8 +48,9 @@ def make_profile(folder: Path, env: dict[str, str] | None = None, **preemption: 
 
 
 def start(path: str, profile: Path, run: Path, folder: Path, time_limit: str = "30:00",
-          strategy: str = "ddp") -> str:
-    common = ["--profile", str(profile), "--nodes", "2", "--gpus", "2", "--time", time_limit, "--run-dir", str(run)]
+          strategy: str = "ddp", gpus: int = 2) -> str:
+    common = ["--profile", str(profile), "--nodes", "2", "--gpus", str(gpus), "--time", time_limit, "--run-dir",
+              str(run)]
     if path == "submit":
         out = hpcjobs("submit", *common, "--json", *config(strategy), cwd=REPO)
         assert out.returncode == 0, out.stderr
@@ -75,15 +76,16 @@ def folder() -> Path:
 
 
 class References:
-    """The final weights of an uninterrupted run per strategy, made when a test first asks for one."""
+    """The final weights of an uninterrupted run per strategy (on 2 nodes × `gpus`), made when a test first asks
+    for one."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.made = folder, {}
+    def __init__(self, folder: Path, gpus: int = 2) -> None:
+        self.folder, self.gpus, self.made = folder, gpus, {}
 
     def __call__(self, strategy: str = "ddp") -> dict[str, torch.Tensor]:
         if strategy not in self.made:
-            run = self.folder / f"reference-{strategy}"
-            job = start("submit", make_profile(self.folder), run, self.folder, strategy=strategy)
+            run = self.folder / f"reference-{strategy}{'' if self.gpus == 2 else f'-{self.gpus}gpu'}"
+            job = start("submit", make_profile(self.folder), run, self.folder, strategy=strategy, gpus=self.gpus)
             assert wait_for_state(job, DONE, timeout=400) == "COMPLETED"
             assert not any("stopped" in json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines())
             self.made[strategy] = weights(run, strategy)

@@ -25,6 +25,9 @@
 #                                                it at its next purge, up to a minute later)
 #   HPCJOBS_CLUSTER_USER_SIGNAL=1                1: preemption sends the job's own --signal (preempt_send_user_signal)
 #                                                0: preemption sends SIGTERM, then SIGKILL after GraceTime
+#   HPCJOBS_CLUSTER_OCI_TASK_ENV=0               1: oci.conf's RunTimeRun goes through ociwrap.sh, which adds the
+#                                                per-task variables Slurm 22.05 leaves out of a --container step
+#                                                0: as Slurm ships (hpcjobs finds each rank's index itself)
 set -euo pipefail
 
 D=${HPCJOBS_CLUSTER_DIR:-/tmp/hpcjobs-cluster}
@@ -40,7 +43,9 @@ for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("node$i"); done
 ACCOUNTING=${HPCJOBS_CLUSTER_ACCOUNTING:-1}
 USER_SIGNAL=${HPCJOBS_CLUSTER_USER_SIGNAL:-1}
 SELF=$(readlink -f "$0")
-PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server iproute2 util-linux charliecloud-runtime)  # ch-run: the containers tests
+OCI_TASK_ENV=${HPCJOBS_CLUSTER_OCI_TASK_ENV:-0}
+# ch-run, runc (Slurm's --container through oci.conf) and jq (ociwrap.sh): the containers tests
+PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server iproute2 util-linux charliecloud-runtime runc jq)
 
 log() { printf '[testcluster] %s\n' "$*" >&2; }
 die() { printf '[testcluster] error: %s\n' "$*" >&2; exit 1; }
@@ -146,9 +151,39 @@ CgroupPlugin=cgroup/v1
 EOF
 }
 
+write_oci_conf() {
+  # Slurm's own `srun --container=BUNDLE` with runc (measured: /work/shared/docs/containers-on-the-test-cluster.md).
+  # slurmstepd reads this file only for a step that asks for a container, so it changes no other job. The
+  # container's name holds the node (%n): both nodes share $D/ocistate. RunTimeRun starts with `exec`: Slurm runs it
+  # through /bin/sh -c, and without it the shell is the task (a signal kills it and the container's exit code is lost).
+  local runc="runc --root=$D/ocistate" name="%n.%u.%j.%s.%t" wrap=""
+  [ "$OCI_TASK_ENV" = 1 ] && wrap="$D/etc/slurm/ociwrap.sh %n %b "
+  cat >"$D/etc/slurm/oci.conf" <<EOF
+RunTimeQuery="$runc state $name"
+RunTimeKill="$runc kill -a $name"
+RunTimeDelete="$runc delete --force $name"
+RunTimeRun="exec $wrap$runc run $name -b %b"
+EOF
+  # ociwrap.sh NODE BUNDLE RUNTIME...: the container gets Slurm 22.05's job and step variables but no per-task ones
+  # (SLURM_PROCID, SLURM_NODEID, SLURM_LOCALID, SLURMD_NODENAME); with one task per node per step (22.05), a task's
+  # index is its node's place in the step's host list. It adds them to the generated config.json, then runs RUNTIME.
+  cat >"$D/etc/slurm/ociwrap.sh" <<'EOF'
+#!/bin/sh
+set -eu
+node=$1 config=$2/config.json; shift 2
+nodes=$(jq -r '.process.env[] | select(startswith("SLURM_STEP_NODELIST=")) | sub("^[^=]*="; "")' "$config")
+i=$(scontrol show hostnames "$nodes" | grep -nx "$node" | cut -d: -f1)
+jq --arg n "$node" --arg i "$((i - 1))" '.process.env += ["SLURMD_NODENAME=\($n)", "SLURM_NODEID=\($i)",
+  "SLURM_PROCID=\($i)", "SLURM_LOCALID=0"]' "$config" >"$config.new"
+mv "$config.new" "$config"
+exec "$@"
+EOF
+  chmod 755 "$D/etc/slurm/ociwrap.sh"
+}
+
 write_config() {
   rm -rf "$D"
-  mkdir -p "$D"/{etc/slurm,munge,munge-run,state,spool,run,log,mysql/data,mysql/run}
+  mkdir -p "$D"/{etc/slurm,munge,munge-run,state,spool,run,log,mysql/data,mysql/run,ocistate}
   chmod 755 "$D"
   echo "$NODE_COUNT" >"$D/node-count"
   {
@@ -163,6 +198,7 @@ write_config() {
   chmod 700 "$D/munge"; chmod 400 "$D/munge/munge.key"
   chown -R mysql:mysql "$D/mysql"
   write_slurm_conf
+  write_oci_conf
   cat >"$D/etc/slurm/slurmdbd.conf" <<EOF
 AuthType=auth/munge
 DbdHost=head
