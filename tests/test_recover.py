@@ -156,6 +156,28 @@ def test_all_said_once_every_host_has_all_or_none_of_its_ranks_recorded(tmp_path
     assert not all_said(run, "42", 2)  # nothing known of a start that has no lines
 
 
+TIMED_OUT = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation"
+
+
+@pytest.mark.parametrize("records,expected", [
+    ({0: TIMED_OUT, 1: TIMED_OUT, 2: TIMED_OUT}, True),  # rank 3 hung (SIGSTOPped): the others all waited for it
+    ({0: TIMED_OUT, 1: "hung: no step progress for 300 s"}, True),
+    ({0: TIMED_OUT, 1: TIMED_OUT, 2: "RuntimeError: Connection closed by peer"}, False),  # node2 part-way: wait
+    ({2: "ValueError: bad batch"}, False)])
+def test_all_said_when_every_record_waited_for_the_ranks_that_said_nothing(tmp_path: Path, records: dict[int, str],
+                                                                          expected: bool) -> None:
+    """A hung rank never speaks while SIGSTOPped, and its node's other ranks did: only the records' words tell that
+    the silent one is the one they waited for (its step went on 8.6 s past their timeouts on the test cluster)."""
+    from hpcjobs.protocol.recovery import all_said
+    from hpcjobs.protocol.runfolder import append_jsonl
+    run = RunFolder(tmp_path)
+    for rank in range(4):
+        append_jsonl(run.startup, {"job_id": "42", "restart": 0, "rank": rank, "host": f"node{1 + rank // 2}"})
+    for rank, error in records.items():
+        append_jsonl(run.failures, {"time": 1.0, "job_id": "42", "restart": 0, "rank": rank, "error": error})
+    assert all_said(run, "42", 0) is expected
+
+
 @pytest.mark.parametrize("scontrol_says", [True, False])
 def test_a_relaunched_step_ends_when_the_job_does_not_a_time_limit_after_its_own_start(
         job: Path, monkeypatch: pytest.MonkeyPatch, scontrol_says: bool) -> None:

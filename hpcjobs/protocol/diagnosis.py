@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.protocol.faults import HUNG, PEER_LOST, TIMEOUT
+from hpcjobs.protocol.faults import HUNG, PEER_LOST, TIMEOUT, waited_for_another
 from hpcjobs.protocol.runfolder import RunFolder
 
 TAIL_LINES = 5
@@ -90,7 +90,7 @@ def by_signal(f: Failure) -> bool:
 
 def waited(f: Failure) -> bool:
     """A record of a rank that waited for another: its hang watchdog's, or a collective's timeout."""
-    return f.error.startswith(HUNG) or bool(TIMEOUT.search(f.error))
+    return waited_for_another(f.error)
 
 
 def diagnose(run: RunFolder, job_id: str, said: list[Failure], nodes: Sequence[NodeFault] = ()) -> Diagnosis | None:

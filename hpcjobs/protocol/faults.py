@@ -33,6 +33,11 @@ class FaultKind(_Str):
     """Nobody's bug: recovered (trainers/recover.py)."""
 
 
+def waited_for_another(error: str) -> bool:
+    """A rank's record saying it waited for another: a collective's timeout, or its hang watchdog's word."""
+    return error.startswith(HUNG) or bool(TIMEOUT.search(error))
+
+
 def kind_of(error: str | None, by_scheduler: bool = False) -> FaultKind:
     """The kind of the failure a start is diagnosed with (hpcjobs.protocol.diagnosis's first failure: its error,
     and whether the scheduler said it because the rank wrote nothing). None: no rank recorded anything and the

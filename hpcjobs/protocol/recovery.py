@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hpcjobs.protocol.contract import Recovery
 from hpcjobs.protocol.diagnosis import Failure, diagnose
-from hpcjobs.protocol.faults import FaultKind, kind_of
+from hpcjobs.protocol.faults import FaultKind, kind_of, waited_for_another
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.states import StopReason
 
@@ -105,12 +105,18 @@ def all_said(run: RunFolder, job_id: str, restart: int) -> bool:
     """Whether every rank of start `restart` that can still speak has recorded its failure: at least one has, and on
     each host either all ranks have or none has (a host none of whose ranks speaks may be dead: nothing more will
     come from it). Then the step has nothing left to say, and the recovery need not wait for srun to give up on a
-    dead node's tasks. False while any host is part-way, or where startup.jsonl does not say where ranks ran."""
-    said = {f["rank"] for f in run.read_failures() if str(f.get("job_id")) == job_id and f.get("restart") == restart}
+    dead node's tasks; or every record says its rank timed out waiting (the silent ones are those it waited for: a
+    SIGSTOPped rank's step went on 8.6 s past its peers' timeouts on the test cluster). False while any host is
+    part-way, or where startup.jsonl does not say where ranks ran."""
+    records = [f for f in run.read_failures() if str(f.get("job_id")) == job_id and f.get("restart") == restart]
+    said = {f["rank"] for f in records}
     where = ranks_by_host(run, job_id, restart)
     if not said or not where or not said <= set().union(*where.values()):
         return False
+    if all(waited_for_another(str(f.get("error", ""))) for f in records):
+        return True  # they all timed out waiting: the ranks that said nothing are those they waited for (hung)
     return all(ranks <= said or not ranks & said for ranks in where.values())
+
 
 
 WHERE = {"allocation": "in the allocation", "requeue": "by a requeue", "local": "on this machine"}
