@@ -71,15 +71,21 @@ def record(tmp_path: Path) -> JobRecord:
                      run_dir=str(tmp_path / "run"), logs={}, spec={}, submitted=time.time())
 
 
-def node_died(rec: JobRecord) -> RunFolder:
-    """node2 killed at step ~285 with its link up: ranks 0 and 1 on node1 saw their connections reset, ranks 2 and 3
-    wrote nothing, and the first failure's words went into final.json."""
+def first_start(rec: JobRecord, step: int) -> RunFolder:
+    """Start 0 of the job: 2 nodes × 2 ranks, each rank's log up to `step`."""
     run = RunFolder(rec.run_dir)
     append_jsonl(run.restarts, {"time": FAILED_EPOCH - 270, "restart": 0, "job_id": "42", "world_size": 4})
     for rank in range(4):
         run.rank_log(0, rank).parent.mkdir(parents=True, exist_ok=True)
         run.rank_log(0, rank).write_text(f"hpcjobs: rank {rank}/4 (local {rank % 2}) on node{1 + rank // 2}, job 42 "
-                                         f"restart 0, ...\nstep 280 | loss 2.0\n")
+                                         f"restart 0, ...\nstep {step} | loss 2.0\n")
+    return run
+
+
+def node_died(rec: JobRecord) -> RunFolder:
+    """node2 killed at step ~285 with its link up: ranks 0 and 1 on node1 saw their connections reset, ranks 2 and 3
+    wrote nothing, and the first failure's words went into final.json."""
+    run = first_start(rec, 280)
     now = FAILED_EPOCH - 20  # the peers saw their connections reset before Slurm declared the node dead
     for rank in (1, 0):
         append_jsonl(run.failures, {"time": now + rank, "job_id": "42", "restart": 0, "rank": rank, "host": "node1",
@@ -216,12 +222,7 @@ def test_a_job_that_completed_after_its_node_failed_names_that_node_not_the_rank
     tasks), and requeued the job, which completed. Status said `failed first: rank 0 on node1: Killed (said by srun)`
     and `node failed: one of node1, node2`: the healthy node."""
     rec = record(tmp_path)
-    run = RunFolder(rec.run_dir)
-    append_jsonl(run.restarts, {"time": FAILED_EPOCH - 270, "restart": 0, "job_id": "42", "world_size": 4})
-    for rank in range(4):
-        run.rank_log(0, rank).parent.mkdir(parents=True, exist_ok=True)
-        run.rank_log(0, rank).write_text(f"hpcjobs: rank {rank}/4 (local {rank % 2}) on node{1 + rank // 2}, job 42 "
-                                         f"restart 0, ...\nstep 60 | loss 2.0\n")
+    run = first_start(rec, 60)
     append_jsonl(run.restarts, {"time": FAILED_EPOCH + 20, "restart": 1, "job_id": "42", "world_size": 4})
     run.write_final(FinalState.FINISHED, "reached step 400", job_id="42")
     out = tmp_path / "slurm-42.out"

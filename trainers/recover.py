@@ -188,11 +188,11 @@ def job_end_env(contract: LaunchContract, alloc: Allocation, runner: Runner) -> 
     return stated_end_env(alloc.job_id, os.environ, contract.job_end(None), runner)
 
 
-def launch(argv: Sequence[str], restart: int, run: RunFolder, job_id: str, env: Mapping[str, str] = {}) -> int:
+def launch(argv: Sequence[str], restart: int, run: RunFolder, job_id: str, env: Mapping[str, str] | None = None) -> int:
     """One step of the ranks, numbered `restart` (their logs and records); its exit code. A step that goes on after
     a rank recorded its failure is ended as a double Ctrl-C ends it (srun's own abort), then killed: SAID_S after
     every rank that can still speak has said why, STUCK_S after the first did."""
-    step = subprocess.Popen(list(argv), env={**os.environ, **env, "HPCJOBS_RESTART": str(restart)})
+    step = subprocess.Popen(list(argv), env={**os.environ, **(env or {}), "HPCJOBS_RESTART": str(restart)})
     noticed: float | None = None
     said: float | None = None
     while True:

@@ -101,10 +101,7 @@ def diagnose(run: RunFolder, job_id: str, said: list[Failure], nodes: Sequence[N
     restart = max((int(r.get("restart", 0)) for r in starts), default=0)
     world = next((int(r["world_size"]) for r in reversed(starts) if "world_size" in r), 0)
     began = max((float(r.get("time", 0)) for r in starts if r.get("restart", 0) == restart), default=0.0)
-    records = sorted((r for r in run.read_failures() if str(r.get("job_id")) == job_id
-                      and r.get("restart", 0) == restart), key=lambda r: r.get("time", 0))
-    recorded = [Failure(int(r["rank"]), str(r.get("host")), str(r.get("error")), "rank", r.get("log"),
-                        float(r.get("time", 0))) for r in records]
+    recorded = recorded_failures(run, job_id, restart)
     lost = [n for n in nodes if not n.time or n.time + 1 >= began]  # sacct's times are whole seconds
     earlier = [n for n in nodes if n not in lost]
     if not recorded and not lost and earlier:  # the last start failed in nothing: a node ended an earlier one
@@ -120,16 +117,21 @@ def diagnose(run: RunFolder, job_id: str, said: list[Failure], nodes: Sequence[N
                      tuple(read_text(Path(log)).splitlines()[-TAIL_LINES:]))
 
 
+def recorded_failures(run: RunFolder, job_id: str, restart: int) -> list[Failure]:
+    """The ranks' own records of start `restart`, oldest first."""
+    records = sorted((r for r in run.read_failures() if str(r.get("job_id")) == job_id
+                      and r.get("restart", 0) == restart), key=lambda r: r.get("time", 0))
+    return [Failure(int(r["rank"]), str(r.get("host")), str(r.get("error")), "rank", r.get("log"),
+                    float(r.get("time", 0))) for r in records]
+
+
 def earlier_node_failure(run: RunFolder, job_id: str, starts: list[dict[str, Any]], world: int,
                          said: list[Failure], fault: NodeFault) -> Diagnosis:
     """The node that ended the start it came in (a requeued job that went on): diagnosed against that start's
     records, and srun's words, which name the tasks it could still reach (Slurm killed the healthy node's ranks when
     it ended the allocation: they record nothing either; the dead node's, srun cannot name)."""
     restart = max((int(r.get("restart", 0)) for r in starts if float(r.get("time", 0)) <= fault.time), default=0)
-    recorded = [Failure(int(r["rank"]), str(r.get("host")), str(r.get("error")), "rank", r.get("log"),
-                        float(r.get("time", 0))) for r in run.read_failures()
-                if str(r.get("job_id")) == job_id and r.get("restart", 0) == restart]
-    first = node_failure(run, restart, world, recorded, fault, heard=said)
+    first = node_failure(run, restart, world, recorded_failures(run, job_id, restart), fault, heard=said)
     return Diagnosis(first, (), tuple(read_text(Path(first.log or "")).splitlines()[-TAIL_LINES:]))
 
 
