@@ -173,13 +173,18 @@ def save_blocks(run: Path, every: int) -> dict[str, Any]:
     plain = statistics.median([d for k, d in deltas.items() if k % every]) if deltas else 0.0
     blocks = [round(d - plain, 3) for k, d in sorted(deltas.items()) if k % every == 0]
     committed = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    return {"blocks_s": blocks, "step_s": plain, "committed": committed}
+    saves = [json.loads(line) for line in (run / "saves.jsonl").read_text().splitlines()] if (
+        run / "saves.jsonl").is_file() else []
+    return {"blocks_s": blocks, "step_s": plain, "committed": committed,
+            "waited_s": [s.get("waited_s", 0.0) for s in saves]}  # of each block, the wait for the save before
 
 
 def p4_async_save(s: Suite) -> dict[str, Any]:
-    # The doc kills at step 41; the record of step 41 (the step after the second save) is then never written, so
-    # the kill comes two steps later: the write of step 40 (14.6 GB) is still in flight.
-    shape = Shape("1b", 60, 1, kill=43, ckpt_every=20)
+    # Saves 60 steps apart, not the doc's 20: on an H200 a 1b save took ~13 s to write and 20 steps 5.6 s, so the
+    # second save waited ~8 s for the first (9.6 s blocked, 2026-11-26) and measured the disk, not the D2H copy.
+    # The kill comes three steps after the second save (the record of the step after it must be written), while
+    # its write (14.6 GB) is still in flight.
+    shape = Shape("1b", 130, 1, kill=123, ckpt_every=60)
     every = 3 if s.dry else shape.ckpt_every
     runs, found = {}, {}
     for name, flags in (("async", ()), ("sync", ("--no-async-save",))):

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from conftest import REPO, hpcjobs
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers.dist import FLIGHT_RECORDER, flight_recorder_env
+from trainers.dist import FLIGHT_RECORDER, flight_recorder_env, release
 from trainers.distenv import DistEnvError, setting_seconds
 
 
@@ -64,10 +64,22 @@ def test_timeout_settings_are_checked() -> None:
 
 
 def test_flight_recorder_dumps_into_the_run_folder() -> None:
-    env = flight_recorder_env(Path("/runs/x/nccl-trace/rank-"))
+    env = flight_recorder_env(Path("/runs/x/nccl-trace/rank-"), "2.13.0", {})
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/runs/x/nccl-trace/rank-"
-    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
     assert set(FLIGHT_RECORDER) < set(env)
+
+
+def test_the_flight_recorders_size_goes_by_the_name_this_torch_reads() -> None:
+    """torch 2.11 warned twice a rank at TORCH_NCCL_TRACE_BUFFER_SIZE (on an H200); older ones know only that name;
+    a size the user or the profile set, under either name, is theirs."""
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in flight_recorder_env(Path("/t/rank-"), "2.11.0+cu130", {})
+    assert flight_recorder_env(Path("/t/rank-"), "2.9.1", {})["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert "TORCH_FR_BUFFER_SIZE" not in flight_recorder_env(Path("/t/rank-"), "2.9.1", {})
+    for theirs in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        env = flight_recorder_env(Path("/t/rank-"), "2.13.0", {theirs: "50"})
+        assert not set(env) & {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, env
+    assert release("2.13.0.dev20260101") == (2, 13) and release("2.7.1+cu128") == (2, 7)
 
 
 @pytest.mark.train

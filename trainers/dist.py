@@ -62,14 +62,30 @@ class DistContext:
         return seconds
 
 
-FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 """NCCL's flight recorder: the last 2000 collectives of each rank, dumped when a collective times out, so the dump
 says which rank stopped where. The profile's nccl: section may set these otherwise."""
 
+FR_SIZE_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""The buffer size's name since torch 2.11, and before: 2.11 reads both and warns at the old one, twice a rank and
+start (seen on an H200 with 2.11.0+cu130); older versions know only the old one."""
 
-def flight_recorder_env(trace_prefix: Path) -> dict[str, str]:
-    """The variables (read when the NCCL group is made) that dump to `trace_prefix`RANK."""
-    return {**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_prefix)}
+
+def flight_recorder_env(trace_prefix: Path, version: str = torch.__version__,
+                        environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables (read when the NCCL group is made) that dump to `trace_prefix`RANK, the buffer size under the
+    name this torch reads; none for the size when the environment (the user, the profile) already sets either."""
+    env = {**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_prefix)}
+    size = env.pop(FR_SIZE_NAMES[0])
+    if not any(name in environ for name in FR_SIZE_NAMES):
+        env[FR_SIZE_NAMES[0] if release(version) >= (2, 11) else FR_SIZE_NAMES[1]] = size
+    return env
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as 2.11.0+cu130 or 2.13.0.dev20260101."""
+    major, minor = (version.split("+")[0].split(".") + ["0", "0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def cuda_missing_reason() -> str:

@@ -59,7 +59,7 @@ def maybe_die(point: str, step: int) -> None:
     if _ONLY_IN and _ONLY_IN != os.environ.get("HPCJOBS_RESTART", "0"):
         return
     # when it struck, in the rank's log: a benchmark's "fault to first resumed step" counts from here
-    print(f"hpcjobs: fault injected ({_ACTION}) at {point} of step {step}, at {time.time():.3f}", file=sys.stderr,
+    print(f"hpcjobs: fault injected ({_ACTION}) at {point}@{step}, at {time.time():.3f}", file=sys.stderr,
           flush=True)
     if _ACTION == "raise":
         raise InjectedFault(f"injected at {point} of step {step}")

@@ -362,7 +362,7 @@ class Training:
         self.checkpointer.save(self.pos.step, meta, background)
         watchdog.saved(until=self.checkpointer.pending)  # a background save: in flight while its thread writes
         self.last_saved = self.pos.step
-        saves.record(self.folder, self.ctx.env, self.pos.step, began, background)
+        saves.record(self.folder, self.ctx.env, self.pos.step, began, background, self.checkpointer.waited_s)
 
     def stop(self) -> int:
         self.agreement.close()

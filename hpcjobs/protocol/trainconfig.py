@@ -132,7 +132,9 @@ class TrainConfig:
     step between no checkpointing and all of it (torchtitan's layer-level selective checkpointing)."""
     async_save: bool = True
     """Periodic checkpoints are written in the background: training waits only while the state is copied to host
-    memory. At most one save is in flight; a stop and the end of training wait for it, then save in the foreground."""
+    memory. At most one save is in flight; a stop and the end of training wait for it, then save in the foreground.
+    A save that has to wait for the one before it (saves come faster than one is written) says so once in the log,
+    with the `--ckpt-every` that would not wait; `saves.jsonl` records the wait as `waited_s`."""
     reshard: bool = False
     """Resume a checkpoint written by another number of ranks (or the other --strategy): weights, optimizer,
     scheduler and step exactly, the data position by samples consumed; per-rank RNG streams start anew. Without it

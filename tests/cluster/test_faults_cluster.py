@@ -101,7 +101,7 @@ def fault_report(case: str, **figures: object) -> None:
 
 def injected_at(run: Path, rank: int = 3) -> float:
     """When the injected fault struck (trainers/faults.py says so in the rank's log of the first start)."""
-    m = re.search(r"fault injected \(\w+\) at \S+ of step \d+, at ([\d.]+)",
+    m = re.search(r"fault injected \(\w+\) at \S+@\d+, at ([\d.]+)",
                   (run / "logs" / "restart-0" / f"rank-{rank}.log").read_text())
     assert m is not None, "no injected fault in the rank's log"
     return float(m.group(1))

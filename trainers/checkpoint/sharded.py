@@ -33,6 +33,7 @@ import shutil
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
+from trainers.checkpoint import saves
 from trainers.checkpoint.errors import corrupt
 from trainers.checkpoint.staging import stage
 from trainers.checkpoint.stateful import Parts, Place, Stateful, gather, place_of, small_entries
@@ -73,6 +75,10 @@ class Checkpointer:
         self.pending: threading.Thread | None = None
         self.staged: threading.Event | None = None
         self.failed: BaseException | None = None
+        self.waited_s = 0.0
+        """How long the last save() waited for the one before it (still being written): saves.jsonl says so."""
+        self.previous: tuple[int, float] | None = None  # the last save's step and when it began (time.monotonic)
+        self.advised = False
 
     def names(self, place: Place) -> tuple[str, ...]:
         """The keys a step folder's small file must hold for a load (shared.pt: SHARED; rank-R.pt: OWN)."""
@@ -86,6 +92,7 @@ class Checkpointer:
         """Save step `step` on every rank; returns once committed, or (`background`) once the tensors are staged.
         A background save that failed is raised here, except before a foreground save (a stop, the end), which is
         then the retry: a preemption must not lose its checkpoint to an earlier failure."""
+        began = time.monotonic()
         try:
             self.wait()
         except Exception as e:
@@ -93,6 +100,13 @@ class Checkpointer:
                 raise
             print(f"hpcjobs: rank {self.ctx.rank}: the background save before step {step} failed ({e}); saving step "
                   f"{step} in the foreground", file=sys.stderr, flush=True)
+        self.waited_s = time.monotonic() - began
+        if background and self.previous and self.waited_s > saves.WAIT_ADVICE_S and not self.advised:
+            self.advised = True
+            if self.ctx.rank == 0:
+                print(saves.wait_advice(step, self.previous[0], began - self.previous[1], self.waited_s),
+                      file=sys.stderr, flush=True)
+        self.previous = (step, began)
         tmp = checkpoint.begin(self.root, step, self.ctx.rank, self.ctx.barrier, self.keep)
         parts = gather(self.states)
         parts.tensors = written_here(parts.tensors, self.ctx.rank, self.ctx.world_size)
