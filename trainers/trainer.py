@@ -318,6 +318,8 @@ class Training:
         """Start-up is over (compilation, loading, a cold node): a hung rank should now end the job quickly."""
         startup.mark("first_step")
         startup.record(self.folder, self.ctx.env, self.first_step)
+        if self.cfg.async_save and self.cfg.ckpt_every:
+            self.checkpointer.reserve_in_background()
         seconds = self.ctx.training_timeout()
         if seconds is not None:
             log(self.ctx, f"first step done: training collectives now time out after {seconds:g} s")

@@ -16,12 +16,12 @@ Loading asks DCP for exactly the tensors this rank holds now, so a rank reads it
 written by N ranks loads at M ranks (DCP maps the saved chunks onto the new sharding).
 
 Asynchronous saves: the tensors this rank writes are copied into host buffers (kept from one save to the next,
-pinned on GPUs), then a thread writes, fsyncs and commits while training goes on. Only the model's buffers are copied
-before save() returns (a forward may change them); parameters and optimizer state change only in the optimizer's
-step, so the thread copies them while the next step's forward and backward run, and the trainer calls
-`before_update()` before each optimizer step to wait for that copy. Its collectives (DCP's planning) run on a gloo
-group of their own (DistContext.checkpoint_group). At most one save is in flight: the next save, a stop or the end
-waits for it, and an error in the thread is raised there.
+pinned on GPUs, allocated by a thread after the first step, not inside the first save), then a thread writes,
+fsyncs and commits while training goes on. Only the model's buffers are copied before save() returns (a forward may
+change them); parameters and optimizer state change only in the optimizer's step, so the thread copies them while
+the next step's forward and backward run, and the trainer calls `before_update()` before each optimizer step to wait
+for that copy. Its collectives (DCP's planning) run on a gloo group of their own (DistContext.checkpoint_group). At
+most one save is in flight: the next save, a stop or the end waits for it, and an error in the thread is raised there.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from hpcjobs.protocol.trainflags import ResumeError
 from trainers import checkpoint
 from trainers.checkpoint import saves
 from trainers.checkpoint.errors import corrupt
-from trainers.checkpoint.staging import stage
+from trainers.checkpoint.staging import reserve, specs, stage
 from trainers.checkpoint.stateful import Parts, Place, Stateful, gather, place_of, small_entries
 from trainers.dist import DistContext
 from trainers.faults import maybe_die
@@ -79,6 +79,7 @@ class Checkpointer:
         """How long the last save() waited for the one before it (still being written): saves.jsonl says so."""
         self.previous: tuple[int, float] | None = None  # the last save's step and when it began (time.monotonic)
         self.advised = False
+        self.reserving: threading.Thread | None = None  # reserve_in_background's
 
     def names(self, place: Place) -> tuple[str, ...]:
         """The keys a step folder's small file must hold for a load (shared.pt: SHARED; rank-R.pt: OWN)."""
@@ -93,6 +94,9 @@ class Checkpointer:
         A background save that failed is raised here, except before a foreground save (a stop, the end), which is
         then the retry: a preemption must not lose its checkpoint to an earlier failure."""
         began = time.monotonic()
+        if self.reserving is not None:
+            self.reserving.join()
+            self.reserving = None
         try:
             self.wait()
         except Exception as e:
@@ -123,6 +127,15 @@ class Checkpointer:
         self.pending = threading.Thread(target=self.write_in_background, args=(step, tmp, small, later, meta),
                                         name=f"hpcjobs-save-{step}", daemon=True)
         self.pending.start()
+
+    def reserve_in_background(self) -> None:
+        """Allocate the host buffers of this rank's background saves in a thread now (after the first step: the
+        optimizer's state exists), not inside the first save, where the optimizer step waits for them. The first
+        save waits for this thread if it is still at work. Not yet measured on a GPU."""
+        wanted = specs(written_here(gather(self.states).tensors, self.ctx.rank, self.ctx.world_size))
+        self.reserving = threading.Thread(target=reserve, args=(wanted, self.buffers), name="hpcjobs-host-buffers",
+                                          daemon=True)
+        self.reserving.start()
 
     def write_in_background(self, step: int, tmp: Path, parts: Parts, later: dict[str, Any],
                             meta: dict[str, Any]) -> None:

@@ -22,6 +22,27 @@ def stage(state: Any, buffers: dict[str, torch.Tensor], key: str, device: torch.
     return out
 
 
+Spec = tuple[str, torch.Size, torch.dtype, bool]
+"""A host buffer to allocate: its key (as `stage` names it), shape, dtype, and whether to pin it."""
+
+
+def specs(state: Any, key: str = "") -> list[Spec]:
+    """The host buffers `stage` will use for `state`'s tensors, read on the training thread (a state dict's
+    tensors are live), so that another thread can allocate them."""
+    if isinstance(state, dict):
+        return [spec for k, v in state.items() for spec in specs(v, f"{key}.{k}")]
+    t = state.to_local() if isinstance(state, DTensor) else state
+    return [(key, t.shape, t.dtype, t.is_cuda)] if isinstance(t, torch.Tensor) else []
+
+
+def reserve(wanted: list[Spec], buffers: dict[str, torch.Tensor]) -> None:
+    """Allocate (not fill) those buffers. Pinning a 1b model's state (14.6 GB) was most of the 7.6 s its first
+    background save held training on an H200, while the optimizer step waited for the copy."""
+    for key, shape, dtype, pin in wanted:
+        if key not in buffers:
+            buffers[key] = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
 def _stage(state: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
     if isinstance(state, dict):
         return {k: _stage(v, buffers, f"{key}.{k}") for k, v in state.items()}
