@@ -33,10 +33,10 @@ def test_srun_task_lists_and_lines() -> None:
 
 def test_an_exception_is_the_first_failure_not_the_peers_that_lost_it(tmp_path: Path) -> None:
     run = run_with(tmp_path, [(2.0, 0, "RuntimeError: Connection closed by peer"),
-                              (1.0, 3, "InjectedFault: injected at step of step 5")])
+                              (1.0, 3, "InjectedFault: injected at step@5")])
     found = diagnose(run, "7", [])
     assert found is not None and found.first is not None
-    assert found.first.describe() == "rank 3 on node2: InjectedFault: injected at step of step 5"
+    assert found.first.describe() == "rank 3 on node2: InjectedFault: injected at step@5"
     assert found.tail[-1] == "last words of rank 3"
 
 
@@ -78,11 +78,11 @@ def test_nothing_failed_or_another_job_failed(tmp_path: Path) -> None:
 
 def test_a_ranks_own_exception_comes_before_the_kills_srun_did_after_it(tmp_path: Path) -> None:
     # The CI failure: rank 3 raised; srun killed the step's other tasks and its line about rank 0 came first.
-    run = run_with(tmp_path, [(1.0, 3, "InjectedFault: injected at step of step 20")])
+    run = run_with(tmp_path, [(1.0, 3, "InjectedFault: injected at step@20")])
     said = srun_failures("srun: error: node1: task 0: Killed\nsrun: error: node2: task 3: Exited with exit code 1\n")
     found = diagnose(run, "7", said)
     assert found is not None and found.first is not None
-    assert found.first.describe() == "rank 3 on node2: InjectedFault: injected at step of step 20"
+    assert found.first.describe() == "rank 3 on node2: InjectedFault: injected at step@20"
 
 
 # --- hang watchdogs' records (trainers/watchdog.py: `hung: ...` on every rank whose step progress stopped) -------

@@ -45,7 +45,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             mp.delenv(name, raising=False)
         first = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(folder), *ARGS, cwd=REPO,
                         env={**env, "HPCJOBS_FAULT_INJECT": "step@8", "HPCJOBS_FAULT_ACTION": "raise"}, timeout=300)
-        assert first.returncode != 0 and "injected at step of step 8" in first.stdout + first.stderr
+        assert first.returncode != 0 and "injected at step@8" in first.stdout + first.stderr
         ids = json.loads((folder / "tracker.json").read_text())
         again = hpcjobs("submit", "--profile", "local", "--gpus", "2", "--run-dir", str(folder), *ARGS, cwd=REPO,
                         env={**env, "HPCJOBS_FAULT_INJECT": ""}, timeout=300)

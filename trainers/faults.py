@@ -62,9 +62,9 @@ def maybe_die(point: str, step: int) -> None:
     print(f"hpcjobs: fault injected ({_ACTION}) at {point}@{step}, at {time.time():.3f}", file=sys.stderr,
           flush=True)
     if _ACTION == "raise":
-        raise InjectedFault(f"injected at {point} of step {step}")
+        raise InjectedFault(f"injected at {point}@{step}")
     if _ACTION == "comm":
-        raise InjectedCommError(f"DistBackendError: [Gloo] injected at {point} of step {step}: Connection reset by "
+        raise InjectedCommError(f"DistBackendError: [Gloo] injected at {point}@{step}: Connection reset by "
                                 "peer")
     time.sleep(0.2)  # the log's tee is a thread of this process: give it the line before the signal ends it
     os.kill(os.getpid(), signal.SIGSTOP if _ACTION == "stop" else signal.SIGKILL)

@@ -70,7 +70,7 @@ def test_a_crashing_rank_fails_the_job_at_once_and_status_names_it(folder: Path)
     assert restarts_of(job) == 0  # a crash in the task is not retried: it would crash again
     out = status(folder, job)
     assert out.returncode == 0, out.stderr
-    assert re.search(r"failed first: rank 3 on node\d+: InjectedFault: injected at step of step 20\n", out.stdout), \
+    assert re.search(r"failed first: rank 3 on node\d+: InjectedFault: injected at step@20\n", out.stdout), \
         out.stdout
     assert "restart-0/rank-3.log" in out.stdout and "| " in out.stdout  # where, and its last lines
 
