@@ -1,13 +1,14 @@
 """The integrations' stop checks at a cadence, as the shared trainer's: shared by hf_trainer, lightning and
 accelerate_loop, whose step ends all call `StepEndGuard.step_ended()`.
 
-Checking at every step end cost the Hugging Face Trainer 7% of its ~15 ms steps on 2 CPU ranks (bench/hf_trainer.py,
-the pipelined all-reduce every step). Every rank calls `step_ended()` at every step end; the ranks agree only at the
-steps trainers.preemption.Cadence names, the same on every rank: every step end over this start's first 12 (while
-the slowest rank's step time is measured), then about once a second of training (or every
-HPCJOBS_STOP_CHECK_EVERY step ends). A check whose next one is the next step end is pipelined (its reduce overlaps
-that step; the answer comes one check later); a check a second apart blocks (~1.5 ms once a second), so a stop waits
-at most one interval, about a second of training, not two.
+Checking at every step end (a pipelined all-reduce a step, 0.4-0.8 ms at 2 CPU ranks: bench/stop_agreement.py) was
+the likely cause of the Hugging Face Trainer's ~15 ms steps running 7% slower than under torchrun (bench/hf_trainer.py).
+Every rank calls `step_ended()` at every step end; the ranks agree only at the steps trainers.preemption.Cadence
+names, the same on every rank: every step end over this start's first 12 (while the slowest rank's step time is
+measured), then about once a second of training (or every HPCJOBS_STOP_CHECK_EVERY step ends). A check whose next
+one is the next step end is pipelined (its reduce overlaps that step; the answer comes one check later); a check a
+second apart blocks (1.5 ms at 2 ranks, 20 ms at 64: bench/stop_agreement.py; once a second), so a stop waits at
+most one interval, about a second of training, not two.
 """
 
 from __future__ import annotations
