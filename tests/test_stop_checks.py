@@ -12,9 +12,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch.multiprocessing as mp
 
 from trainers import preemption
 from trainers.integrations import CHECK_EVERY, check_every, install, marks
+from trainers.integrations.checks import StepEndGuard
 from trainers.integrations.signals import joined
 
 STEP_S = 0.015
@@ -125,6 +127,37 @@ def test_a_set_spacing_checks_every_that_many_step_ends(tmp_path: Path, steps: S
         for _ in range(30):
             step_end(steps.tick())
     assert steps.checks == [(s, "any_rank") for s in range(5, 31, 5)]
+
+
+def _two_ranks(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from hpcjobs.protocol.contract import LaunchContract
+
+    # "cuda:gloo": no CPU backend on the default group, as under NCCL; the step time's reduce must use the flag's group
+    dist.init_process_group("cuda:gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    clock = [0.0]
+    preemption.Cadence._now = staticmethod(lambda: clock[0])  # type: ignore[method-assign]
+    guard, stopped = StepEndGuard(contract=LaunchContract(run_dir="")), None
+    for step in range(1, 200):
+        clock[0] += STEP_S * (rank + 1)  # rank 1 is the slower: 30 ms a step
+        if rank == 1 and step == 50:
+            preemption.request_stop(signal.SIGTERM)
+        if guard.step_ended():
+            stopped = step
+            break
+    guard.close()
+    Path(f"{out}-{rank}").write_text(repr((stopped, guard.cadence.every)))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_take_the_slowest_ranks_cadence_and_stop_at_the_same_step(tmp_path: Path) -> None:
+    """Rank 1 steps in 30 ms, rank 0 in 15: both check every 34 step ends (1 s of the slower's steps); a stop asked
+    on rank 1 at step 50 ends both at 68, the next check. Over the CPU group the stop flag uses, also when the default
+    group has no CPU backend."""
+    out = str(tmp_path / "stopped")
+    mp.spawn(_two_ranks, args=(str(tmp_path / "store"), out), nprocs=2)
+    assert [Path(f"{out}-{r}").read_text() for r in (0, 1)] == ["(68, 34)", "(68, 34)"]
 
 
 @pytest.mark.parametrize("bad", ["x", "-1", "1.5", "٣"])
