@@ -17,7 +17,7 @@ from trainers.integrations import CHECK_EVERY
 EVERY = 3
 """The stop checks' spacing in these runs' step ends (HPCJOBS_STOP_CHECK_EVERY): the default, about once a second,
 would not check again within their 30 short steps once the first 12 are over. 3: a stop lands on a step the test
-can predict (a multiple of 3), never on an epoch's end (10, 20)."""
+can predict (the step end after a check: 3k + 1), never on an epoch's end (10, 20) nor the last step (30)."""
 CHECKS = ["--env", f"{CHECK_EVERY}={EVERY}"]
 """`submit`'s options that give a run that spacing."""
 

@@ -98,18 +98,18 @@ def accelerate(tmp_path: Path) -> tuple[Any, Callable[[int], bool]]:
 def test_the_ranks_agree_at_the_cadences_steps_not_at_every_step(
         tmp_path: Path, steps: Steps, integration: Callable[[Path], tuple[Any, Callable[[int], bool]]]) -> None:
     """300 step ends of 15 ms: 16 agreements (the first 12, then every 67th), not 300 (issue 25: one all-reduce a
-    step cost the HF Trainer 7%). Pipelined while the next check is the next step end; blocking a second apart."""
+    step was the likely cause of the HF Trainer's 7%). Each in the background (its answer read at the next step end)."""
     owner, step_end = integration(tmp_path)
     with joined(owner):
         assert not any(step_end(steps.tick()) for _ in range(300))
     assert [s for s, _ in steps.checks] == MEASURED + [EVERY, 2 * EVERY, 3 * EVERY, 4 * EVERY]
-    assert {how for s, how in steps.checks if s < 12} == {"any_rank_pipelined"}
-    assert {how for s, how in steps.checks if s >= 12} == {"any_rank"}
+    assert {how for _, how in steps.checks} == {"any_rank_pipelined"}
 
 
 def test_a_stop_asked_between_checks_is_taken_at_the_next_one(tmp_path: Path, steps: Steps) -> None:
-    """Asked at step end 100: taken at 134, the next check, under a second of training later, and that step is
-    saved (the Trainer's own save, with hpcjobs's pending mark first)."""
+    """Asked at step end 100: taken at 134, the next check, under a second of training later (one rank has its
+    answer at once; with more, at the step end after the check: two_ranks below), and that step is saved (the
+    Trainer's own save, with hpcjobs's pending mark first)."""
     callback, step_end = hf(tmp_path)
     with joined(callback):
         assert not any(step_end(steps.tick()) for _ in range(99))
@@ -126,7 +126,7 @@ def test_a_set_spacing_checks_every_that_many_step_ends(tmp_path: Path, steps: S
     with joined(owner):
         for _ in range(30):
             step_end(steps.tick())
-    assert steps.checks == [(s, "any_rank") for s in range(5, 31, 5)]
+    assert steps.checks == [(s, "any_rank_pipelined") for s in range(5, 31, 5)]
 
 
 def _two_ranks(rank: int, store: str, out: str) -> None:
@@ -153,11 +153,11 @@ def _two_ranks(rank: int, store: str, out: str) -> None:
 
 def test_two_ranks_take_the_slowest_ranks_cadence_and_stop_at_the_same_step(tmp_path: Path) -> None:
     """Rank 1 steps in 30 ms, rank 0 in 15: both check every 34 step ends (1 s of the slower's steps); a stop asked
-    on rank 1 at step 50 ends both at 68, the next check. Over the CPU group the stop flag uses, also when the default
-    group has no CPU backend."""
+    on rank 1 at step 50 ends both at 69, the step end after the next check (68), whose reduce ran during step 69.
+    Over the CPU group the stop flag uses, also when the default group has no CPU backend."""
     out = str(tmp_path / "stopped")
     mp.spawn(_two_ranks, args=(str(tmp_path / "store"), out), nprocs=2)
-    assert [Path(f"{out}-{r}").read_text() for r in (0, 1)] == ["(68, 34)", "(68, 34)"]
+    assert [Path(f"{out}-{r}").read_text() for r in (0, 1)] == ["(69, 34)", "(69, 34)"]
 
 
 @pytest.mark.parametrize("bad", ["x", "-1", "1.5", "٣"])

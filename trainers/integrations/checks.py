@@ -5,10 +5,10 @@ Checking at every step end (a pipelined all-reduce a step, 0.4-0.8 ms at 2 CPU r
 the likely cause of the Hugging Face Trainer's ~15 ms steps running 7% slower than under torchrun (bench/hf_trainer.py).
 Every rank calls `step_ended()` at every step end; the ranks agree only at the steps trainers.preemption.Cadence
 names, the same on every rank: every step end over this start's first 12 (while the slowest rank's step time is
-measured), then about once a second of training (or every HPCJOBS_STOP_CHECK_EVERY step ends). A check whose next
-one is the next step end is pipelined (its reduce overlaps that step; the answer comes one check later); a check a
-second apart blocks (1.5 ms at 2 ranks, 20 ms at 64: bench/stop_agreement.py; once a second), so a stop waits at
-most one interval, about a second of training, not two.
+measured), then about once a second of training (or every HPCJOBS_STOP_CHECK_EVERY step ends). A check's reduce
+runs in the background during the next step and its answer is read at that step's end (the trainer's instead reads
+it at the next check: a second later), so a stop waits at most one interval and one step, about a second of training,
+at no more cost than the pipelined reduce (a blocking one: 1.5 ms at 2 ranks, 20 ms at 64, bench/stop_agreement.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ class StepEndGuard(StopGuard):
         """Whether the ranks agreed to stop here. Call it at every step end, on every rank (a collective at the
         cadence's step ends)."""
         self.ends += 1
-        if not self.cadence.due(self.ends):
-            return False
-        stop = self.should_stop(pipelined=self.cadence.every <= 1)
-        # The cadence's one all-reduce of the step time (at the 12th step end, after 11 checks) goes over the group
-        # the stop flag's does: a CPU one, which the guard makes at its first check.
-        self.cadence.group = self._agreement.group if self._agreement is not None else None
+        # The answer of the check made at the previous step end, whose reduce ran during this step (False if none).
+        stop = self._agreement.close() if self._agreement is not None else False
+        if self.cadence.due(self.ends) and not stop:
+            stop = self.should_stop(pipelined=True)  # starts this check's reduce; answers now only on a single rank
+            # The cadence's one all-reduce of the step time (at the 12th step end, after 11 checks, none in flight)
+            # goes over the group the stop flag's does: a CPU one, which the guard makes at its first check.
+            self.cadence.group = self._agreement.group if self._agreement is not None else None
         return stop
