@@ -98,7 +98,8 @@ def accelerate(tmp_path: Path) -> tuple[Any, Callable[[int], bool]]:
 def test_the_ranks_agree_at_the_cadences_steps_not_at_every_step(
         tmp_path: Path, steps: Steps, integration: Callable[[Path], tuple[Any, Callable[[int], bool]]]) -> None:
     """300 step ends of 15 ms: 16 agreements (the first 12, then every 67th), not 300 (issue 25: one all-reduce a
-    step was the likely cause of the HF Trainer's 7%). Each in the background (its answer read at the next step end)."""
+    step, where the shared trainer checks about once a second). Each in the background (its answer read at the next
+    step end)."""
     owner, step_end = integration(tmp_path)
     with joined(owner):
         assert not any(step_end(steps.tick()) for _ in range(300))
