@@ -2,7 +2,8 @@
 CPU ranks on gloo) under `hpcjobs submit --profile local` against the same script under `torchrun`, in interleaved
 rounds (this machine drifts ±10% between runs). Reported: each run's step time (the Trainer's own train_runtime over
 its steps, no checkpoint in between), the median ratio hpcjobs / torchrun of the rounds (target ≤ 1.02); hpcjobs's
-runs carry the stop agreement every step (the pipelined all-reduce bench/stop_agreement.py times alone).
+runs carry the stop checks at the integrations' cadence (trainers/integrations/checks.py: every step end over the
+first 12, then about once a second; the all-reduce bench/stop_agreement.py times alone).
 
     .venv/bin/python bench/hf_trainer.py [--rounds 4] [--steps 100]
 Writes bench/results/hf_trainer.json and prints a summary.

@@ -12,6 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from conftest import BIN
+from trainers.integrations import CHECK_EVERY
+
+EVERY = 3
+"""The stop checks' spacing in these runs' step ends (HPCJOBS_STOP_CHECK_EVERY): the default, about once a second,
+would not check again within their 30 short steps once the first 12 are over. 3: a stop lands on a step the test
+can predict (the step end after a check: 3k + 1), never on an epoch's end (10, 20) nor the last step (30)."""
+CHECKS = ["--env", f"{CHECK_EVERY}={EVERY}"]
+"""`submit`'s options that give a run that spacing."""
 
 
 def interrupt(argv: list[str], cwd: Path, losses: Callable[[str], dict[int, str]], after: int,

@@ -16,15 +16,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import REPO, hpcjobs
-from trainers.integrations import accelerate_loop, marks
+from trainers.integrations import CHECK_EVERY, accelerate_loop, marks
 
 SCRIPT = REPO / "trainers" / "examples" / "accelerate_script.py"
 STEPS, PER_EPOCH = 30, 10
 
 
 def command(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"), str(SCRIPT),
-            "--out", str(tmp_path / name), "--sample_seconds", "0.01", *extra]
+    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"),
+            *ctrl_c_runs.CHECKS, str(SCRIPT), "--out", str(tmp_path / name), "--sample_seconds", "0.01", *extra]
 
 
 def losses(output: str) -> dict[int, str]:
@@ -75,6 +75,7 @@ def test_ctrl_c_saves_mid_epoch_and_the_same_command_resumes_exactly(tmp_path: P
     first = interrupt(tmp_path, after=12)  # into the second epoch: its order is drawn anew from the generator
     out, done = tmp_path / "out", complete(tmp_path)
     assert len(done) == 1 and 12 <= done[0] < STEPS and done[0] % PER_EPOCH, first[-3000:]  # mid-epoch
+    assert done[0] % ctrl_c_runs.EVERY == 1  # the step end after a check
     stop = done[0]
     assert max(losses(first)) == stop  # stopped at the agreed step, on every rank
     assert "AFTER LOOP" not in first and not (out / "after-loop.txt").exists()  # nothing after the loop on a stop
@@ -132,6 +133,13 @@ def _signals_given_back() -> Any:
         signal.signal(n, handler)
 
 
+@pytest.fixture
+def _checks_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop checked at every step (the default, about once a second, would not check again within these tests'
+    millisecond steps once the first 12 are over): a stop asked at step N lands there."""
+    monkeypatch.setenv(CHECK_EVERY, "1")
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Any:
         return iter(torch.randn(40, 4, generator=torch.Generator().manual_seed(0)).unbind())
@@ -171,7 +179,7 @@ def train_in_process(states: Path, stop_at: int, accumulate: int = 1,
 
 
 @pytest.mark.train
-@pytest.mark.usefixtures("_signals_given_back")
+@pytest.mark.usefixtures("_signals_given_back", "_checks_every_step")
 @pytest.mark.parametrize(("asked", "accumulate", "saved"), [(13, 1, 13), (13, 2, 14), (10, 1, 10)])
 def test_in_one_process_a_stop_resumes_exactly(tmp_path: Path, asked: int, accumulate: int, saved: int) -> None:
     """The stop's state and the resume around a sampler drawing from the global RNG (restored for the epoch's draw),
@@ -268,7 +276,7 @@ def test_the_generators_a_loader_draws_from_are_found_once_each() -> None:
 
 
 @pytest.mark.train
-@pytest.mark.usefixtures("_signals_given_back")
+@pytest.mark.usefixtures("_signals_given_back", "_checks_every_step")
 def test_an_iterable_dataset_is_skipped_into_by_reading_it_again_and_one_line_says_so(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from trainers import preemption

@@ -25,8 +25,8 @@ STEPS = 30
 
 
 def command(tmp_path: Path, name: str) -> list[str]:
-    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"), str(SCRIPT),
-            "--output_dir", str(tmp_path / name), "--max_steps", str(STEPS)]
+    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"),
+            *ctrl_c_runs.CHECKS, str(SCRIPT), "--output_dir", str(tmp_path / name), "--max_steps", str(STEPS)]
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -65,7 +65,7 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     first = "".join(seen) + rest
     out = tmp_path / "out"
     done = [n for n, p in marks.checkpoints(out) if (p / marks.COMPLETE).is_file()]
-    assert done and 7 <= done[-1] < STEPS, first[-3000:]
+    assert done and 7 <= done[-1] < STEPS and done[-1] % ctrl_c_runs.EVERY == 1, first[-3000:]  # after a check
     stop = done[-1]
     assert "AFTER TRAIN" not in first and not (out / "after-train.txt").exists()  # nothing after train() on a stop
     assert not (out / f"checkpoint-{stop}" / marks.PENDING).exists()

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from conftest import REPO, hpcjobs
 from trainers.checkpoint.state import rng_state
-from trainers.integrations import lightning, marks
+from trainers.integrations import CHECK_EVERY, lightning, marks
 from trainers.integrations.lightning_data import SkipFirst, rewind
 
 SCRIPT = REPO / "tests" / "scripts" / "lightning_script.py"
@@ -25,8 +25,8 @@ STEPS, PER_EPOCH = 30, 10
 
 
 def command(tmp_path: Path, name: str) -> list[str]:
-    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"), str(SCRIPT),
-            "--out", str(tmp_path / name), "--sample_seconds", "0.01"]
+    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"),
+            *ctrl_c_runs.CHECKS, str(SCRIPT), "--out", str(tmp_path / name), "--sample_seconds", "0.01"]
 
 
 def losses(output: str) -> dict[int, str]:
@@ -55,6 +55,7 @@ def test_ctrl_c_saves_mid_epoch_and_the_same_command_resumes_exactly(tmp_path: P
     out, root = tmp_path / "out", tmp_path / "run-out" / "checkpoints" / lightning.FOLDER
     done = [n for n, p in marks.checkpoints(root) if (p / marks.COMPLETE).is_file()]
     assert len(done) == 1 and 12 <= done[0] < STEPS and done[0] % PER_EPOCH, first[-3000:]  # mid-epoch
+    assert done[0] % ctrl_c_runs.EVERY == 1  # the step end after a check
     stop = done[0]
     assert max(losses(first)) == stop  # stopped at the agreed step, on every rank
     assert "AFTER FIT" not in first and not (out / "after-fit.txt").exists()  # nothing after fit() on a stop
@@ -154,8 +155,8 @@ def _signals_given_back() -> Any:
 
 @pytest.mark.train
 @pytest.mark.parametrize(("asked", "saved"), [(13, 13), (10, 11)])
-def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(tmp_path: Path, asked: int,
-                                                                               saved: int) -> None:
+def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(tmp_path: Path, asked: int, saved: int,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """One rank, no launch: the stop's checkpoint and the resume around a RandomSampler (its order drawn from the
     global RNG at the epoch's first batch, restored for the draw) and dropout (the RNG streams at the stop). A stop
     asked on an epoch's last batch (10) waits for the next batch: the epoch's end (its LR step) runs first."""
@@ -164,6 +165,7 @@ def test_in_one_process_a_stop_mid_epoch_resumes_with_a_random_sampler_exactly(t
     from trainers import preemption
 
     lightning.attach(pl.trainer.trainer)
+    monkeypatch.setenv(CHECK_EVERY, "1")  # the default, about once a second, would not check again after batch 12
 
     class Net(pl.LightningModule):
         def __init__(self, stop_at: int) -> None:

@@ -280,7 +280,7 @@ def test_a_lightning_trainer_marks_its_batches_its_saves_and_its_validation(monk
     marks = Marks()
     monkeypatch.setattr(watchdog, "_current", marks)
     callback = lightning.stop_callback("lightning.pytorch")
-    callback.guard = SimpleNamespace(should_stop=lambda pipelined: False)
+    callback.guard = SimpleNamespace(step_ended=lambda: False)
     trainer = SimpleNamespace(global_step=7)
     callback.on_train_batch_end(trainer, None, None, None, 0)
     callback.on_validation_batch_end(trainer, None, None, None, 0, dataloader_idx=0)

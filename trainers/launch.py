@@ -85,8 +85,10 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
         return run_task(entry, args, run, contract)
     sys.argv = [entry, *args]
     enter_submit_dir(contract.submit_dir)
-    integrations.install()  # a user's Trainer joins the stop protocol (HPCJOBS_HOOKS=0: left as it is)
     try:
+        # A user's Trainer joins the stop protocol (HPCJOBS_HOOKS=0: left as it is); a bad HPCJOBS_STOP_CHECK_EVERY
+        # exits 2 here, as the script's own refusals do.
+        integrations.install()
         if kind == "script":
             sys.path.insert(0, os.path.dirname(entry))
             runpy.run_path(entry, run_name="__main__")

@@ -30,10 +30,26 @@ HOOKS: dict[str, str] = {"transformers.trainer": "trainers.integrations.hf_train
 """Library module → the hpcjobs module whose `attach(module)` joins it to the protocol once it is imported."""
 SWITCH = "HPCJOBS_HOOKS"
 """`0` turns every hook off."""
+CHECK_EVERY = "HPCJOBS_STOP_CHECK_EVERY"
+"""Step ends between the ranks' stop checks (the trainer's --stop-check-every); unset or 0: about once a second of
+training, from the measured step time (trainers/integrations/checks.py)."""
 
 
 def enabled(environ: Mapping[str, str]) -> bool:
     return environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def check_every(environ: Mapping[str, str]) -> int:
+    """HPCJOBS_STOP_CHECK_EVERY as a number; anything else is refused in one line (exit 2) on every rank, before the
+    script runs (install) or the loop begins (accelerate_loop.resumable)."""
+    raw = environ.get(CHECK_EVERY, "").strip() or "0"
+    if raw.isascii() and raw.isdigit():
+        return int(raw)
+    from trainers.integrations.marks import say  # only on the way out: this module imports nothing at a start
+
+    say(f"{CHECK_EVERY}={raw!r}: valid: a whole number of step ends between stop checks, 0 (the default) for about "
+        f"once a second. HINT: e.g. --env {CHECK_EVERY}=0, or leave it unset")
+    raise SystemExit(2)
 
 
 class _Loader:
@@ -65,9 +81,12 @@ class _Finder:
 
 def install(environ: Mapping[str, str] | None = None) -> bool:
     """Add the import hook (once); False when HPCJOBS_HOOKS=0 turned it off. A library already imported (a module
-    the launcher itself ran first: none today) is attached at once."""
-    if not enabled(os.environ if environ is None else environ):
+    the launcher itself ran first: none today) is attached at once. A bad HPCJOBS_STOP_CHECK_EVERY ends the rank
+    here (exit 2)."""
+    environ = os.environ if environ is None else environ
+    if not enabled(environ):
         return False
+    check_every(environ)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
     for name, hook in HOOKS.items():

@@ -16,10 +16,11 @@ without owning the loop. `resumable` owns it, and nothing else:
   epoch's first batch, put back for the draw), the batches already trained on are skipped by index
   (`accelerator.skip_first_batches`: no data is read for them), and the RNG streams are the stop's again. A state a
   save left incomplete is moved aside to `incomplete/` with one line and the complete one before it is used.
-- When the loop asks for the next batch (the step is over), the ranks agree whether any of them was asked to stop
-  (StopGuard, pipelined as for the Hugging Face Trainer: one small all-reduce a step, overlapping the next). When one
-  was, and the step ended a gradient accumulation (`accelerator.sync_gradients`: the accumulated gradients are not
-  saved), `accelerator.save_state` writes `checkpoint-N/` (N: the steps done) with the pending and completion marks of
+- When the loop asks for the next batch (the step is over), at the steps the cadence names
+  (trainers/integrations/checks.py, as for the Hugging Face Trainer: every step over a start's first 12, then about
+  once a second of training), the ranks agree whether any of them was asked to stop. When one was, and the step
+  ended a gradient accumulation (`accelerator.sync_gradients`: the accumulated gradients are not saved),
+  `accelerator.save_state` writes `checkpoint-N/` (N: the steps done) with the pending and completion marks of
   trainers/integrations/marks.py, plus each rank's place in the data; rank 0 requeues (on Slurm, when the stop came
   from the profile's signal) and every rank exits 0: nothing after the loop runs on a stop.
 - `save_every`: also save every that many steps (the same marks), for a job killed without warning.
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 
 from trainers.checkpoint.state import rng_state, set_rng_state
-from trainers.integrations import enabled
+from trainers.integrations import check_every, enabled
 from trainers.integrations.marks import barrier, mark_complete, mark_pending, rank, run_folder, say, settle
 from trainers.integrations.signals import joined
 
@@ -71,10 +72,13 @@ def resumable(accelerator: Any, dataloader: Any, epochs: int = 1, max_steps: int
             "saves itself; valid: a DataLoader hpcjobs skips into. HINT: leave use_stateful_dataloader off, or keep "
             "your own loop")
         raise SystemExit(2)
+    hooked = enabled(os.environ)
+    if hooked:
+        check_every(os.environ)  # also under plain torchrun, where no launcher checked it
     run = run_folder()
     root = Path(folder) if folder is not None else run.checkpoints / FOLDER if run else Path("hpcjobs-checkpoints")
     loop = Loop(accelerator, dataloader, epochs, max_steps, save_every, epoch_end, root)
-    return loop.run() if enabled(os.environ) else loop.batches(None)
+    return loop.run() if hooked else loop.batches(None)
 
 
 class Loop:
@@ -115,9 +119,9 @@ class Loop:
     # --- the stop and the saves --------------------------------------------------------------------------------------
 
     def step_end(self, step: int, where: tuple[int, int]) -> None:
-        """Every rank, every step: the agreement (its answer the same on every rank), then a save when one is due at
-        a step that ended a gradient accumulation."""
-        self.asked |= self.guard.should_stop(pipelined=True)
+        """Every rank, every step: the agreement at the cadence's steps (its answer the same on every rank), then a
+        save when one is due at a step that ended a gradient accumulation."""
+        self.asked |= self.guard.step_ended()
         if not getattr(self.accelerator, "sync_gradients", True):
             return
         if self.asked or (self.save_every and step % self.save_every == 0):

@@ -2,9 +2,10 @@
 
 Attached when the script imports `transformers.trainer` (trainers/integrations/__init__.py):
 
-- Every `Trainer` gets one more callback. At each step end the ranks agree whether any of them was asked to stop
-  (StopGuard: the profile's signal, SIGTERM, Ctrl-C; one small all-reduce a step that overlaps the next step, as
-  the shared trainer's does). When one was, that step is saved by the Trainer itself (`checkpoint-N`: model, optimizer,
+- Every `Trainer` gets one more callback. At the step ends its cadence names (trainers/integrations/checks.py: every
+  step end over a start's first 12, then about once a second of training, as the shared trainer's) the ranks agree
+  whether any of them was asked to stop (the profile's signal, SIGTERM, Ctrl-C; one small CPU all-reduce a check).
+  When one was, that step is saved by the Trainer itself (`checkpoint-N`: model, optimizer,
   scheduler, scaler, RNG, trainer state) and training stops there: no evaluation, no other work.
 - After every save, periodic or not, each rank fsyncs the folder's files and, once all have, rank 0 writes
   `hpcjobs-complete.json` into it (fsynced): only then is the checkpoint complete. A save that dies halfway leaves
@@ -131,7 +132,7 @@ def previous_start(root: Path) -> Path | None:
 def stop_callback() -> Any:
     from transformers import TrainerCallback
 
-    from trainers.preemption import StopGuard
+    from trainers.integrations.checks import StepEndGuard
 
     class StopAtAgreedStep(TrainerCallback):
         """The stop protocol at the Trainer's step ends, and the completion mark after each save."""
@@ -139,13 +140,13 @@ def stop_callback() -> Any:
         hpcjobs = True
 
         def __init__(self) -> None:
-            self.guard: StopGuard | None = None  # made by train() (signals.joined)
+            self.guard: StepEndGuard | None = None  # made by train() (signals.joined)
             self.stop_step: int | None = None
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
             watchdog.progress(state.global_step)
-            # every rank, every step: a collective, overlapping a step
-            if self.guard is not None and self.guard.should_stop(pipelined=True):
+            # every rank, every step; a collective at the cadence's steps
+            if self.guard is not None and self.guard.step_ended():
                 control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
                 self.stop_step = state.global_step
             if control.should_save:

@@ -10,8 +10,9 @@ Attached when the script imports `lightning.pytorch.trainer.trainer` or `pytorch
 - The hang watchdog (trainers/watchdog.py) is armed for the length of `fit()`: each training batch end marks
   progress, a checkpoint being saved (any callback's) has the save allowance until the next batch end, each
   validation batch counts as progress.
-- At each training batch end the ranks agree whether any of them was asked to stop (StopGuard, pipelined as for
-  the Hugging Face Trainer: one small all-reduce a batch, overlapping the next). When one was, that batch's state is
+- At the training batch ends the cadence names (trainers/integrations/checks.py, as for the Hugging Face Trainer:
+  every batch end over a start's first 12, then about once a second of training) the ranks agree whether any of
+  them was asked to stop. When one was, that batch's state is
   saved with `trainer.save_checkpoint` into `RUN/checkpoints/lightning/checkpoint-N/` (N: the global step) with the
   pending and completion marks of trainers/integrations/marks.py, plus each rank's position and RNG streams; the
   validation due at that batch is skipped; rank 0 requeues (on Slurm, when the stop came from the profile's signal)
@@ -127,7 +128,7 @@ def stop_callback(package: str) -> Any:
 
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
             watchdog.progress(trainer.global_step)  # a batch, not always a step: its time is what is measured
-            self.asked |= self.guard.should_stop(pipelined=True)  # every rank, every batch: overlaps the next one
+            self.asked |= self.guard.step_ended()  # every rank, every batch; a collective at the cadence's batches
             if not self.asked or self.saved or not resumable_here(trainer):
                 return
             from trainers.integrations.lightning_data import save_position

@@ -1,18 +1,21 @@
 """The stop protocol's signal handlers for the length of one library call (`Trainer.train`, `Trainer.fit`), shared by
 the integrations. Inside it SIGINT, SIGTERM and the profile's signal only set the flag that the ranks agree on at
-each step end; once the call returns (or raises anything but the stop's own exit) the handlers the script had
-before are back and the protocol's state is cleared, so the code after the call stops on Ctrl-C, SIGTERM and
-`hpcjobs cancel` as usual instead of setting a flag nobody reads any more.
+the step ends the cadence names (trainers/integrations/checks.py); once the call returns (or raises anything but the
+stop's own exit) the handlers the script had before are back and the protocol's state is cleared, so the code after
+the call stops on Ctrl-C, SIGTERM and `hpcjobs cancel` as usual instead of setting a flag nobody reads any more.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 from typing import Any
 
 from trainers import preemption
+from trainers.integrations import check_every
+from trainers.integrations.checks import StepEndGuard
 
 
 def protocol_signals() -> list[int]:
@@ -22,9 +25,10 @@ def protocol_signals() -> list[int]:
 
 @contextlib.contextmanager
 def joined(callback: Any) -> Iterator[None]:
-    """Give `callback.guard` a fresh StopGuard (its handlers) for the body; hand the signals back after it."""
+    """Give `callback.guard` a fresh StepEndGuard (its handlers, its cadence) for the body; hand the signals back
+    after it."""
     saved = {num: signal.getsignal(num) for num in protocol_signals()}
-    callback.guard = preemption.StopGuard()
+    callback.guard = StepEndGuard(every=check_every(os.environ))
     stopping = False
     try:
         yield
