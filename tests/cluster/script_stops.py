@@ -42,7 +42,12 @@ def stopped_and_resumed(folder: Path, trigger: str, submit: Submit, training: st
     assert wait_for_state(job, DONE, timeout=900) == "COMPLETED"
     stops = [json.loads(ln) for ln in (run / "restarts.jsonl").read_text().splitlines() if "stopped" in ln]
     assert stops and (len(stops) == 1 or trigger == "time-limit"), stops
-    return out, run, stops, (run / "logs" / "restart-1" / "rank-0.log").read_text()
+    # A time limit's signal can land before a start's first step (step -1: nothing to save, the job requeues and
+    # tries again; seen once with the HF script's 29 s start-up): the stop that counts is the first that saved.
+    saved = [s for s in stops if s["step"] > 0]
+    assert saved, stops
+    resumed = run / "logs" / f"restart-{saved[0]['restart'] + 1}" / "rank-0.log"
+    return out, run, saved, resumed.read_text()
 
 
 def rank0_losses(run: Path, loss_lines: Callable[[str], dict[int, str]]) -> dict[int, str]:
