@@ -56,8 +56,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def records(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
+def records(run: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    path = run / name
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -173,8 +173,7 @@ def save_blocks(run: Path, every: int) -> dict[str, Any]:
     plain = statistics.median([d for k, d in deltas.items() if k % every]) if deltas else 0.0
     blocks = [round(d - plain, 3) for k, d in sorted(deltas.items()) if k % every == 0]
     committed = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    saves = [json.loads(line) for line in (run / "saves.jsonl").read_text().splitlines()] if (
-        run / "saves.jsonl").is_file() else []
+    saves = records(run, "saves.jsonl")
     return {"blocks_s": blocks, "step_s": plain, "committed": committed,
             "waited_s": [s.get("waited_s", 0.0) for s in saves]}  # of each block, the wait for the save before
 

@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 from conftest import REPO, hpcjobs
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers.dist import FLIGHT_RECORDER, flight_recorder_env, release
+from trainers.dist import FLIGHT_RECORDER, flight_recorder_env
 from trainers.distenv import DistEnvError, setting_seconds
+from trainers.versions import parse as release
 
 
 def _hung_rank(rank: int, port: int, out: str) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers import allocator, jobenv, startup
+from trainers import allocator, jobenv, startup, versions
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, setting_seconds
 
 
@@ -78,14 +78,8 @@ def flight_recorder_env(trace_prefix: Path, version: str = torch.__version__,
     env = {**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_prefix)}
     size = env.pop(FR_SIZE_NAMES[0])
     if not any(name in environ for name in FR_SIZE_NAMES):
-        env[FR_SIZE_NAMES[0] if release(version) >= (2, 11) else FR_SIZE_NAMES[1]] = size
+        env[FR_SIZE_NAMES[0] if versions.parse(version) >= (2, 11) else FR_SIZE_NAMES[1]] = size
     return env
-
-
-def release(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string such as 2.11.0+cu130 or 2.13.0.dev20260101."""
-    major, minor = (version.split("+")[0].split(".") + ["0", "0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def cuda_missing_reason() -> str:
