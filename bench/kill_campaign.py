@@ -58,16 +58,33 @@ def processes_of(run: Path) -> list[int]:
     return pids
 
 
+def exited(pid: int) -> bool:
+    """Whether every thread of a process has ended. A killed process's /proc/PID/cmdline reads empty as soon as its
+    first thread exits, while a thread still inside a write (a save's fsync on a slow disk) keeps the process's
+    files open, the run folder's lock among them: seen once in CI, where the next start was refused."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    state = re.search(r"^State:\s+(\S)", status, re.M)
+    threads = re.search(r"^Threads:\s+(\d+)", status, re.M)
+    return bool(state and state.group(1) in "ZX" and (not threads or int(threads.group(1)) <= 1))
+
+
 def kill_all(run: Path, timeout: float = 30) -> None:
     """SIGKILL the launcher and every rank at once (the launcher's own death would only make the ranks stop
-    gracefully: they save), then wait until none is left."""
-    deadline = time.monotonic() + timeout
-    while pids := processes_of(run):
+    gracefully: they save), then wait until every thread of each has ended and the run folder's lock is free."""
+    from hpcjobs.protocol.folderlock import in_use
+    from hpcjobs.protocol.runfolder import RunFolder
+
+    deadline, seen = time.monotonic() + timeout, set()
+    while (pids := processes_of(run)) or not all(map(exited, seen)) or in_use(RunFolder(run)):
+        seen.update(pids)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"processes of {run} outlived SIGKILL by {timeout} s: {pids}")
+            raise RuntimeError(f"processes of {run} outlived SIGKILL by {timeout} s: {sorted(seen)}")
         time.sleep(0.05)
 
 
