@@ -204,6 +204,14 @@ def small_disk(folder: Path) -> Iterator[Path]:
     subprocess.run(["losetup", "-d", loop], check=False)
 
 
+def stopped(pid: int) -> bool:
+    """Whether a process (here, a rank on a node: the nodes share this pid namespace) is stopped by a signal."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_the_run_resumes(folder: Path,
                                                                                     small_disk: Path) -> None:
     run = small_disk / "run"
@@ -214,15 +222,20 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_the_run_resu
     out = hpcjobs("submit", *common, "--env=HPCJOBS_FAULT_INJECT=save-renamed@20:0", "--env=HPCJOBS_FAULT_ACTION=stop",
                   *entry, cwd=REPO, env={"HPCJOBS_HOME": str(folder)})
     job = json.loads(out.stdout)["job_id"]
+    # Wait until rank 0 has stopped itself, not only for step-20 to appear: a SIGCONT sent between its rename and
+    # its SIGSTOP is lost, and the ranks then hang until gloo's 120 s timeout (the test passed 130 s later, so a CI
+    # run carried it unseen: 145 s instead of 22).
     deadline = time.time() + 180
-    while not (run / "checkpoints" / "step-20").is_dir() and time.time() < deadline:
+    while not ((run / "checkpoints" / "step-20").is_dir() and stopped(rank0 := json.loads(
+            (run / ".lock").read_text())["pid"])) and time.time() < deadline:
         time.sleep(0.2)
     size = sum(p.stat().st_size for p in (run / "checkpoints" / "step-20").iterdir())
     filler = small_disk / "filler"
     with open(filler, "wb") as f:
         f.write(b"\0" * max(0, shutil.disk_usage(small_disk).free - size // 2))
-    os.kill(json.loads((run / ".lock").read_text())["pid"], signal.SIGCONT)
+    os.kill(rank0, signal.SIGCONT)
     assert wait_for_state(job, DONE, timeout=300) == "FAILED"
+    assert list(RunFolder(run).restart_dirs()) == [0], "the first start did not end on the full disk"
     said = status(folder, job).stdout
     # Every rank learns it (their shards are written together): whichever recorded it first is named.
     assert re.search(rf"failed first: rank \d on node\d+: CheckpointSpaceError: checkpoint step-40 does not fit in "
