@@ -4,7 +4,8 @@ For each trigger — `scontrol requeue`, `scancel --signal=USR2`, a real partiti
 limit — a 2-node job started through `hpcjobs submit` and one started from a rendered script with plain `sbatch` are
 interrupted at least once, come back by themselves, finish COMPLETED, and end with final weights bit-identical to an
 uninterrupted run of the same config; under --strategy ddp and fsdp (sharded, asynchronous periodic saves). CI runs
-the preemption and the time limit under fsdp on both paths, the other triggers under ddp; the rest run with -m slow.
+a partition-priority preemption under fsdp, `scontrol requeue` and `scancel --signal` under ddp (submit path), and a
+time-limit signal while the ranks start (rendered path); the rest run with -m slow.
 Each case reports the steps lost and the seconds from signal to committed
 checkpoint (printed, and appended to $HPCJOBS_REPORT_DIR/preemption.jsonl when set)."""
 
@@ -135,11 +136,11 @@ def trigger_now(trigger: str, job: str) -> None:
 
 TRIGGERS = ["scontrol-requeue", "scancel-signal", "preemption", "time-limit"]
 IN_CI = {("ddp", "scontrol-requeue", "submit"), ("ddp", "scancel-signal", "submit"),
-         ("fsdp", "preemption", "submit"), ("fsdp", "preemption", "sbatch")}
+         ("fsdp", "preemption", "submit")}
 """The rendered-sbatch path shares every line of the node side with the submit path, and both strategies share the
-preemption protocol; CI runs a real preemption on both paths under fsdp and the other triggers once: the time limit
-is test_a_time_limit_signal_that_comes_while_ranks_start... (rendered path, ~3 min: each time-limit case waits out
-2-minute limits); the rest run with `-m slow` (see docs/testing.md)."""
+preemption protocol; CI runs a real preemption under fsdp and the other triggers once, on the submit path; the
+rendered path's requeue runs in test_a_time_limit_signal_that_comes_while_ranks_start... (~3 min: each time-limit
+case waits out 2-minute limits); the rest run with `-m slow` (see docs/testing.md)."""
 CASES = [pytest.param(s, t, p, marks=[] if (s, t, p) in IN_CI else [pytest.mark.slow], id=f"{s}-{t}-{p}")
          for s in ("ddp", "fsdp") for p in ("submit", "sbatch") for t in TRIGGERS]
 
