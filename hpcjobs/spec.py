@@ -6,15 +6,14 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol
 
 from hpcjobs.after import After, parse_all
-from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.container import Image, resolve
 from hpcjobs.entry import Entry, resolve_entry
+from hpcjobs.jobenv import job_env
 from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
 from hpcjobs.protocol.contract import Recovery
@@ -29,7 +28,6 @@ from hpcjobs.taskcheck import check_task_flags, check_trainer_args
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
-_ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
 
 class Capabilities(Protocol):
@@ -168,35 +166,6 @@ def node_python(profile: ClusterProfile, caps: Capabilities) -> str:
     return AFTER_SETUP if (profile.setup and caps.runs_setup) or profile.container.enabled else sys.executable
 
 
-def with_gloo_interface(env: dict[str, str]) -> dict[str, str]:
-    """The trainer's control group (stop agreement, checkpoint barriers) is gloo even when training uses NCCL, and
-    gloo binds to whatever the hostname resolves to (127.0.1.1, a management network) unless told: it takes the
-    NCCL interface unless the profile names its own. NCCL's `^`-exclusion form names no interface to take."""
-    nccl = env.get("NCCL_SOCKET_IFNAME", "")
-    if nccl and not nccl.startswith("^") and "GLOO_SOCKET_IFNAME" not in env:
-        return {**env, "GLOO_SOCKET_IFNAME": nccl.removeprefix("=")}
-    return env
-
-
-def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        m = _ENV_ASSIGN.match(item)
-        if not m:
-            raise UsageError(f"--env {item!r} is not NAME=VALUE.", "e.g. --env WANDB_MODE=offline")
-        out[m.group(1)] = m.group(2)
-    return out
-
-
-def _check_env_names(env: Mapping[str, str], where: str) -> None:
-    """A rank's identity and rendezvous are set for each rank when it starts: one given for the whole job would be
-    every rank's (all rank 0), or be overwritten without a word."""
-    taken = [name for name in env if name in RENDEZVOUS]
-    if taken:
-        raise UsageError(f"{where} sets {taken[0]}, which hpcjobs sets for each rank; valid: other names (not "
-                         f"{', '.join(RENDEZVOUS)}).", "drop it: every rank gets its own from the launcher.")
-
-
 def _check_one_line(flag: str, value: str | None, hint: str) -> None:
     """What goes on an #SBATCH line, as the profile's strings do: a newline would end the header there and run the
     rest of the value as a shell line."""
@@ -326,12 +295,6 @@ def _job_name(req: Request, entry: Entry) -> str:
     return name
 
 
-def _job_env(profile: ClusterProfile, req: Request) -> dict[str, str]:
-    given = _env_pairs(req.env)
-    _check_env_names(given, "--env")  # the profile's env: checked when it was loaded
-    return with_gloo_interface({**profile.env, **profile.nccl, **given})
-
-
 def _run_dir(profile: ClusterProfile, req: Request, workdir: Path, name: str, stamp: str, points: int,
              job_id_in_run_dir: bool) -> str:
     """The run folder: --run-dir, or one named by the job under the profile's runs folder; checked."""
@@ -375,7 +338,7 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
     time_s = _time_seconds(profile, req)
     entry, points = _entry_and_points(profile, req, caps, workdir, gpus)
     name = _job_name(req, entry)
-    env = _job_env(profile, req)
+    env = job_env(profile.env, profile.nccl, req.env)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
     run_dir = _run_dir(profile, req, workdir, name, stamp, len(points), job_id_in_run_dir)
     snapshot = plan(workdir, snapshot_root(run_dir)) if req.snapshot else None

@@ -5,7 +5,10 @@ at the next check. One process, a fake clock of 15 ms steps (the HF Trainer's on
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
+import yaml
 
 from trainers import preemption
 from trainers.integrations import CHECK_EVERY, check_every, install, marks
@@ -169,3 +173,23 @@ def test_a_bad_spacing_is_refused_in_one_line_before_the_script_runs(bad: str,
         install({CHECK_EVERY: bad})
     said = capsys.readouterr().out.strip().splitlines()
     assert e.value.code == 2 and len(said) == 1 and CHECK_EVERY in said[0] and "HINT:" in said[0]
+
+
+@pytest.mark.parametrize("where", ["--env", "profile"])
+def test_submit_refuses_a_bad_spacing_before_anything_is_written(where: str, tmp_path: Path) -> None:
+    """Every rank would refuse it at its start: `hpcjobs submit` says so first, in one line, and queues and writes
+    nothing, whether --env or the profile's env gave it."""
+    repo = Path(__file__).resolve().parent.parent
+    profile = yaml.safe_load((repo / "cluster_profiles" / "local.yaml").read_text())
+    flags = ["--profile", "local", f"--env={CHECK_EVERY}=often"]
+    if where == "profile":
+        profile.setdefault("env", {})[CHECK_EVERY] = "often"
+        (tmp_path / "p.yaml").write_text(yaml.safe_dump(profile))
+        flags = ["--profile", str(tmp_path / "p.yaml")]
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "hpcjobs", "submit", *flags, "--gpus", "1", "--run-dir", str(run),
+                          "trainers.tasks.lm", "--steps", "3"], capture_output=True, text=True, cwd=repo,
+                         env={**os.environ, "HPCJOBS_HOME": str(tmp_path / "home")})
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"{CHECK_EVERY}='often': valid: a whole number" in out.stderr and "HINT:" in out.stderr, out.stderr
+    assert not run.exists() and not (tmp_path / "home").exists()

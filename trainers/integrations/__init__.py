@@ -24,31 +24,29 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+from hpcjobs.protocol import stopcheck
+from hpcjobs.protocol.stopcheck import CHECK_EVERY
+
 HOOKS: dict[str, str] = {"transformers.trainer": "trainers.integrations.hf_trainer",
                          "lightning.pytorch.trainer.trainer": "trainers.integrations.lightning",
                          "pytorch_lightning.trainer.trainer": "trainers.integrations.lightning"}
 """Library module → the hpcjobs module whose `attach(module)` joins it to the protocol once it is imported."""
 SWITCH = "HPCJOBS_HOOKS"
 """`0` turns every hook off."""
-CHECK_EVERY = "HPCJOBS_STOP_CHECK_EVERY"
-"""Step ends between the ranks' stop checks (the trainer's --stop-check-every); unset or 0: about once a second of
-training, from the measured step time (trainers/integrations/checks.py)."""
-
-
 def enabled(environ: Mapping[str, str]) -> bool:
     return environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def check_every(environ: Mapping[str, str]) -> int:
     """HPCJOBS_STOP_CHECK_EVERY as a number; anything else is refused in one line (exit 2) on every rank, before the
-    script runs (install) or the loop begins (accelerate_loop.resumable)."""
-    raw = environ.get(CHECK_EVERY, "").strip() or "0"
-    if raw.isascii() and raw.isdigit():
-        return int(raw)
+    script runs (install) or the loop begins (accelerate_loop.resumable). `hpcjobs submit` refused it already."""
+    every = stopcheck.parse(environ.get(CHECK_EVERY))
+    if every is not None:
+        return every
     from trainers.integrations.marks import say  # only on the way out: this module imports nothing at a start
 
-    say(f"{CHECK_EVERY}={raw!r}: valid: a whole number of step ends between stop checks, 0 (the default) for about "
-        f"once a second. HINT: e.g. --env {CHECK_EVERY}=0, or leave it unset")
+    message, hint = stopcheck.refusal(environ[CHECK_EVERY])
+    say(f"{message} HINT: {hint}")
     raise SystemExit(2)
 
 

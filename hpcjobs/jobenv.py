@@ -1,0 +1,53 @@
+"""What every rank of a job finds in its environment beyond the rendezvous: the profile's env and NCCL settings and
+the user's --env, checked before anything is queued (a name hpcjobs sets per rank, a value every rank would refuse),
+plus the gloo interface the control group needs where only NCCL's is named."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from hpcjobs.backends.environment import RENDEZVOUS
+from hpcjobs.protocol import stopcheck
+from hpcjobs.protocol.errors import UsageError
+
+_ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+
+
+def job_env(profile_env: Mapping[str, str], nccl: Mapping[str, str], flags: tuple[str, ...]) -> dict[str, str]:
+    """Every rank's environment: the profile's env and NCCL settings, then each --env NAME=VALUE over them."""
+    given = _env_pairs(flags)
+    _check_env_names(given, "--env")  # the profile's env: checked when it was loaded
+    env = {**profile_env, **nccl, **given}
+    if stopcheck.parse(env.get(stopcheck.CHECK_EVERY)) is None:  # every rank would refuse it at its start
+        raise UsageError(*stopcheck.refusal(env[stopcheck.CHECK_EVERY]))
+    return with_gloo_interface(env)
+
+
+def with_gloo_interface(env: dict[str, str]) -> dict[str, str]:
+    """The trainer's control group (stop agreement, checkpoint barriers) is gloo even when training uses NCCL, and
+    gloo binds to whatever the hostname resolves to (127.0.1.1, a management network) unless told: it takes the
+    NCCL interface unless the profile names its own. NCCL's `^`-exclusion form names no interface to take."""
+    nccl = env.get("NCCL_SOCKET_IFNAME", "")
+    if nccl and not nccl.startswith("^") and "GLOO_SOCKET_IFNAME" not in env:
+        return {**env, "GLOO_SOCKET_IFNAME": nccl.removeprefix("=")}
+    return env
+
+
+def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        m = _ENV_ASSIGN.match(item)
+        if not m:
+            raise UsageError(f"--env {item!r} is not NAME=VALUE.", "e.g. --env WANDB_MODE=offline")
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def _check_env_names(env: Mapping[str, str], where: str) -> None:
+    """A rank's identity and rendezvous are set for each rank when it starts: one given for the whole job would be
+    every rank's (all rank 0), or be overwritten without a word."""
+    taken = [name for name in env if name in RENDEZVOUS]
+    if taken:
+        raise UsageError(f"{where} sets {taken[0]}, which hpcjobs sets for each rank; valid: other names (not "
+                         f"{', '.join(RENDEZVOUS)}).", "drop it: every rank gets its own from the launcher.")
