@@ -213,6 +213,38 @@ def test_the_loop_holds_the_protocols_signals_only_while_it_runs(tmp_path: Path)
     assert {n: signal.getsignal(n) for n in before} == before
 
 
+@pytest.mark.train
+@pytest.mark.usefixtures("_signals_given_back")
+def test_a_ctrl_c_after_the_last_agreement_reaches_the_script_as_the_loop_ends(tmp_path: Path) -> None:
+    """A Ctrl-C during the last step (no agreement is made there: training is over, nothing to save) is the script's
+    once the loop ends: KeyboardInterrupt where the loop returns. Dropped, the code after the loop ran on deaf to
+    it."""
+    with pytest.raises(KeyboardInterrupt):
+        train_in_process(tmp_path / "states", stop_at=30)
+    assert not (tmp_path / "states").exists()
+
+
+@pytest.mark.usefixtures("_signals_given_back")
+def test_the_profiles_signal_after_the_last_agreement_goes_to_the_scripts_own_handler(tmp_path: Path) -> None:
+    """Under hpcjobs the handler before the loop is trainers.standby's (rank 0 requeues the job); here a recorder."""
+    from accelerate import Accelerator
+
+    from trainers import preemption
+
+    num = preemption.signal_number(preemption.current_contract().preemption.signal)
+    got: list[int] = []
+    signal.signal(num, lambda signum, _: got.append(signum))
+    for step, _ in accelerate_loop.resumable(Accelerator(cpu=True), [1, 2, 3], folder=tmp_path):
+        if step == 2:  # the last step: twice, handed over once
+            preemption.request_stop(num)
+            preemption.request_stop(num)
+        assert got == []
+    assert got == [num] and not preemption.first_request()
+    for _ in accelerate_loop.resumable(Accelerator(cpu=True), [1, 2], folder=tmp_path):
+        pass
+    assert got == [num]  # nothing left over for the next loop
+
+
 @pytest.mark.parametrize("bad", [{"epochs": 0}, {"epochs": 1.5}, {"max_steps": 0}, {"save_every": -1},
                                  {"epochs": True}])
 def test_a_bad_argument_is_refused_in_one_line(bad: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,8 @@ Attached when the script imports `transformers.trainer` (trainers/integrations/_
 - The hang watchdog (trainers/watchdog.py) is armed for the length of `train()`: each step end marks progress, a
   save from its step end to its completion mark has the save allowance, each evaluation batch counts as progress.
 - The protocol's signal handlers hold only while `train()` runs (trainers/integrations/signals.py): the code before
-  and after it keeps the script's own (Ctrl-C stops it).
+  and after it keeps the script's own (Ctrl-C stops it), and a signal that came after the ranks' last agreement is
+  handed to them as `train()` returns.
 - After a stop's save, rank 0 requeues the job (on Slurm, when the stop came from the profile's signal) and every
   rank exits: nothing after `trainer.train()` runs (no final save_model, evaluation or upload on a stop).
 - `train()` resumes the newest complete checkpoint of the output folder when it is given none. A checkpoint it is

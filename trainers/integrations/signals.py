@@ -2,7 +2,8 @@
 the integrations. Inside it SIGINT, SIGTERM and the profile's signal only set the flag that the ranks agree on at
 the step ends the cadence names (trainers/integrations/checks.py); once the call returns (or raises anything but the
 stop's own exit) the handlers the script had before are back and the protocol's state is cleared, so the code after
-the call stops on Ctrl-C, SIGTERM and `hpcjobs cancel` as usual instead of setting a flag nobody reads any more.
+the call stops on Ctrl-C, SIGTERM and `hpcjobs cancel` as usual instead of setting a flag nobody reads any more; a
+signal that came after the ranks' last agreement is handed to those handlers as the call returns.
 """
 
 from __future__ import annotations
@@ -26,17 +27,35 @@ def protocol_signals() -> list[int]:
 @contextlib.contextmanager
 def joined(callback: Any) -> Iterator[None]:
     """Give `callback.guard` a fresh StepEndGuard (its handlers, its cadence) for the body; hand the signals back
-    after it."""
+    after it, and with them a signal the ranks never agreed on (`unheard`)."""
     saved = {num: signal.getsignal(num) for num in protocol_signals()}
     callback.guard = StepEndGuard(every=check_every(os.environ))
-    stopping = False
+    stopping = returned = False
     try:
         yield
+        returned = True
     except SystemExit:
         stopping = True  # the agreed stop (or the script's own exit): the rank ends with the protocol's handlers
         raise
     finally:
         if not stopping:
+            if returned:  # every rank started the last check's reduce: wait for it before the script goes on
+                callback.guard.close()
+            late = unheard() if returned else None
             preemption.reset()
             for num, handler in saved.items():
                 signal.signal(num, handler)
+            if late is not None:
+                signal.raise_signal(late)
+
+
+def unheard() -> int | None:
+    """A signal that came after the ranks' last agreement (its step end was the call's last, or the call was past
+    its steps): the call returned without stopping for it. It goes to the handler the script had before the call,
+    as if it had come just after: Ctrl-C raises KeyboardInterrupt where the call returns, SIGTERM and `hpcjobs
+    cancel` stop the script, the profile's signal requeues the job from its newest checkpoint (trainers.standby).
+    Dropped, the code after the call ran on deaf to it."""
+    first = preemption.first_request()
+    if first is None or first[0] == "deadline":
+        return None  # asked by the clock, not by a signal: nothing to hand over
+    return int(getattr(signal, first[0]))
