@@ -5,7 +5,7 @@ its steps, no checkpoint in between), the median ratio hpcjobs / torchrun of the
 runs carry the stop checks at the integrations' cadence (trainers/integrations/checks.py: every step end over the
 first 12, then about once a second; the all-reduce bench/stop_agreement.py times alone).
 
-    .venv/bin/python bench/hf_trainer.py [--rounds 4] [--steps 100]
+    .venv/bin/python bench/hf_trainer.py [--rounds 4] [--steps 100] [--control]
 Writes bench/results/hf_trainer.json and prints a summary.
 """
 
@@ -56,23 +56,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--control", action="store_true", help="a second torchrun run each round: the spread of "
+                   "torchrun / torchrun is what this machine's noise alone makes of a ratio")
     a = p.parse_args()
     rounds: list[dict[str, Any]] = []
+    hows = ["hpcjobs", "torchrun", *(["torchrun-again"] if a.control else [])]
     for r in range(a.rounds):
-        order = ("hpcjobs", "torchrun") if r % 2 == 0 else ("torchrun", "hpcjobs")
+        order = hows[r % len(hows):] + hows[:r % len(hows)]  # each takes each place in turn
         row: dict[str, Any] = {}
         for how in order:
             with tempfile.TemporaryDirectory() as tmp:
-                row[how] = run(how, Path(tmp), a.steps)
+                row[how] = run(how.removesuffix("-again"), Path(tmp), a.steps)
         row["ratio"] = row["hpcjobs"] / row["torchrun"]
+        if a.control:
+            row["control_ratio"] = row["torchrun-again"] / row["torchrun"]
         rounds.append(row)
-        print(f"round {r}: hpcjobs {1000 * row['hpcjobs']:.1f} ms/step, torchrun {1000 * row['torchrun']:.1f} "
-              f"ms/step, ratio {row['ratio']:.3f}", flush=True)
+        print(f"round {r}: " + ", ".join(f"{how} {1000 * row[how]:.1f} ms/step" for how in hows) +
+              f", ratio {row['ratio']:.3f}" + (f", control {row['control_ratio']:.3f}" if a.control else ""),
+              flush=True)
     result = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "steps": a.steps, "ranks": 2,
               "rounds": rounds, "ratio_median": statistics.median(r["ratio"] for r in rounds)}
+    if a.control:
+        result["control_ratio_median"] = statistics.median(r["control_ratio"] for r in rounds)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"median ratio hpcjobs / torchrun: {result['ratio_median']:.3f} (target ≤ 1.02); {RESULTS}")
-
+    print(f"median ratio hpcjobs / torchrun: {result['ratio_median']:.3f} (target ≤ 1.02)" +
+          (f"; torchrun / torchrun: {result['control_ratio_median']:.3f}" if a.control else "") + f"; {RESULTS}")
 
 if __name__ == "__main__":
     main()
