@@ -33,6 +33,8 @@ HOOKS: dict[str, str] = {"transformers.trainer": "trainers.integrations.hf_train
 """Library module → the hpcjobs module whose `attach(module)` joins it to the protocol once it is imported."""
 SWITCH = "HPCJOBS_HOOKS"
 """`0` turns every hook off."""
+
+
 def enabled(environ: Mapping[str, str]) -> bool:
     return environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 

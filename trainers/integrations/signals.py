@@ -53,7 +53,9 @@ def unheard() -> int | None:
     """A signal that came after the ranks' last agreement (its step end was the call's last, or the call was past
     its steps): the call returned without stopping for it. It goes to the handler the script had before the call,
     as if it had come just after: Ctrl-C raises KeyboardInterrupt where the call returns, SIGTERM and `hpcjobs
-    cancel` stop the script, the profile's signal requeues the job from its newest checkpoint (trainers.standby).
+    cancel` stop the script, and the profile's signal does what it does to a script that never joined
+(trainers.standby: under Slurm rank 0 requeues the job, which resumes from its newest checkpoint; locally it stops
+the script as Ctrl-C does).
     Dropped, the code after the call ran on deaf to it."""
     first = preemption.first_request()
     if first is None or first[0] == "deadline":
