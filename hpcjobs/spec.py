@@ -13,7 +13,6 @@ from typing import Protocol
 from hpcjobs.after import After, parse_all
 from hpcjobs.container import Image, resolve
 from hpcjobs.entry import Entry, resolve_entry
-from hpcjobs.jobenv import job_env
 from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
 from hpcjobs.protocol.contract import Recovery
@@ -21,6 +20,7 @@ from hpcjobs.protocol.errors import UsageError, shown
 from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
+from hpcjobs.rankenv import job_env
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
 from hpcjobs.sweep import as_mapping, build_points, tasks_args

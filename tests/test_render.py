@@ -159,7 +159,7 @@ def test_the_docs_show_the_script_as_rendered_today() -> None:
 
 
 def test_gloo_takes_the_nccl_interface_unless_named() -> None:
-    from hpcjobs.jobenv import with_gloo_interface
+    from hpcjobs.rankenv import with_gloo_interface
 
     assert with_gloo_interface({"NCCL_SOCKET_IFNAME": "ib0"})["GLOO_SOCKET_IFNAME"] == "ib0"
     assert with_gloo_interface({"NCCL_SOCKET_IFNAME": "=eth0"})["GLOO_SOCKET_IFNAME"] == "eth0"

@@ -5,10 +5,7 @@ at the next check. One process, a fake clock of 15 ms steps (the HF Trainer's on
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +15,7 @@ import pytest
 import torch.multiprocessing as mp
 import yaml
 
+from conftest import REPO, hpcjobs
 from trainers import preemption
 from trainers.integrations import CHECK_EVERY, check_every, install, marks
 from trainers.integrations.checks import StepEndGuard
@@ -180,17 +178,15 @@ def test_a_bad_spacing_is_refused_in_one_line_before_the_script_runs(bad: str,
 def test_submit_refuses_a_bad_spacing_before_anything_is_written(where: str, tmp_path: Path) -> None:
     """Every rank would refuse it at its start: `hpcjobs submit` says so first, in one line, and queues and writes
     nothing, whether --env or the profile's env gave it."""
-    repo = Path(__file__).resolve().parent.parent
-    profile = yaml.safe_load((repo / "cluster_profiles" / "local.yaml").read_text())
+    profile = yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text())
     flags = ["--profile", "local", f"--env={CHECK_EVERY}=often"]
     if where == "profile":
         profile.setdefault("env", {})[CHECK_EVERY] = "often"
         (tmp_path / "p.yaml").write_text(yaml.safe_dump(profile))
         flags = ["--profile", str(tmp_path / "p.yaml")]
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "hpcjobs", "submit", *flags, "--gpus", "1", "--run-dir", str(run),
-                          "trainers.tasks.lm", "--steps", "3"], capture_output=True, text=True, cwd=repo,
-                         env={**os.environ, "HPCJOBS_HOME": str(tmp_path / "home")})
+    out = hpcjobs("submit", *flags, "--gpus", "1", "--run-dir", str(run), "trainers.tasks.lm", "--steps", "3",
+                  cwd=REPO, env={"HPCJOBS_HOME": str(tmp_path / "home")})
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert f"{CHECK_EVERY}='often': valid: a whole number" in out.stderr and "HINT:" in out.stderr, out.stderr
     assert not run.exists() and not (tmp_path / "home").exists()
