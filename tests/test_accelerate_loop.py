@@ -7,6 +7,7 @@ SIGKILLed inside a save leaves a state that is never resumed."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,22 @@ def test_a_ctrl_c_after_the_last_agreement_reaches_the_script_as_the_loop_ends(t
     with pytest.raises(KeyboardInterrupt):
         train_in_process(tmp_path / "states", stop_at=30)
     assert not (tmp_path / "states").exists()
+
+
+@pytest.mark.usefixtures("_signals_given_back")
+def test_a_ctrl_c_in_a_step_the_script_then_breaks_out_of_reaches_the_code_after_the_loop(tmp_path: Path) -> None:
+    """The script leaves the loop with `break` in the step a Ctrl-C came in: no agreement is made (the loop is never
+    asked for the next batch), and the code after the loop is interrupted, as a Ctrl-C there would."""
+    from accelerate import Accelerator
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for step, _ in accelerate_loop.resumable(Accelerator(cpu=True), [1, 2, 3, 4], folder=tmp_path):
+            if step == 1:
+                signal.raise_signal(signal.SIGINT)  # the protocol's handler: a flag
+                break
+        time.sleep(5)  # the script's work after the loop
+    assert time.monotonic() - started < 4 and not list(tmp_path.iterdir())
 
 
 @pytest.mark.usefixtures("_signals_given_back")

@@ -25,8 +25,9 @@ without owning the loop. `resumable` owns it, and nothing else:
   from the profile's signal) and every rank exits 0: nothing after the loop runs on a stop.
 - `save_every`: also save every that many steps (the same marks), for a job killed without warning.
 - The protocol's signal handlers hold while the loop runs (trainers/integrations/signals.py): the code before and after
-  it keeps the script's own (Ctrl-C stops it). `HPCJOBS_HOOKS=0` makes it the plain loop over the epochs it replaces:
-  no resume, no stop protocol, no save.
+  it keeps the script's own (Ctrl-C stops it); a signal that came after the ranks' last agreement reaches them as the
+  loop ends, also when the script leaves it with `break` (then within RESEND_S of signals.py). `HPCJOBS_HOOKS=0`
+  makes it the plain loop over the epochs it replaces: no resume, no stop protocol, no save.
 
 Not exact, as with Lightning: random transforms that draw from the global RNG inside the dataset (or any RNG in
 DataLoader workers), and an IterableDataset, which is skipped into by reading its first batches again.

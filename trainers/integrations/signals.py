@@ -3,7 +3,8 @@ the integrations. Inside it SIGINT, SIGTERM and the profile's signal only set th
 the step ends the cadence names (trainers/integrations/checks.py); once the call returns (or raises anything but the
 stop's own exit) the handlers the script had before are back and the protocol's state is cleared, so the code after
 the call stops on Ctrl-C, SIGTERM and `hpcjobs cancel` as usual instead of setting a flag nobody reads any more; a
-signal that came after the ranks' last agreement is handed to those handlers as the call returns.
+signal that came after the ranks' last agreement is handed to those handlers as the call returns (or, when the call
+is a loop the script left with `break`, a moment later: `resend_soon`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,23 +33,45 @@ def joined(callback: Any) -> Iterator[None]:
     after it, and with them a signal the ranks never agreed on (`unheard`)."""
     saved = {num: signal.getsignal(num) for num in protocol_signals()}
     callback.guard = StepEndGuard(every=check_every(os.environ))
-    stopping = returned = False
+    stopping = returned = left = False
     try:
         yield
         returned = True
     except SystemExit:
         stopping = True  # the agreed stop (or the script's own exit): the rank ends with the protocol's handlers
         raise
+    except GeneratorExit:
+        left = True  # the body is a loop's generator that the script left (`break`): the loop's end, as a return
+        raise
     finally:
         if not stopping:
-            if returned:  # every rank started the last check's reduce: wait for it before the script goes on
+            if returned or left:  # every rank started the last check's reduce: wait for it before the script goes on
                 callback.guard.close()
-            late = unheard() if returned else None
+            late = unheard() if returned or left else None
             preemption.reset()
             for num, handler in saved.items():
                 signal.signal(num, handler)
-            if late is not None:
+            if late is not None and left:
+                resend_soon(late)
+            elif late is not None:
                 signal.raise_signal(late)
+
+
+RESEND_S = 0.05
+"""How long after a left loop's end its late signal is sent again (`resend_soon`)."""
+
+
+def resend_soon(num: int) -> None:
+    """Send `num` to this process again from a thread, RESEND_S from now. For a loop the script left with `break`:
+    its generator is closed as the script drops it, and an exception a handler raised there (Ctrl-C's
+    KeyboardInterrupt) would be lost ("Exception ignored in: <generator ...>"); RESEND_S later the main thread is
+    back in the script's own code, which the handler then interrupts."""
+    def send() -> None:
+        time.sleep(RESEND_S)
+        os.kill(os.getpid(), num)
+
+    with contextlib.suppress(RuntimeError):  # closed at the interpreter's exit: the script is over, no thread starts
+        threading.Thread(target=send, name="hpcjobs-late-signal", daemon=True).start()
 
 
 def unheard() -> int | None:
