@@ -2,9 +2,9 @@
 accelerate_loop, whose step ends all call `StepEndGuard.step_ended()`.
 
 Checking at every step end cost a pipelined all-reduce a step (0.4-0.8 ms at 2 CPU ranks: bench/stop_agreement.py);
-the shared trainer checks about once a second. (It was not what made the Hugging Face Trainer's ~15 ms steps slower
-under hpcjobs than under torchrun in 100-step rounds: bench/hf_trainer.py, 1.073 before this change, 1.076 after;
-600-step rounds on a quiet machine: 1.013 over 12, a third of them 8-17% slower, not explained.)
+the shared trainer checks about once a second. (Neither was what makes the Hugging Face Trainer's ~17 ms steps ~5%
+slower under `hpcjobs submit` than under torchrun: torchrun starting hpcjobs's rank launcher, these checks included,
+is 1.006x torchrun; bench/README.md.)
 Every rank calls `step_ended()` at every step end; the ranks agree only at the steps trainers.preemption.Cadence
 names, the same on every rank: every step end over this start's first 12 (while the slowest rank's step time is
 measured), then about once a second of training (or every HPCJOBS_STOP_CHECK_EVERY step ends). A check's reduce
