@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcjobs.protocol.contract import LaunchContract
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_script.py"
 RESULTS = Path(__file__).parent / "results" / "hf_trainer.json"
@@ -41,8 +43,6 @@ def step_seconds(output: str, steps: int) -> float:
     return float(ast.literal_eval(line)["train_runtime"]) / steps
 
 
-CONTRACT = {"preemption": {"max_restarts": 0, "seconds_before": 90, "signal": "USR2"}, "start_time": 0.0,
-            "time_limit_s": 0}
 VARIANTS = {
     "hpcjobs": "hpcjobs submit --profile local",
     "torchrun": "torchrun",
@@ -63,8 +63,8 @@ def command(how: str, folder: Path, steps: int) -> list[str]:
                 *off, *args]
     if how == "torchrun-launch":
         (folder / "run").mkdir()
-        contract = {**CONTRACT, "run_dir": str(folder / "run"), "submit_dir": str(folder)}
-        return [*torchrun, "-m", "trainers.launch", "--contract", json.dumps(contract), "--kind", "script", "--", *args]
+        contract = LaunchContract(run_dir=str(folder / "run"), submit_dir=str(folder)).to_json()
+        return [*torchrun, "-m", "trainers.launch", "--contract", contract, "--kind", "script", "--", *args]
     return [*torchrun, *args]
 
 

@@ -41,20 +41,18 @@ def joined(callback: Any) -> Iterator[None]:
         stopping = True  # the agreed stop (or the script's own exit): the rank ends with the protocol's handlers
         raise
     except GeneratorExit:
-        left = True  # the body is a loop's generator that the script left (`break`): the loop's end, as a return
+        returned = left = True  # the body is a loop's generator the script left (`break`): its end, as a return
         raise
     finally:
         if not stopping:
-            if returned or left:  # every rank started the last check's reduce: wait for it before the script goes on
+            if returned:  # every rank started the last check's reduce: wait for it before the script goes on
                 callback.guard.close()
-            late = unheard() if returned or left else None
+            late = unheard() if returned else None
             preemption.reset()
             for num, handler in saved.items():
                 signal.signal(num, handler)
-            if late is not None and left:
-                resend_soon(late)
-            elif late is not None:
-                signal.raise_signal(late)
+            if late is not None:
+                (resend_soon if left else signal.raise_signal)(late)
 
 
 RESEND_S = 0.05
