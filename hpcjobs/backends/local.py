@@ -248,8 +248,9 @@ class LocalBackend(RunFolderLogs):
         if slot is not None:
             base.update(device_slice(slot, spec.ranks, base))
         envs = rank_envs(spec, sub.job_id, free_port(), base, restart)
-        # Each rank in a process group of its own: the terminal's Ctrl-C reaches only this process, which turns it
-        # into one stop request per rank (a rank hit by the terminal's signal as well would get two).
+        # Each rank in a session of its own (rank_preexec says why not only a process group): the terminal's Ctrl-C
+        # reaches only this process, which turns it into one stop request per rank (a rank hit by the terminal's
+        # signal as well would get two).
         return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=rank_preexec,
                                  stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
 

@@ -102,12 +102,19 @@ class Stopper:
 
 
 def rank_preexec() -> None:
-    """In each rank, before exec: a process group of its own (see LocalBackend._run), and if the launching process
-    dies (SIGKILL, or a `| tee` that took it down at Ctrl-C), SIGTERM, so the rank stops instead of training on as
-    an orphan: at a checkpoint for a task, at once for a script that does not take part in the stop protocol."""
+    """In each rank, before exec: a session of its own, and if the launching process dies (SIGKILL, or a `| tee`
+    that took it down at Ctrl-C), SIGTERM, so the rank stops instead of training on as an orphan: at a checkpoint
+    for a task, at once for a script that does not take part in the stop protocol.
+
+    A session, not only a process group (either keeps the terminal's Ctrl-C to the launching process, see
+    LocalBackend._start): where the kernel groups CPU time by session (sched_autogroup, on by default in most
+    distributions' kernels and on this machine), ranks left in the shell's session share one group's CPU time
+    with each other and with the shell's other work, while torchrun gives each rank a session of its own. Measured
+    with bench/hf_trainer.py (2 ranks on 2 cores, 12 interleaved rounds): a process group only, 1.134 × torchrun's
+    step time; a session each, 1.052 ×."""
     import ctypes
 
-    os.setpgid(0, 0)
+    os.setsid()
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
