@@ -7,7 +7,9 @@ per 5 s window ranged 269-331 (±10%), the ranks' main threads needing 9.0-11.8 
 the wall time of a step followed that CPU time; a 600-step run's ratio is ±10%, and only the mean of many rounds can
 tell 2% apart. `--control` adds a second torchrun run a round: its interval must hold 1.0. hpcjobs's
 runs carry the stop checks at the integrations' cadence (trainers/integrations/checks.py: every step end over the
-first 12, then about once a second; the all-reduce bench/stop_agreement.py times alone).
+first 12, then about once a second; the all-reduce bench/stop_agreement.py times alone). What this bench found: ranks
+left in the shell's session ran several % slower than torchrun's, each in a session of its own as fast: the kernel
+shares CPU time by session (hpcjobs/backends/local_ranks.py rank_preexec; the figures in bench/README.md).
 
     .venv/bin/python bench/hf_trainer.py [--rounds 4] [--steps 100] [--control] [--variants hpcjobs,torchrun-launch]
 Writes bench/results/hf_trainer.json and prints a summary.

@@ -2,9 +2,8 @@
 accelerate_loop, whose step ends all call `StepEndGuard.step_ended()`.
 
 Checking at every step end cost a pipelined all-reduce a step (0.4-0.8 ms at 2 CPU ranks: bench/stop_agreement.py);
-the shared trainer checks about once a second. (Neither was what makes the Hugging Face Trainer's ~17 ms steps ~5%
-slower under `hpcjobs submit` than under torchrun: torchrun starting hpcjobs's rank launcher, these checks included,
-is 1.006x torchrun; bench/README.md.)
+the shared trainer checks about once a second. With these checks, an unchanged Hugging Face Trainer script's ~13 ms
+steps under `hpcjobs submit` take 1.016x torchrun's, torchrun against itself 1.018x (bench/README.md).
 Every rank calls `step_ended()` at every step end; the ranks agree only at the steps trainers.preemption.Cadence
 names, the same on every rank: every step end over this start's first 12 (while the slowest rank's step time is
 measured), then about once a second of training (or every HPCJOBS_STOP_CHECK_EVERY step ends). A check's reduce
