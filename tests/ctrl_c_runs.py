@@ -1,6 +1,6 @@
 """A user's script run through `hpcjobs submit` on the local profile and stopped by one Ctrl-C once it logged enough
-steps: shared by the integrations' tests (tests/test_lightning.py, tests/test_accelerate_loop.py), each with its own
-command line and its own way of reading the loss lines."""
+steps: shared by the integrations' tests (tests/test_hf_trainer.py, test_lightning.py, test_accelerate_loop.py),
+each with its own command line and its own way of reading the loss lines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from pathlib import Path
 
 from conftest import BIN
@@ -22,7 +22,7 @@ CHECKS = ["--env", f"{CHECK_EVERY}={EVERY}"]
 """`submit`'s options that give a run that spacing."""
 
 
-def interrupt(argv: list[str], cwd: Path, losses: Callable[[str], dict[int, str]], after: int,
+def interrupt(argv: list[str], cwd: Path, losses: Callable[[str], Sized], after: int,
               env: dict[str, str] | None = None) -> str:
     """Run `hpcjobs ARGV` and send one Ctrl-C (SIGINT to the command, as a terminal does) once `after` steps logged;
     everything it printed."""

@@ -5,10 +5,7 @@ resumes at that step and finishes; the losses step by step and the final weights
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import ctrl_c_runs
@@ -16,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, REPO, hpcjobs
+from conftest import REPO, hpcjobs
 from hpcjobs.protocol.contract import ENV_VAR, LaunchContract
 from trainers.integrations import hf_trainer, marks
 
@@ -24,9 +21,18 @@ SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_script.py"
 STEPS = 30
 
 
-def command(tmp_path: Path, name: str) -> list[str]:
+def command(tmp_path: Path, name: str, *more: str) -> list[str]:
     return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"),
-            *ctrl_c_runs.CHECKS, str(SCRIPT), "--output_dir", str(tmp_path / name), "--max_steps", str(STEPS)]
+            *ctrl_c_runs.CHECKS, str(SCRIPT), "--output_dir", str(tmp_path / name), "--max_steps", str(STEPS), *more]
+
+
+def loss_lines(said: str) -> list[str]:
+    return [line for line in said.splitlines() if line.startswith("{'loss'")]
+
+
+def interrupt(tmp_path: Path, *more: str, env: dict[str, str] | None = None) -> str:
+    """Run the script and send one Ctrl-C once 7 steps logged (tests/ctrl_c_runs.py): everything it printed."""
+    return ctrl_c_runs.interrupt(command(tmp_path, "out", *more), tmp_path, loss_lines, 7, env)
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -51,18 +57,7 @@ def same_as(out: Path, twin: Path) -> None:
 
 @pytest.mark.train
 def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tmp_path: Path, twin: Path) -> None:
-
-    proc = subprocess.Popen([str(BIN / "hpcjobs"), *command(tmp_path, "out")], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
-    assert proc.stdout is not None
-    seen, deadline = [], time.time() + 300
-    while len([line for line in seen if "'loss'" in line]) < 7:
-        line = proc.stdout.readline()
-        assert line and time.time() < deadline, "".join(seen)[-3000:]
-        seen.append(line)
-    proc.send_signal(signal.SIGINT)  # one Ctrl-C, as a terminal sends it to the foreground command
-    rest, _ = proc.communicate(timeout=300)
-    first = "".join(seen) + rest
+    first = interrupt(tmp_path)
     out = tmp_path / "out"
     done = [n for n, p in marks.checkpoints(out) if (p / marks.COMPLETE).is_file()]
     assert done and 7 <= done[-1] < STEPS and done[-1] % ctrl_c_runs.EVERY == 1, first[-3000:]  # after a check
@@ -73,11 +68,25 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     again = hpcjobs(*command(tmp_path, "out"), cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resuming from {out / f'checkpoint-{stop}'}" in again.stdout
-    resumed = [json.loads(line.replace("'", '"')) for line in again.stdout.splitlines() if line.startswith("{'loss'")]
-    assert len(resumed) == STEPS - stop  # the second start trained only the steps after the stop
+    assert len(loss_lines(again.stdout)) == STEPS - stop  # the second start trained only the steps after the stop
     assert (out / "after-train.txt").read_text() == "ran\n"  # once, after the training that finished
 
     same_as(out, twin)
+
+
+@pytest.mark.train
+def test_with_the_hooks_off_nothing_is_saved_at_the_stop_and_the_steps_are_trained_again(tmp_path: Path) -> None:
+    """The negative control: HPCJOBS_HOOKS=0 leaves the script as it is. Ctrl-C ends it at once (the script's own
+    saves are off here: --save_steps beyond the run), nothing is saved at the stop, and the same command trains
+    every step again: the test above fails on both counts."""
+    first = interrupt(tmp_path, "--save_steps", "1000", env={"HPCJOBS_HOOKS": "0"})
+    out = tmp_path / "out"
+    assert 7 <= len(loss_lines(first)) < STEPS and not marks.checkpoints(out), first[-3000:]
+    assert "AFTER TRAIN" not in first
+    again = hpcjobs(*command(tmp_path, "out", "--save_steps", "1000"), cwd=tmp_path, timeout=600,
+                    env={"HPCJOBS_HOOKS": "0"})
+    assert again.returncode == 0 and "resuming" not in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    assert len(loss_lines(again.stdout)) == STEPS  # the steps before the Ctrl-C, trained a second time
 
 
 @pytest.mark.train
