@@ -7,7 +7,10 @@ layout, before trainers.checkpoint.stateful), with:
 
 The same run made by this code writes the same files, keys and values at step 2, and a start resumed from the old
 step 2 ends with the same weights, bit for bit, as the run made straight. (Values compare equal only under the torch
-that made the fixture, 2.13 on the CPU; the test says so rather than failing on another one.)
+that made the fixture, 2.13 on the CPU; the test says so rather than failing on another one. And bit for bit only
+on a CPU whose kernels round as the fixture's did: on another, measured on a Xeon VM where torch picks AVX512, 11 of
+the 24 tensors at step 2 differed by 1e-12 to 7e-9; there the values and the resumed run's must agree to float
+rounding, rtol 1e-5, which a wrong layout (a tensor or state in another's place) is far from.)
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same keys, dtypes and shapes, and values equal to float rounding (another CPU's kernels)."""
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and
+                                        torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+
 def small(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -77,9 +86,12 @@ def test_a_checkpoint_written_by_the_old_layout_resumes_exactly(tmp_path: Path) 
     assert sorted(p.name for p in new.iterdir()) == sorted(p.name for p in FIXTURE.iterdir())
     for name in ("shared.pt", "rank-0.pt"):
         assert same(small(new / name), small(FIXTURE / name)), name
-    assert same(offline_tensors(new, ""), offline_tensors(FIXTURE, ""))
+    mine, old = offline_tensors(new, ""), offline_tensors(FIXTURE, "")
+    exact = same(mine, old)  # this CPU rounds as the fixture's did (the module docstring)
+    assert exact or close(mine, old)
     # and a start resumed from the old step 2 goes on exactly as the straight run did.
     ends = [checkpoint.latest(run_dir / "checkpoints") for run_dir in (straight, resumed)]
     assert all(ref is not None and ref.step == 4 for ref in ends)
-    assert same(model_weights(ends[0]), model_weights(ends[1]))  # type: ignore[arg-type]
-    assert same(offline_tensors(ends[0].path, "optimizer."), offline_tensors(ends[1].path, "optimizer."))  # type: ignore[union-attr]
+    equal = same if exact else close
+    assert equal(model_weights(ends[0]), model_weights(ends[1]))  # type: ignore[arg-type]
+    assert equal(offline_tensors(ends[0].path, "optimizer."), offline_tensors(ends[1].path, "optimizer."))  # type: ignore[union-attr]
