@@ -13,7 +13,7 @@ from hpcjobs.profiles import ClusterProfile
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.lmsizes import LM_TASK, SIZES, GPTConfig, n_params, size_defaults
 from hpcjobs.protocol.memplan import GIB, Plan, Setup, parse_gpu_memory, plan, suggestions
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
+from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, task_args_of
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def job_plan(target: str, args: tuple[str, ...] | list[str], ranks: int) -> JobP
     if target != LM_TASK:
         return None
     try:
-        _, rest = parse_trainer_args(list(args))
+        rest = task_args_of(list(args))
         size = _task_flag(rest, "--size") or "tiny"
         seq = _task_flag(rest, "--seq-len")
         if size not in SIZES or (seq is not None and not seq.isdigit()):

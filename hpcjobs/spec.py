@@ -281,7 +281,7 @@ def _entry_and_points(profile: ClusterProfile, req: Request, caps: Capabilities,
         entry = replace(entry, args=(*entry.args, *as_args(points[0])))
     if entry.kind == "task":
         for args in tasks_args(entry.args, points):
-            check_trainer_args(args, req.nodes * gpus)
+            check_trainer_args(args, req.nodes * gpus, entry.target)
             check_task_flags(entry.target, args, node_python(profile, caps))
             check_fits(profile, entry.target, args, req.nodes, gpus, most_nodes(profile, caps))
     return entry, points

@@ -9,9 +9,9 @@ from __future__ import annotations
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.helpflags import asks_help
 from hpcjobs.protocol.taskargs import TaskArgError
-from hpcjobs.protocol.taskflags import BUNDLED
+from hpcjobs.protocol.taskflags import BUNDLED, task_defaults
 from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
+from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args, task_args_of
 
 
 def check_task_flags(target: str, args: tuple[str, ...], python: str) -> None:
@@ -22,7 +22,8 @@ def check_task_flags(target: str, args: tuple[str, ...], python: str) -> None:
     if asks_help(args):
         return
     try:
-        cfg, rest = parse_trainer_args(list(args))
+        rest = task_args_of(list(args))
+        cfg, _ = parse_trainer_args(list(args), task_defaults(target, rest))
     except ConfigError:
         return  # said by check_trainer_args
     flags = BUNDLED.get(target)
@@ -38,13 +39,15 @@ def check_task_flags(target: str, args: tuple[str, ...], python: str) -> None:
             from None
 
 
-def check_trainer_args(args: tuple[str, ...], ranks: int | None = None) -> None:
+def check_trainer_args(args: tuple[str, ...], ranks: int | None = None, target: str = "") -> None:
     """The shared trainer's flags among a task's arguments, checked here as the node would check them, so a bad one
-    is refused before the job waits in the queue (hpcjobs.protocol.trainflags, torch-free). The task's own flags
-    pass. With `ranks`, a batch the flags split unevenly over the ranks or micro-batches is refused too (only where
-    the flags decide it: a task's own default batch size is known on the node only)."""
+    is refused before the job waits in the queue (hpcjobs.protocol.trainflags, torch-free): under the settings
+    bundled task `target` suggests for its flags (the lm's size preset), as the node applies them before it judges.
+    The task's own flags pass. With `ranks`, a batch the flags split unevenly over the ranks or micro-batches is
+    refused too (only where the flags or a bundled task decide it: a user's task's default batch is known on the
+    node only)."""
     try:
-        cfg, _ = parse_trainer_args(list(args))
+        cfg, _ = parse_trainer_args(list(args), task_defaults(target, task_args_of(list(args))))
         if ranks is not None:
             check_world(cfg, ranks)
     except ConfigError as e:

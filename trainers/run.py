@@ -10,7 +10,7 @@ import sys
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.helpflags import HELP_FLAGS
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, trainer_help
+from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, task_args_of, trainer_help
 from trainers import watchdog
 from trainers.dist import distributed
 from trainers.failures import one_line, record_rank_failure
@@ -22,7 +22,7 @@ def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchCon
     """Train `task_ref` with `args` (trainer flags and the task's own, in any order); returns the exit code. Raises
     ConfigError for a trainer flag or a resume that cannot be used (the launcher refuses the start: one line, exit 2,
     nothing recorded) and TaskArgError for a task flag."""
-    _, task_args = parse_trainer_args(args)
+    task_args = task_args_of(args)  # judged below, under the task's defaults
     if any(a in HELP_FLAGS for a in task_args):
         return task_help(task_ref)
     task = load_task_checked(task_ref, task_args)
@@ -63,7 +63,7 @@ def check_task(task_ref: str, args: list[str]) -> str | None:
     data, joins no group, writes nothing: `hpcjobs doctor --probe` runs it on a node, where the job's Python and
     GPUs are."""
     try:
-        _, task_args = parse_trainer_args(args)
+        task_args = task_args_of(args)  # judged below, under the task's defaults
         if any(a in HELP_FLAGS for a in task_args):
             return None  # a rank shows the flags
         task = load_task_checked(task_ref, task_args)

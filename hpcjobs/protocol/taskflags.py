@@ -13,8 +13,9 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from hpcjobs.protocol.lmsizes import SIZES
+from hpcjobs.protocol.lmsizes import SIZES, size_defaults
 from hpcjobs.protocol.taskargs import Number, TaskArgError, TaskArgParser
 
 LORA_TARGETS = ("qkv", "proj", "fc", "out")
@@ -87,6 +88,9 @@ class TaskFlags:
 
     parser: Callable[[], TaskArgParser]
     check: Callable[[argparse.Namespace], None] | None = None
+    defaults: Callable[[argparse.Namespace], dict[str, Any]] = lambda ns: {}
+    """The trainer settings the task suggests for these flags (its Task.defaults: the lm's size preset), which the
+    trainer's flags are judged with on both sides."""
 
     def parse(self, args: list[str]) -> argparse.Namespace:
         """The task's flags, checked; TaskArgError (one line) for one the task would refuse."""
@@ -97,8 +101,21 @@ class TaskFlags:
 
 
 BUNDLED: dict[str, TaskFlags] = {
-    "trainers.tasks.lm": TaskFlags(lm_parser),
-    "trainers.tasks.lora": TaskFlags(lora_parser, check_lora),
-    "trainers.tasks.classifier": TaskFlags(classifier_parser),
+    "trainers.tasks.lm": TaskFlags(lm_parser, defaults=lambda ns: size_defaults(ns.size)),
+    "trainers.tasks.lora": TaskFlags(lora_parser, check_lora, defaults=lambda ns: {"lr": 1e-3}),
+    "trainers.tasks.classifier": TaskFlags(classifier_parser, defaults=lambda ns: {"lr": 1e-3, "batch_size": 32}),
 }
 """Each bundled task module's flags, by the module's name (the entry `hpcjobs submit` resolves a task to)."""
+
+
+def task_defaults(target: str, task_args: list[str]) -> dict[str, Any]:
+    """The trainer settings bundled task `target` starts from with its flags `task_args` (what its make_task gives
+    as Task.defaults); none for a user's task (the submit side cannot read its module) or flags it refuses (the
+    task's flag check says why)."""
+    flags = BUNDLED.get(target)
+    if flags is None:
+        return {}
+    try:
+        return flags.defaults(flags.parse(task_args))
+    except TaskArgError:
+        return {}

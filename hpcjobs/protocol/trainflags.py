@@ -267,11 +267,26 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
     """The trainer's flags out of a task's arguments, checked: (the settings, everything else in order for the
     task). Flags match exactly (`--warmup` is the task's, not --warmup-steps); `--flag value` and `--flag=value`
     both work; a later flag wins; everything from a `--` on is the task's; `-h/--help` is left to the caller.
-    `defaults` are the task's suggested settings (flags win). Raises ConfigError, one line; never exits or prints.
-    Torch-free: the submit side calls it to refuse a bad flag before the job is queued."""
+    `defaults` are the task's suggested settings (flags win): settings that are only wrong together are judged with
+    them applied (a preset's --strategy fsdp makes --replicate-degree valid). Raises ConfigError, one line; never
+    exits or prints. Torch-free: the submit side calls it to refuse a bad flag before the job is queued."""
+    values, rest = _scan(args, _task_defaults(defaults))
+    cfg = TrainConfig(**values)
+    _check_together(cfg)
+    return cfg, rest
+
+
+def task_args_of(args: list[str]) -> list[str]:
+    """The task's own arguments among `args`, in order: the trainer's flags taken out, each checked alone (a value
+    of the wrong kind or range). Settings that are only wrong together are not judged here: the task's defaults
+    (a size's preset) are known only once its arguments are read, and `parse_trainer_args` judges them with those."""
+    return _scan(args, {})[1]
+
+
+def _scan(args: list[str], values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(`values` with each trainer flag's value over it, the other arguments in order), each flag checked alone."""
     flags = _flags()
-    values = _task_defaults(defaults)
-    rest: list[str] = []
+    values, rest = dict(values), []
     i = 0
     while i < len(args):
         word = args[i]
@@ -297,9 +312,7 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
         _check_range(name, value, f"{flag} {_quoted(text, quote=False)}")
         values[name] = value
         i += 1
-    cfg = TrainConfig(**values)
-    _check_together(cfg)
-    return cfg, rest
+    return values, rest
 
 
 def check_world(cfg: TrainConfig, world: int) -> None:

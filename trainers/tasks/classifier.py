@@ -51,4 +51,4 @@ def make_task(args: list[str]) -> Task:
                 train_data=lambda: Noisy(blobs(ns.samples, ns.features, ns.classes), ns.noise),
                 val_data=lambda: blobs(max(64, ns.samples // 8), ns.features, ns.classes, split=1),
                 loss=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]), config=vars(ns).copy(),
-                defaults={"lr": 1e-3, "batch_size": 32})
+                defaults=BUNDLED["trainers.tasks.classifier"].defaults(ns))

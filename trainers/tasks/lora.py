@@ -200,4 +200,4 @@ def make_task(args: list[str]) -> Task:
                         "base_bytes": base.stat().st_size if base else None,
                         "base_seed": None if base else base_seed, "data": source},
                 tokens_per_sample=c.seq_len, flops_per_sample=flops_per_token * c.seq_len,
-                defaults={"lr": 1e-3}, save_frozen=False)
+                defaults=BUNDLED[PROG].defaults(ns), save_frozen=False)
