@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
+from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import ENV_VAR, LaunchContract, Preemption
+from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
 from hpcjobs.protocol.taskargs import TaskArgError
 from hpcjobs.protocol.trainconfig import TrainConfig
@@ -208,12 +210,15 @@ def test_finish_stop_requeues_under_the_contracts_cap(tmp_path: Path, clean_pree
 
 
 def test_finish_stop_at_the_cap_ends_the_job_failed(tmp_path: Path, clean_preemption: None) -> None:
+    """Two requeues in a row brought no checkpoint newer than step 12 (tests/test_restart_cap.py: the counting)."""
     calls: list[list[str]] = []
-    outcome, lines, final = _stop(tmp_path, {"SLURM_JOB_ID": "5", "HPCJOBS_RESTART": "2"},
-                                  answer("", calls=calls), max_restarts=2)
+    (tmp_path / "checkpoints" / "step-12").mkdir(parents=True)
+    restartcap.record(RunFolder(tmp_path), "5", *(restartcap.Requeue(n, 12, "preemption") for n in (1, 2)))
+    outcome, lines, final = _stop(tmp_path, {"SLURM_JOB_ID": "5", "HPCJOBS_RESTART": "2",
+                                             "SLURM_RESTART_COUNT": "2"}, answer("", calls=calls), max_restarts=2)
     assert outcome == StopOutcome.CAP and calls == []
-    assert final["state"] == str(FinalState.FAILED) == "failed"
-    assert final["reason"] == "restart cap 2 reached (preemption)" and final["step"] == 12
+    assert final["state"] == str(FinalState.FAILED) == "failed" and final["step"] == 12
+    assert final["reason"].startswith("restart cap 2 reached (preemption): 2 requeues in a row brought no checkpoint")
 
 
 def test_finish_stop_sigterm_asks_slurm_why(tmp_path: Path, clean_preemption: None) -> None:
@@ -334,7 +339,9 @@ def test_the_launcher_enforces_the_contracts_restart_cap(tmp_path: Path) -> None
                  SLURM_RESTART_COUNT="3")
     assert out.returncode == 1
     final = json.loads((tmp_path / "r" / "final.json").read_text())
-    assert final["state"] == "failed" and "past the cap of 2 restarts" in final["reason"]
+    assert final["state"] == "failed" and final["reason"] == (
+        f"restart cap 2 reached ({restartcap.OUTSIDE}): 2 requeues in a row brought no checkpoint newer than the "
+        f"beginning (none committed yet); stopped each time by: {restartcap.OUTSIDE}: not training again")
 
 
 # --- hpcjobs.protocol.trainflags.parse_trainer_args ----------------------------------------------------------

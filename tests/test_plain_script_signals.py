@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, hpcjobs
+from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import LaunchContract, Preemption
+from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import StopOutcome
 from trainers import checkpoint, jobenv, preemption, standby
 
@@ -209,8 +211,9 @@ CAP = 3
     ({}, StopOutcome.LOCAL),  # no Slurm: stop the script as Ctrl-C would
     ({"RANK": "1"}, StopOutcome.LOCAL),
     ({"SLURM_JOB_ID": "7", "RANK": "0"}, StopOutcome.REQUEUED),
-    ({"SLURM_JOB_ID": "7", "RANK": "0", "HPCJOBS_RESTART": str(CAP - 1)}, StopOutcome.REQUEUED),
-    ({"SLURM_JOB_ID": "7", "RANK": "0", "HPCJOBS_RESTART": str(CAP)}, StopOutcome.CAP),
+    ({"SLURM_JOB_ID": "7", "RANK": "0", "SLURM_RESTART_COUNT": str(CAP - 1)}, StopOutcome.REQUEUED),
+    # no run folder to see progress in: every requeue counts (tests/test_restart_cap.py: with one)
+    ({"SLURM_JOB_ID": "7", "RANK": "0", "SLURM_RESTART_COUNT": str(CAP)}, StopOutcome.CAP),
     ({"SLURM_JOB_ID": "7", "RANK": "3"}, StopOutcome.STOPPED),  # rank 0 acts for the job
 ])
 def test_what_the_profiles_signal_does_to_a_script_that_does_not_take_part(env: dict[str, str],
@@ -247,8 +250,9 @@ def test_rank_0_requeues_and_records_a_script_that_does_not_take_part(tmp_path: 
     assert standby.act(signal.SIGUSR1, contract, {**env, "RANK": "1"}, other) == StopOutcome.STOPPED
     assert other.calls == []
     capped = Scontrol()
-    assert standby.act(signal.SIGUSR1, contract, {**env, "HPCJOBS_RESTART": "3"}, capped) == \
-        StopOutcome.CAP
+    restartcap.at_start(RunFolder(tmp_path), "7", 3, write=True)  # two more starts, as trainers.launch records them
+    assert standby.act(signal.SIGUSR1, contract, {**env, "SLURM_RESTART_COUNT": "3"}, capped) == \
+        StopOutcome.CAP  # three requeues in a row brought no checkpoint (tests/test_restart_cap.py: the counting)
     assert capped.calls == [] and "restart cap 3 reached" in capfd.readouterr().err
     with pytest.raises(KeyboardInterrupt):
         standby.act(signal.SIGUSR1, contract, {}, Scontrol())

@@ -28,6 +28,7 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 
+from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.recovery import REFUSED_EXIT
@@ -257,8 +258,10 @@ def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: Lau
           f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
           f"run folder {run.path}", flush=True)
     cap = contract.preemption.max_restarts
-    if env.requeues > cap:
-        msg = f"restart {env.requeues} is past the cap of {cap} restarts: not training again"
+    row = restartcap.at_start(run, env.job_id, env.requeues, write=env.rank == 0)
+    if row and restartcap.reached(row[:-1], cap):  # past the cap by a requeue no stop decided (the scheduler's)
+        done = restartcap.progress(run)
+        msg = f"{restartcap.line(cap, row[:-1], done, row[-1].cause)}: not training again"
         print(f"hpcjobs: {msg}. The job ends failed.", flush=True)
         if env.rank == 0:
             run.write_final(FinalState.FAILED, msg, job_id=env.job_id)

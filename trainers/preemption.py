@@ -12,8 +12,9 @@ The protocol, the same for the shared trainer and for users' own scripts (see `S
   3. All ranks save a checkpoint (atomic) and wait at a barrier. If the stop came from the profile's signal (the
      time limit, a preemption with preempt_send_user_signal, `scancel --signal`) or from the SIGTERM of a
      preemption's GraceTime (Slurm would not requeue a job that ended in time), rank 0 runs `scontrol requeue`
-     (a job past its restart cap ends failed instead). Any other SIGTERM leaves the decision to whoever sent it:
-     an outside `scontrol requeue` brings the job back, a `scancel` ends it. Every rank exits 0.
+     (a job whose last `max_restarts` requeues brought no newer checkpoint ends failed instead: the restart cap,
+     hpcjobs.protocol.restartcap). Any other SIGTERM leaves the decision to whoever sent it: an outside `scontrol
+     requeue` brings the job back, a `scancel` ends it. Every rank exits 0.
 Under submitit, whose runner installs its own handler for USR2 and ignores SIGTERM, `install()` is called later and
 replaces both, so only this protocol acts. Which signal, how long before the end, the restart cap and the run folder
 all come from the launch contract (hpcjobs.protocol.contract), passed in explicitly, never read at import time.
@@ -30,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
@@ -39,9 +41,7 @@ from trainers.jobenv.base import JobEnv
 _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
 _joined: list[bool] = []  # non-empty once install() ran: the entry takes part in the protocol
-# Set by install(): (when to stop if no signal came, the job's environment, seconds_before); empty when no time limit
-# is known.
-_deadline: list[tuple[float, JobEnv, int]] = []
+_deadline: list[tuple[float, JobEnv, int]] = []  # install(): (when to stop if no signal came, the job, its warning)
 EARLY_SIGNAL_S = 75
 """How long before it is due the profile's signal may come and still mean the time limit: Slurm checks limits on
 its event resolution (up to a minute; 30 s measured on 22.05), so the signal comes early rather than late."""
@@ -332,14 +332,14 @@ def _barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
-def decide(reason: StopReason, job_id: str, restart: int, cap: int) -> StopOutcome:
-    """What a start does once its stop checkpoint is committed, from why it stopped and where it runs (`job_id`: the
-    scheduler's, trainers.jobenv's `scheduler_job_id`; empty where none owns the job)."""
+def decide(reason: StopReason, job_id: str, in_a_row: int, cap: int) -> StopOutcome:
+    """What a start does once its stop checkpoint is committed, from why it stopped, where it runs (`job_id`: the
+    scheduler's; empty where none owns the job) and `in_a_row`, what the cap counts (hpcjobs.protocol.restartcap)."""
     if not job_id:
         return StopOutcome.LOCAL
     if reason == StopReason.TERMINATED:
         return StopOutcome.STOPPED  # an outside `scontrol requeue` brings the job back, a scancel ends it
-    return StopOutcome.CAP if restart >= cap else StopOutcome.REQUEUED
+    return StopOutcome.CAP if in_a_row >= cap else StopOutcome.REQUEUED
 
 
 def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, str] | None = None,
@@ -352,38 +352,39 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     collective timeout after the first step, and rank 0 may spend longer closing its trackers first)."""
     _barrier(group)
     env = os.environ if env is None else env
-    rank = int(env.get("RANK", "0"))
-    restart = int(env.get("HPCJOBS_RESTART", "0"))
+    rank, restart = int(env.get("RANK", "0")), int(env.get("HPCJOBS_RESTART", "0"))
     cap = contract.preemption.max_restarts
-    job = jobenv.current(env)
-    job_id = job.scheduler_job_id()
+    job_id = (job := jobenv.current(env)).scheduler_job_id()
     reason = stop_reason(contract, env, unasked=True) or StopReason.SIGNAL  # unasked: always a word
     if reason == StopReason.TERMINATED and rank == 0 and job.preempted_with_sigterm(runner):
         reason = StopReason.PREEMPTION
-    outcome = decide(reason, job_id, restart, cap)
+    run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
+    done = restartcap.progress(run)  # the newest committed checkpoint: this stop's, or an earlier one
+    row = restartcap.fruitless(run, job.job_id(), job.requeues(), done)
+    outcome = decide(reason, job_id, len(row), cap)
     if rank != 0:
         return outcome
-    run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
     _record_stop(run, reason, step, restart, contract)
+    why = restartcap.line(cap, row, done, str(reason))
     if outcome == StopOutcome.REQUEUED:
+        if run:  # before the requeue: the next start must find it
+            restartcap.record(run, job.job_id(), restartcap.Requeue(job.requeues() + 1, done, str(reason)))
         err = job.requeue(runner)
         print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "
               f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", flush=True)
-        if err:
-            outcome = StopOutcome.CAP
+        outcome, why = (StopOutcome.CAP, f"the requeue failed: {err}") if err else (outcome, why)
     elif outcome == StopOutcome.STOPPED:
         print(f"hpcjobs: stopped by SIGTERM at step {step}: checkpoint committed; Slurm decides whether the job "
               "comes back (preemption, requeue) or ends (scancel).", flush=True)
     elif outcome == StopOutcome.CAP:
-        print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; restart cap "
-              f"{cap} reached, not requeuing. The job ends failed.", flush=True)
+        print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; {why}: not requeuing. "
+              "The job ends failed.", flush=True)
     if run and outcome in (StopOutcome.LOCAL, StopOutcome.STOPPED):
         when = "to resume" if outcome == StopOutcome.LOCAL else "if Slurm does not bring the job back, to resume"
         print(f"hpcjobs: stopped at step {step} with a committed checkpoint; {when}, run the same command with "
               f"--run-dir {run.path}", flush=True)
     if run and outcome == StopOutcome.CAP:
-        run.write_final(FinalState.FAILED, f"restart cap {cap} reached ({reason})", step,
-                        job_id=env.get("HPCJOBS_JOB_ID") or job_id or None)
+        run.write_final(FinalState.FAILED, why, step, job_id=env.get("HPCJOBS_JOB_ID") or job_id or None)
     return outcome
 
 

@@ -7,8 +7,9 @@ meaning, and the profile's signal, which only hpcjobs asked Slurm to send, does 
   SIGTERM   its default: the kernel ends the rank at once, even inside a collective (the rank started with it
             ignored, see `hpcjobs.render.signal_guard`; a scancel, `hpcjobs cancel`, the launcher's death).
   SIGINT    Python's (KeyboardInterrupt), untouched.
-  profile's under Slurm rank 0 requeues the job (the restart cap as the protocol has it) and Slurm's SIGTERM then
-            stops every rank: a script that saves on its own goes on from its save instead of ending TIMEOUT.
+  profile's under Slurm rank 0 requeues the job (the restart cap as the protocol has it, hpcjobs.protocol.restartcap:
+            a script that saves only on its own shows it no progress, so each requeue counts) and Slurm's SIGTERM
+            then stops every rank: a script that saves on its own goes on from its save instead of ending TIMEOUT.
             Without Slurm (the local launcher passes Ctrl-C and cancel on as this signal) a KeyboardInterrupt,
             as Ctrl-C; the launcher then says hpcjobs saved nothing (trainers.launch.interrupted).
 
@@ -29,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import StopOutcome, StopReason
@@ -98,13 +100,15 @@ def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None 
     return act(preemption.signal_number(contract.preemption.signal), contract, env, runner, name="deadline")
 
 
-def outcome(env: Mapping[str, str], cap: int) -> StopOutcome:
+def outcome(env: Mapping[str, str], cap: int, run: RunFolder | None = None) -> StopOutcome:
     """What the profile's signal does to a rank that has not joined: LOCAL (no Slurm job: stop the script now, as
     Ctrl-C would), REQUEUED (rank 0 requeues, then Slurm stops every rank and starts the job again), STOPPED
-    (another rank under Slurm: rank 0 acts for the job, Slurm's SIGTERM ends this one) or CAP (rank 0 past the
-    restart cap: the script runs on until Slurm ends the job). From the protocol's own `decide`."""
-    got = preemption.decide(StopReason.PREEMPTION, jobenv.current(env).scheduler_job_id(),
-                            int(env.get("HPCJOBS_RESTART", "0")), cap)
+    (another rank under Slurm: rank 0 acts for the job, Slurm's SIGTERM ends this one) or CAP (rank 0 at the
+    restart cap, `run`'s requeues in a row without a newer checkpoint: the script runs on until Slurm ends the job).
+    From the protocol's own `decide`."""
+    job = jobenv.current(env)
+    row = restartcap.fruitless(run, job.job_id(), job.requeues(), restartcap.progress(run))
+    got = preemption.decide(StopReason.PREEMPTION, job.scheduler_job_id(), len(row), cap)
     if got != StopOutcome.LOCAL and env.get("RANK", "0") != "0":
         return StopOutcome.STOPPED
     return got
@@ -124,7 +128,8 @@ def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = N
     """What the handler does for `signum` (`outcome`), callable from tests with a stand-in for scontrol; raises
     KeyboardInterrupt for LOCAL. Rank 0's lines go to fd 2 unbuffered: the interrupted code may be inside a print."""
     env = os.environ if env is None else env
-    got = outcome(env, contract.preemption.max_restarts)
+    run = RunFolder(contract.run_dir) if contract.run_dir != preemption.NO_RUN_FOLDER else None
+    got = outcome(env, contract.preemption.max_restarts, run)
     if got == StopOutcome.LOCAL:
         raise KeyboardInterrupt  # the launcher says what happened, once the script has unwound
     if got == StopOutcome.STOPPED:
@@ -134,18 +139,21 @@ def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = N
     why = preemption.stop_reason(contract, env) or StopReason.PREEMPTION
     nothing = ("this script has not joined hpcjobs's stop protocol (no StopGuard), so hpcjobs saved nothing: it goes "
                "on only from what it saved itself")
+    done = restartcap.progress(run)
     if got == StopOutcome.CAP:
-        _say(f"hpcjobs: {name} ({why}): restart cap {contract.preemption.max_restarts} reached, not requeuing job "
-             f"{job_id}; the script runs on until Slurm ends the job ({nothing})")
+        row = restartcap.fruitless(run, job.job_id(), job.requeues(), done)
+        _say(f"hpcjobs: {name} ({why}): {restartcap.line(contract.preemption.max_restarts, row, done, str(why))}; "
+             f"not requeuing job {job_id}: the script runs on until Slurm ends the job ({nothing})")
         return got
+    if run:  # before the requeue: the next start must find it
+        restartcap.record(run, job.job_id(), restartcap.Requeue(job.requeues() + 1, done, str(why)))
     err = job.requeue(runner)
     if err:
         _say(f"hpcjobs: {name} ({why}): requeue of job {job_id} failed ({err}); the script runs on until Slurm ends "
              "the job")
         return StopOutcome.CAP
-    if contract.run_dir != preemption.NO_RUN_FOLDER:
-        RunFolder(contract.run_dir).record_stop(str(why), -1, int(env.get("HPCJOBS_RESTART", "0")), signal=name,
-                                                saved_by_hpcjobs=False)
+    if run:
+        run.record_stop(str(why), -1, int(env.get("HPCJOBS_RESTART", "0")), signal=name, saved_by_hpcjobs=False)
     _say(f"hpcjobs: {name} ({why}): requeued job {job_id}; Slurm now stops the script and starts the job again "
          f"({nothing})")
     return got

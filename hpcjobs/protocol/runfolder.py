@@ -6,6 +6,8 @@ RUN/heartbeat.json        last step and time, rewritten atomically (status witho
 RUN/restarts.jsonl        one line per (re)start: when, restart count, why the previous one stopped
 RUN/startup.jsonl         one line per rank and start: launched, torch imported, group joined, first step done
 RUN/final.json            finished | failed, with the reason
+RUN/requeues.json         the job's requeues in a row that brought no newer checkpoint: what the restart cap counts
+                          (hpcjobs.protocol.restartcap)
 RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error (hpcjobs.protocol.diagnosis)
 RUN/saves.jsonl           rank 0, one line per checkpoint save: job, restart, step, when it began, how long the
                           training loop waited for it (hpcjobs.goodput's checkpoint cost)
@@ -13,6 +15,8 @@ RUN/allocations.jsonl     the local backend, one line per job it ran: when its r
 RUN/local-process.json    a local job's launching process (pid, host), so status and cancel can reach it
 RUN/tracker.json          rank 0: the experiment trackers' run ids (wandb, mlflow), so a requeued or resumed start
                           logs into the same tracker run; also each one's last logged step per metric
+RUN/ddp-buckets.json      rank 0: DDP's gradient bucket layout once DDP rebuilt it, so every later start reduces its
+                          first step's gradients as the uninterrupted run does (trainers/ddp_buckets.py)
 RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
 RUN/stacks/restart-N/rank-R.txt every thread's Python stack of a rank whose hang watchdog fired (trainers/watchdog.py)
 
@@ -105,6 +109,7 @@ class RunFolder:
     metrics = property(lambda self: self.path / "metrics.jsonl")
     heartbeat = property(lambda self: self.path / "heartbeat.json")
     restarts = property(lambda self: self.path / "restarts.jsonl")
+    requeue_row = property(lambda self: self.path / "requeues.json")  # hpcjobs.protocol.restartcap
     startup = property(lambda self: self.path / "startup.jsonl")
     final = property(lambda self: self.path / "final.json")
     failures = property(lambda self: self.path / "failures.jsonl")
@@ -118,6 +123,7 @@ class RunFolder:
     # newest complete checkpoint a user's Trainer wrote, {"path", "step"}, found again by a start whose output folder
     # has another name
     nccl_traces = property(lambda self: self.path / "nccl-trace")  # NCCL flight recorder dumps, rank-R each
+    ddp_buckets = property(lambda self: self.path / "ddp-buckets.json")  # trainers.ddp_buckets: DDP's bucket layout
     lock = property(lambda self: self.path / ".lock")  # flock of the running job's rank 0; holds who holds it
 
     def rank_log(self, restart: int, rank: int) -> Path:
