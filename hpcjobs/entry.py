@@ -46,8 +46,12 @@ def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path
         raise UsageError(f"entry {entry!r} is not an entry point; valid: a task module, a .py script or -m MODULE.",
                          hint)
     if module:
+        if entry.endswith(".py") or os.sep in entry:
+            raise UsageError(f"-m {entry!r}: -m takes a module name, not a file; valid: -m pkg.mod, or a .py script "
+                             "without -m.", _file_given_to_m(entry, args, workdir) or hint)
         _require_module(entry, "-m", hint, workdir)
         return Entry("module", entry, args)
+    _refuse_folder(entry, workdir, hint)
     if entry.endswith(".py") or os.sep in entry:
         path = resolved(workdir / entry, "script", hint)
         if not path.is_file():
@@ -59,6 +63,32 @@ def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path
         raise UsageError(f"task {entry!r}: {attr!r} is not a Python name; valid: MODULE or MODULE:CALLABLE.", hint)
     _require_callable(entry, _require_module(name, "task", hint, workdir), attr, hint)
     return Entry("task", entry, args)
+
+
+def _file_given_to_m(entry: str, args: tuple[str, ...], workdir: Path) -> str | None:
+    """How to say `-m train.py` as meant: the script without -m (where it is a file), or the module without .py."""
+    module = entry.removesuffix(".py").replace(os.sep, ".")
+    as_module = f"`-m {module}`" if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module) else None
+    if (workdir / entry).is_file():
+        script = f"drop -m to run the script: `{' '.join(['hpcjobs submit ...', entry, *args])}`"
+        return f"{script}, or drop the .py to run it as a module: {as_module}." if as_module else f"{script}."
+    return f"drop the .py: {as_module}." if as_module else None
+
+
+def _refuse_folder(entry: str, workdir: Path, hint: str) -> None:
+    """A folder typed as the entry (`hpcjobs submit ... profiles`): one without an __init__.py was found as a
+    namespace package, so a rank started only to find no task in it (exit 1, a run folder and a job record)."""
+    folder = workdir / entry
+    try:
+        if not folder.is_dir() or (os.sep not in entry and (folder / "__init__.py").is_file()):
+            return  # a package with code of its own is a task module (whose make_task is checked)
+        scripts = sorted(p.name for p in folder.glob("*.py"))[:3]
+    except OSError:
+        return
+    name = entry.rstrip(os.sep) or entry
+    raise UsageError(f"{name!r} is a folder, not an entry point; valid: a task module, a .py script or -m MODULE.",
+                     f"name a script in it, e.g. `hpcjobs submit ... {name}/{scripts[0]}`, or a task module."
+                     if scripts else hint)
 
 
 def _refuse_task_file(entry: str, path: Path, args: tuple[str, ...], workdir: Path) -> None:

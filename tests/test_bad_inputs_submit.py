@@ -1,0 +1,51 @@
+"""The submit side's remaining bad inputs (issue 38 item 4): each is one line naming what was given, what is valid and
+a HINT, exit code 2, before anything is queued or written (no run folder, no code snapshot, no job record).
+
+tests/test_bad_inputs.py holds the earlier ones; these each got through, or got the wrong answer, before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import hpcjobs
+from test_bad_inputs import assert_refused
+
+
+@pytest.fixture
+def sbatch_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from conftest import sbatch_shim
+
+    log = tmp_path / "sbatch-calls.log"
+    sbatch_shim(tmp_path, monkeypatch, f'echo "$@" >> {log}\nexit 1\n')
+    return log
+
+
+def nothing_left(where: Path) -> None:
+    """No run folder, no code snapshot, no job record."""
+    assert not (where / "runs").exists(), sorted(p.name for p in (where / "runs").iterdir())
+    assert hpcjobs("list", "--json").stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("entry", ["profiles", "profiles/"])
+def test_a_folder_given_as_the_entry_is_refused(entry: str, tmp_path: Path, sbatch_log: Path) -> None:
+    """`submit ... profiles` (a folder of YAML files, no package) was found as a namespace package: a rank started,
+    failed with 'defines neither make_task nor task', exit 1, and left a run folder and a job record."""
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "mysite.yaml").write_text("scheduler: local\n")
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", entry, cwd=tmp_path)
+    assert_refused(out, "'profiles' is a folder", sbatch_log)
+    nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("exists,fragment", [
+    (True, "drop -m to run the script: `hpcjobs submit ... train.py`"),
+    (False, "drop the .py: `-m train`"),
+])
+def test_m_with_a_file_name_gets_a_hint(exists: bool, fragment: str, tmp_path: Path, sbatch_log: Path) -> None:
+    if exists:
+        (tmp_path / "train.py").write_text("print('trains')\n")
+    out = hpcjobs("submit", "--profile", "local", "-m", "train.py", cwd=tmp_path)
+    assert_refused(out, fragment, sbatch_log)
+    assert "-m takes a module name" in out.stderr
