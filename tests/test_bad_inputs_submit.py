@@ -49,3 +49,13 @@ def test_m_with_a_file_name_gets_a_hint(exists: bool, fragment: str, tmp_path: P
     out = hpcjobs("submit", "--profile", "local", "-m", "train.py", cwd=tmp_path)
     assert_refused(out, fragment, sbatch_log)
     assert "-m takes a module name" in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--run-dir", "--name"])
+def test_an_empty_value_is_refused(flag: str, tmp_path: Path, sbatch_log: Path) -> None:
+    """`--run-dir "$RUN"` with RUN unset was taken as no --run-dir: a user meaning to resume started over without a
+    word. `--name ""` was accepted."""
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", flag, "", "trainers.tasks.lm", "--steps", "2",
+                  cwd=tmp_path)
+    assert_refused(out, f"{flag} '' is empty", sbatch_log)
+    nothing_left(tmp_path)

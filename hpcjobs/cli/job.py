@@ -22,6 +22,7 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
     from hpcjobs.profiles import load_profile
     from hpcjobs.spec import Request, build_spec
 
+    refuse_empty(ns)
     profile = load_profile(ns.profile)
     backend = backend_for(profile.scheduler)
     req = Request(entry=ns.entry, args=tuple(ns.args), module=ns.module, nodes=ns.nodes, gpus=ns.gpus,
@@ -32,6 +33,24 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
     spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
     backend.check(spec)
     return spec, backend
+
+
+EMPTY_HINTS = {
+    "run_dir": "a shell variable that is not set gives '' (`--run-dir \"$RUN\"`): set it to the run folder to "
+               "resume, or leave --run-dir out to start a new run.",
+    "name": "leave --name out to name the job after its entry, or give one, e.g. --name gpt-small.",
+}
+
+
+def refuse_empty(ns: argparse.Namespace) -> None:
+    """A flag given an empty value (`--run-dir "$RUN"` with RUN unset) was taken as not given: a user meaning to
+    resume a run started a new one without a word. Refused, as every flag whose value is a name or a path."""
+    for dest in ("run_dir", "name", "partition", "account", "qos", "time", "container", "sweep_file"):
+        value = getattr(ns, dest, None)
+        if value is not None and not value.strip():
+            flag = "--" + dest.replace("_", "-")
+            raise UsageError(f"{flag} {value!r} is empty; valid: a non-empty value, or no {flag} at all.",
+                             EMPTY_HINTS.get(dest, f"leave {flag} out for the profile's, or give one."))
 
 
 def refuse_array_patterns(spec: JobSpec, command: str) -> None:
