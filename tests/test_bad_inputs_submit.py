@@ -59,3 +59,11 @@ def test_an_empty_value_is_refused(flag: str, tmp_path: Path, sbatch_log: Path) 
                   cwd=tmp_path)
     assert_refused(out, f"{flag} '' is empty", sbatch_log)
     nothing_left(tmp_path)
+
+
+def test_a_run_folder_the_system_cannot_make_is_one_line(tmp_path: Path, sbatch_log: Path) -> None:
+    """Under /proc nothing can be made, root or not: it failed at the code snapshot, exit 1."""
+    out = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", "/proc/x/run", "trainers.tasks.lm",
+                  "--steps", "2", cwd=tmp_path)
+    assert_refused(out, "run folder /proc/x/run", sbatch_log)
+    assert hpcjobs("list", "--json").stdout.strip() == "[]"

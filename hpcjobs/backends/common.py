@@ -48,6 +48,21 @@ def check_run_folder(run_dir: str) -> None:
     probe = run_folder_place(run_dir)
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"run folder {run_dir}: {probe} is not writable.", RUN_DIR_HINT)
+    if not Path(run_dir).is_dir():  # a folder to be made (a pattern's, %j, always is)
+        try_making_in(probe, run_dir)
+
+
+def try_making_in(place: Path, run_dir: str) -> None:
+    """Whether a folder can really be made in `place`, tried (and taken away at once): permission bits do not tell
+    of /proc, a read-only mount or root on a root-squashed share, where making the run folder or its code snapshot
+    failed later (exit 1, after the checks)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hpcjobs-probe-", dir=place))
+    except OSError as e:
+        raise UsageError(f"run folder {run_dir}: no folder can be made in {place} ({e.strerror}).",
+                         RUN_DIR_HINT) from None
 
 
 def prepare_run_folder(spec: JobSpec, run_dir: str, task: int | None = None) -> bool:
