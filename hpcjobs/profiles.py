@@ -17,8 +17,7 @@ and the loader's own:
   max_items  the most entries of a list or mapping (default MAX_ITEMS)
   key        False for a field the loader fills in, never read from the file
   sbatch     the sbatch flag the field is, passed as it is (see ClusterProfile)
-The validator and `hpcjobs.profile_table.reference_table()` (docs/reference/profiles.md's key table) are both read
-off the fields.
+The validator and `hpcjobs.profile_table.reference_table()` (docs/reference/profiles.md's keys) read the fields.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from hpcjobs.container import Container
 from hpcjobs.protocol.contract import Preemption, Recovery
 from hpcjobs.protocol.errors import ProfileError, UsageError, shown
 from hpcjobs.protocol.memplan import parse_gpu_memory
+from hpcjobs.protocol.paths import expanded_path
 from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
@@ -116,7 +116,7 @@ class ClusterProfile:
     """Signal, warning time and restart cap (see Preemption)."""
     recovery: Recovery = field(default_factory=Recovery)  # see Recovery; --max-recoveries, --spare-nodes override
     runs_dir: str = "~/hpcjobs-runs"
-    """Where run folders go (a shared filesystem on a cluster); `~` and `$VARS` are expanded."""
+    """Where run folders go (a shared filesystem on a cluster); `~` and `$VARS` are expanded (an unset one refused)."""
     python: str | None = field(default=None,
                                metadata={"shown": "`python3` after `setup`, else the one running hpcjobs"})
     """Python on the nodes. Default: `python3` as found on the node after `setup` when there is a setup (which
@@ -129,7 +129,7 @@ class ClusterProfile:
     """The image every rank runs in (see Container and docs/how-to/containers.md)."""
 
     def runs_path(self) -> Path:
-        return Path(os.path.expandvars(os.path.expanduser(self.runs_dir)))
+        return expanded_path(self.runs_dir, f"runs_dir {self.runs_dir} of profile {self.name} ({self.source})")
 
 
 # --- the schema, read off the dataclasses ----------------------------------------------------------------------

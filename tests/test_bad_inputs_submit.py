@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import hpcjobs
-from test_bad_inputs import assert_refused
+from conftest import REPO, hpcjobs
+from test_bad_inputs import GOOD, assert_refused
 
 
 @pytest.fixture
@@ -67,3 +68,17 @@ def test_a_run_folder_the_system_cannot_make_is_one_line(tmp_path: Path, sbatch_
                   "--steps", "2", cwd=tmp_path)
     assert_refused(out, "run folder /proc/x/run", sbatch_log)
     assert hpcjobs("list", "--json").stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("command", ["render", "submit"])
+def test_an_unset_variable_in_runs_dir_is_refused(command: str, tmp_path: Path, sbatch_log: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runs_dir: .../$USER/...` with USER unset stayed literal: render made a folder named `$USER`."""
+    monkeypatch.delenv("USER", raising=False)
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({**GOOD, "runs_dir": str(tmp_path / "scratch") + "/$USER/runs"}))
+    extra = ["-o", str(tmp_path / "job.sbatch")] if command == "render" else []
+    out = hpcjobs(command, "--profile", str(prof), *extra, "trainers.tasks.lm", cwd=REPO)
+    assert_refused(out, "$USER", sbatch_log)
+    assert "USER is not set" in out.stderr
+    assert not (tmp_path / "scratch").exists() and not (tmp_path / "job.sbatch").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 from hpcjobs.protocol.errors import UsageError, shown
@@ -36,6 +37,22 @@ def resolved(path: Path, what: str, hint: str) -> Path:
 def _refused(path: Path, what: str, why: str, hint: str) -> UsageError:
     return UsageError(f"{what} {shown(str(path))} {why}; valid: a path the file system can look up (no symlink "
                       f"loop, names of at most {NAME_MAX} bytes).", hint)
+
+
+_VARIABLE = re.compile(r"\$(\w+|\{([^}]*)\})")
+
+
+def expanded_path(text: str, what: str) -> Path:
+    """A configured path with `~` and `$VAR`/`${VAR}` expanded; a variable that is not set is refused by name (it
+    stayed in the path as typed: `render` made a folder named `$USER`)."""
+    full = os.path.expandvars(os.path.expanduser(text))
+    unset = _VARIABLE.search(full)
+    if unset is not None:
+        name = unset.group(2) if unset.group(2) is not None else unset.group(1)
+        raise UsageError(f"{what}: ${name} is not set in this environment, so the path would hold {unset.group(0)} "
+                         "as typed; valid: a path whose variables are set.",
+                         f"set {name} (e.g. `export {name}=...`), or write the path without it.")
+    return Path(full)
 
 
 def existing_ancestor(path: Path) -> Path:
