@@ -1,6 +1,7 @@
 """An unchanged Lightning script, as users write them: a small MLP with dropout, synthetic data made here, SGD with
-momentum and an epoch LR schedule, a loss line every step (rank 0), DDP over the ranks hpcjobs started, and work
-after `fit()` (the final weights, a record and a print) that must run once per finished training, never on a stop."""
+momentum and an epoch LR schedule (or AdamW and a cosine schedule stepped every step), a loss line every step (rank 0),
+DDP over the ranks hpcjobs started, and work after `fit()` (the final weights, a record and a print) that must run once
+per finished training, never on a stop."""
 
 import argparse
 import os
@@ -17,12 +18,15 @@ p.add_argument("--max_epochs", type=int, default=3)
 p.add_argument("--devices", type=int, default=2)
 p.add_argument("--num_nodes", type=int, default=1)
 p.add_argument("--sample_seconds", type=float, default=0.0, help="slow data loading: each sample takes this long")
+p.add_argument("--samples", type=int, default=80,
+               help="the dataset's length (80: 10 batches a rank and epoch at 2 ranks)")
+p.add_argument("--adamw", action="store_true", help="AdamW and a cosine LR stepped every step (not SGD, by epoch)")
 args = p.parse_args()
 
 
 class Samples(Dataset):
     def __len__(self) -> int:
-        return 80  # 10 batches of 4 a rank and epoch at 2 ranks
+        return args.samples
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(args.sample_seconds)
@@ -44,6 +48,10 @@ class Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if args.adamw:
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+            return [opt], [{"scheduler": cosine, "interval": "step"}]
         opt = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from hpcjobs.protocol.atomic import fsync_path, write_atomic
 from hpcjobs.protocol.runfolder import CHECKPOINT_DIR
+from trainers import ddp_buckets
 from trainers.checkpoint.errors import CheckpointSpaceError, CorruptCheckpoint, corrupt, full_disk
 from trainers.faults import maybe_die
 
@@ -55,6 +56,7 @@ def begin(root: Path, step: int, rank: int, barrier: Callable[[], None], keep: i
         raise ValueError("keep must be at least 2: the newest finished checkpoint is never the only copy")
     tmp = root / f".step-{step}.tmp"
     if rank == 0:
+        ddp_buckets.record()  # the layout a resume from this save needs (trainers/ddp_buckets.py)
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -1,12 +1,13 @@
 """Users' training libraries joined to the stop protocol without a changed line in their scripts.
 
 The launcher calls `install()` before it runs a user's script or module (never for hpcjobs's own tasks). It adds one
-import hook: when the script imports a library module named in HOOKS, the hook runs right after that module's own
-code and attaches hpcjobs (trainers/integrations/hf_trainer.py for `transformers.Trainer`, lightning.py beside it for
-Lightning's, under either package name). A script that imports none of them pays one dictionary lookup per import
-it makes (measured: 0.37 µs per import; `import torch` makes 1125, so 0.4 ms of a start that spends 2-4 s importing
-torch). `HPCJOBS_HOOKS=0` in the rank's environment (`hpcjobs submit --env HPCJOBS_HOOKS=0`) leaves every library
-as it is.
+import hook: when the script imports a library module named in HOOKS, the hook runs right after that module's own code
+and attaches hpcjobs (trainers/integrations/hf_trainer.py for `transformers.Trainer`, lightning.py beside it for
+Lightning's, under either package name; trainers/ddp_buckets.py for torch's DDP, whatever library builds it: a resumed
+start reduces its first step's gradients in the bucket layout the uninterrupted run has by then). A script that imports
+none of them pays one dictionary lookup per import it makes (measured: 0.37 µs per import; `import torch` makes 1125, so
+0.4 ms of a start that spends 2-4 s importing torch). `HPCJOBS_HOOKS=0` in the rank's environment (`hpcjobs submit --env
+HPCJOBS_HOOKS=0`) leaves every library as it is.
 
 An `accelerate` loop is the script's own code, with no library call to hook: it takes one line instead
 (accelerate_loop.py, the loop's header), and adds nothing here; HPCJOBS_HOOKS=0 turns it into the plain loop.
@@ -27,7 +28,8 @@ from typing import Any
 from hpcjobs.protocol import stopcheck
 from hpcjobs.protocol.stopcheck import CHECK_EVERY
 
-HOOKS: dict[str, str] = {"transformers.trainer": "trainers.integrations.hf_trainer",
+HOOKS: dict[str, str] = {"torch.nn.parallel.distributed": "trainers.ddp_buckets",
+                         "transformers.trainer": "trainers.integrations.hf_trainer",
                          "lightning.pytorch.trainer.trainer": "trainers.integrations.lightning",
                          "pytorch_lightning.trainer.trainer": "trainers.integrations.lightning"}
 """Library module → the hpcjobs module whose `attach(module)` joins it to the protocol once it is imported."""

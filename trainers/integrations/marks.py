@@ -20,6 +20,7 @@ from pathlib import Path
 from hpcjobs.protocol.atomic import fsync_path, write_atomic
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
+from trainers import ddp_buckets
 from trainers.faults import maybe_die
 
 COMPLETE = "hpcjobs-complete.json"
@@ -64,6 +65,7 @@ def mark_pending(folder: Path) -> None:
     """Rank 0, before the save writes anything into `folder`. A save into a folder an earlier save completed (a run
     that went back to an earlier step) takes its completion mark away: until it completes, its files are mixed."""
     if rank() == 0:
+        ddp_buckets.record()  # the layout a resume from this save needs (trainers/ddp_buckets.py)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / PENDING).touch()
         (folder / COMPLETE).unlink(missing_ok=True)
