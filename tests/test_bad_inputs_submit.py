@@ -82,3 +82,9 @@ def test_an_unset_variable_in_runs_dir_is_refused(command: str, tmp_path: Path, 
     assert_refused(out, "$USER", sbatch_log)
     assert "USER is not set" in out.stderr
     assert not (tmp_path / "scratch").exists() and not (tmp_path / "job.sbatch").exists()
+
+
+def test_a_mistyped_required_flag_gets_did_you_mean(sbatch_log: Path) -> None:
+    """`--profil local` said only '--profile required'."""
+    out = hpcjobs("submit", "--profil", "local", "trainers.tasks.lm", cwd=REPO)
+    assert_refused(out, "did you mean --profile?", sbatch_log)

@@ -66,10 +66,27 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        self.typed = list(args or ())  # what error() compares a missing flag with (a subcommand's own words)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         message = " ".join(message.split())  # argparse quotes unrecognized arguments as typed, newlines and all
+        message += self.did_you_mean(message)
         stop = "" if message.endswith(("?", ".")) else "."
         self.exit(2, f"{self.prog}: error: {message}{stop} HINT: {self.prog} --help shows the flags and examples.\n")
+
+
+    def did_you_mean(self, message: str) -> str:
+        """`--profil local` said only that --profile is required: a typed word close to a missing flag is named."""
+        import difflib
+
+        missing = [w.strip(",") for w in message.split() if w.startswith("--")] if "are required" in message else []
+        known = {o for a in self._actions for o in a.option_strings}
+        typed = [w.split("=", 1)[0] for w in getattr(self, "typed", []) if w.startswith("--")]
+        close = [(w, m[0]) for w in typed if w not in known and (m := difflib.get_close_matches(w, missing, n=1))]
+        return "; " + ", ".join(f"{w} is no flag: did you mean {m}?" for w, m in close) if close else ""
 
 
 if TYPE_CHECKING:
