@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.backends import SCHEDULERS, Backend, backend_for
-from hpcjobs.protocol.diagnosis import NODE, diagnose
+from hpcjobs.protocol.diagnosis import NODE, by_signal, diagnose
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, JobState, StopReason
@@ -165,6 +165,8 @@ def with_faults(rec: JobRecord, run: RunFolder, backend: Backend, state: JobStat
     found = diagnose(run, rec.job_id, backend.reported_failures(rec), facts.node_faults) \
         if ended_badly or going_on or facts.node_faults else None
     first = found.first if found else None
+    if first and fstate == JobState.FAILED and first.source == "srun" and not by_signal(first):
+        found = first = None  # the job's own last word says why it ended (the restart cap): srun saw only its exit
     faults = list(facts.node_faults)
     if first and first.source == NODE and len(faults[-1].nodes) > 1 and first.host in faults[-1].nodes:
         faults[-1] = replace(faults[-1], nodes=(first.host,))  # the node whose ranks recorded nothing

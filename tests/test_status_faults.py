@@ -242,3 +242,29 @@ def test_a_job_that_completed_after_its_node_failed_names_that_node_not_the_rank
     present.status(st, None)
     said = capsys.readouterr().out
     assert "node1: Killed" not in said and "one of node1" not in said, said
+
+
+def test_a_job_ended_by_the_restart_cap_shows_why_not_a_rank_that_wrote_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 38 "Words": status said `failed first: rank 0 on node1: Exited with exit code 1 (said by srun; the rank
+    wrote nothing)` for a job the restart cap ended, though rank 0 wrote the cap's line and final.json."""
+    rec = record(tmp_path)
+    run = first_start(rec, 40)
+    append_jsonl(run.restarts, {"time": FAILED_EPOCH - 10, "restart": 0, "stopped": "timeout", "step": 40})
+    reason = ("restart cap 2 reached (timeout): 2 requeues in a row brought no checkpoint newer than step 40; "
+              "stopped each time by: timeout")
+    run.write_final(FinalState.FAILED, reason, 40, job_id="42")
+    out = tmp_path / "slurm-42.out"
+    out.write_text("srun: error: node1: task 0: Exited with exit code 1\n")
+    rec = JobRecord(**{**rec.__dict__, "logs": {"slurm": str(out)}})
+    slurm = Slurm(squeue=(0, f"FAILED|{job_comment(rec.run_dir)}\n"), sacct=(0, f"FAILED|node[1-2]|{FAILED_AT}\n"),
+                  scontrol_show_job=(0, job_line(rec, "FAILED", "NonZeroExitCode", 2, end=FAILED_AT)))
+    st = status_of(rec, SlurmBackend(slurm))
+    assert st.state == JobState.FAILED and st.first_failure is None, st
+    present.status(st, None)
+    shown = capsys.readouterr().out
+    assert reason in shown and "wrote nothing" not in shown, shown
+    killed = tmp_path / "slurm-43.out"  # a rank killed by a signal is still the first failure
+    killed.write_text("srun: error: node2: task 3: Killed\n")
+    st = status_of(JobRecord(**{**rec.__dict__, "logs": {"slurm": str(killed)}}), SlurmBackend(slurm))
+    assert st.first_failure is not None and "rank 3 on node2: Killed" in st.first_failure, st.first_failure

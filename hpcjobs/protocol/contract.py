@@ -45,7 +45,10 @@ class Preemption:
     seconds_before: int = field(default=90, metadata={"min": 10, "max": 3600})
     """How many seconds before the end (time limit) Slurm sends `signal`; must leave time to save a checkpoint."""
     max_restarts: int = field(default=10, metadata={"min": 0, "max": 10_000})
-    """How many times a job may be requeued (preemption, time limit) before it ends failed."""
+    """How many requeues in a row (preemption, time limit) may bring no newer checkpoint before the job ends failed
+    (one line naming the cause that repeats). A job that commits a newer checkpoint between stops goes on however
+    often it is requeued (a long run in time-limit chunks); a script that saves only on its own shows no progress to
+    hpcjobs, so each of its requeues counts."""
 
 
 @dataclass(frozen=True)
