@@ -1,6 +1,7 @@
 """What every rank of a job finds in its environment beyond the rendezvous: the profile's env and NCCL settings and
-the user's --env, checked before anything is queued (a name hpcjobs sets per rank, a value every rank would refuse),
-plus the gloo interface the control group needs where only NCCL's is named."""
+the user's --env, checked before anything is queued (a name hpcjobs sets per rank, a value every rank would refuse).
+Where only NCCL's interface is named, gloo's is resolved by each rank from its node's interfaces
+(hpcjobs.protocol.ifnames): NCCL takes prefixes, gloo exact names, and only the node knows which names exist."""
 
 from __future__ import annotations
 
@@ -21,16 +22,6 @@ def job_env(profile_env: Mapping[str, str], nccl: Mapping[str, str], flags: tupl
     env = {**profile_env, **nccl, **given}
     if stopcheck.parse(env.get(stopcheck.CHECK_EVERY)) is None:  # every rank would refuse it at its start
         raise UsageError(*stopcheck.refusal(env[stopcheck.CHECK_EVERY]))
-    return with_gloo_interface(env)
-
-
-def with_gloo_interface(env: dict[str, str]) -> dict[str, str]:
-    """The trainer's control group (stop agreement, checkpoint barriers) is gloo even when training uses NCCL, and
-    gloo binds to whatever the hostname resolves to (127.0.1.1, a management network) unless told: it takes the
-    NCCL interface unless the profile names its own. NCCL's `^`-exclusion form names no interface to take."""
-    nccl = env.get("NCCL_SOCKET_IFNAME", "")
-    if nccl and not nccl.startswith("^") and "GLOO_SOCKET_IFNAME" not in env:
-        return {**env, "GLOO_SOCKET_IFNAME": nccl.removeprefix("=")}
     return env
 
 

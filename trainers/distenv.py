@@ -1,8 +1,9 @@
-"""Environment mapping → who this rank is and where the rendezvous is. Pure: no I/O, no torch.
+"""Environment mapping → who this rank is and where the rendezvous is. No torch, and no I/O but one: where NCCL's
+interface is named and gloo's is not, the node's interfaces are read to resolve gloo's (hpcjobs.protocol.ifnames).
 
 The environment is read by trainers.jobenv (`current()` picks Slurm, torchrun-style or a single process; a
 launcher's RANK/WORLD_SIZE win over srun's task variables); here the layout is checked and joined with the
-rendezvous and the NCCL settings into the one `DistEnv` the rank and its records use.
+rendezvous, the NCCL settings and gloo's interface into the one `DistEnv` the rank and its records use.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hpcjobs.protocol.ifnames import InterfaceError, gloo_interface
 from trainers import jobenv
 from trainers.jobenv.base import JobEnvError
 
@@ -56,13 +58,15 @@ class DistEnv:
     requeues: int = 0
     """How often the scheduler requeued this job (trainers.jobenv's `requeues`): what the restart cap counts. A
     local job's resume is a new job, never a requeue."""
+    gloo: dict[str, str] = field(default_factory=dict)
+    """GLOO_SOCKET_IFNAME resolved on this node from NCCL_SOCKET_IFNAME's prefixes, where only NCCL's was set."""
 
     def as_env(self) -> dict[str, str]:
         """The variables torch.distributed (env://) and user scripts expect."""
         return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.master_port), "HPCJOBS_JOB_ID": self.job_id,
-                "HPCJOBS_RESTART": str(self.restart), **self.nccl}
+                "HPCJOBS_RESTART": str(self.restart), **self.nccl, **self.gloo}
 
 
 def from_environ(env: Mapping[str, str]) -> DistEnv:
@@ -78,5 +82,9 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
         raise DistEnvError(f"local rank {local_rank} is outside {local_world} ranks per node ({layout.source})")
     addr, port = job.rendezvous()
     nccl = {k: v for k, v in env.items() if k.startswith(NCCL_PREFIXES)}
+    try:
+        gloo = gloo_interface(env)
+    except InterfaceError as e:
+        raise DistEnvError(str(e)) from None
     return DistEnv(rank, local_rank, world, local_world, addr, port, job_id, restart, layout.source, nccl,
-                   job.requeues())
+                   job.requeues(), gloo)
