@@ -23,8 +23,13 @@ SCRIPT = REPO / "trainers" / "examples" / "accelerate_script.py"
 STEPS, PER_EPOCH = 30, 10
 
 
-def command(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"),
+FOUR = ["--samples", "160", "--adamw"]
+"""The script at 4 ranks (10 batches a rank and epoch again), with AdamW and a cosine LR stepped every step."""
+
+
+def command(tmp_path: Path, name: str, *extra: str, ranks: int = 2) -> list[str]:
+    extra = (*extra, *FOUR) if ranks == 4 else extra
+    return ["submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(tmp_path / f"run-{name}"),
             *ctrl_c_runs.CHECKS, str(SCRIPT), "--out", str(tmp_path / name), "--sample_seconds", "0.01", *extra]
 
 
@@ -86,6 +91,19 @@ def test_ctrl_c_saves_mid_epoch_and_the_same_command_resumes_exactly(tmp_path: P
     assert f"resuming from {root(tmp_path) / f'checkpoint-{stop}'}" in again.stdout
     assert resumed_exactly(first, again.stdout, out, twin) == []
     assert (out / "after-loop.txt").read_text() == "ran\n"  # once, after the training that finished
+
+
+@pytest.mark.train
+def test_at_4_ranks_with_adamw_and_a_per_step_schedule_the_resume_is_exact(tmp_path: Path) -> None:
+    """Issue 42: at 4 ranks the order of the gradient all-reduce's additions follows DDP's bucket layout, which a
+    resumed start must have from its first step (trainers/ddp_buckets.py); the twin runs in the same test."""
+    done = hpcjobs(*command(tmp_path, "twin", ranks=4), cwd=tmp_path, timeout=600)
+    assert done.returncode == 0 and "AFTER LOOP" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    first = ctrl_c_runs.interrupt(command(tmp_path, "out", ranks=4), tmp_path, losses, 12)
+    assert len(complete(tmp_path)) == 1 and "AFTER LOOP" not in first, first[-3000:]
+    again = hpcjobs(*command(tmp_path, "out", ranks=4), cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert resumed_exactly(first, again.stdout, tmp_path / "out", (tmp_path / "twin", losses(done.stdout))) == []
 
 
 @pytest.mark.train

@@ -21,8 +21,8 @@ SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_script.py"
 STEPS = 30
 
 
-def command(tmp_path: Path, name: str, *more: str) -> list[str]:
-    return ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(tmp_path / f"run-{name}"),
+def command(tmp_path: Path, name: str, *more: str, ranks: int = 2) -> list[str]:
+    return ["submit", "--profile", "local", "--gpus", str(ranks), "--run-dir", str(tmp_path / f"run-{name}"),
             *ctrl_c_runs.CHECKS, str(SCRIPT), "--output_dir", str(tmp_path / name), "--max_steps", str(STEPS), *more]
 
 
@@ -72,6 +72,22 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     assert (out / "after-train.txt").read_text() == "ran\n"  # once, after the training that finished
 
     same_as(out, twin)
+
+
+@pytest.mark.train
+def test_at_4_ranks_with_ddp_rebuilding_its_buckets_the_resume_is_exact(tmp_path: Path) -> None:
+    """Issue 42: at 4 ranks the order of the gradient all-reduce's additions follows DDP's bucket layout, which a
+    resumed start must have from its first step (trainers/ddp_buckets.py). The Trainer lets DDP rebuild its buckets
+    when `ddp_find_unused_parameters` is false (its own choice under activation checkpointing); AdamW and the linear
+    schedule step every step, GPT-2's dropout is on."""
+    rebuilt = ("--ddp_find_unused_parameters", "false")
+    done = hpcjobs(*command(tmp_path, "twin", *rebuilt, ranks=4), cwd=tmp_path, timeout=600)
+    assert done.returncode == 0 and "AFTER TRAIN" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    first = ctrl_c_runs.interrupt(command(tmp_path, "out", *rebuilt, ranks=4), tmp_path, loss_lines, 7)
+    assert "AFTER TRAIN" not in first, first[-3000:]
+    again = hpcjobs(*command(tmp_path, "out", *rebuilt, ranks=4), cwd=tmp_path, timeout=600)
+    assert again.returncode == 0 and "resuming from" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    same_as(tmp_path / "out", tmp_path / "twin")
 
 
 @pytest.mark.train
