@@ -5,6 +5,7 @@ tests/test_bad_inputs.py holds the earlier ones; these each got through, or got 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,32 @@ def test_a_mistyped_required_flag_gets_did_you_mean(sbatch_log: Path) -> None:
     """`--profil local` said only '--profile required'."""
     out = hpcjobs("submit", "--profil", "local", "trainers.tasks.lm", cwd=REPO)
     assert_refused(out, "did you mean --profile?", sbatch_log)
+
+
+def _job_records() -> int:
+    return len(json.loads(hpcjobs("list", "--json").stdout))
+
+
+@pytest.mark.train
+def test_a_resume_the_checkpoint_would_refuse_is_refused_at_submit(tmp_path: Path, sbatch_log: Path) -> None:
+    """A resume whose settings differ from its checkpoint's was refused only once the ranks had started: a job
+    record more, a start more in the run folder (and the run then turned UNKNOWN). Now at submit, from the
+    checkpoint's recorded settings, before anything is written; the same flags still resume."""
+    run = tmp_path / "run"
+    base = ["submit", "--profile", "local", "--gpus", "2", "--run-dir", str(run), "trainers.tasks.lm",
+            "--size", "tiny", "--log-every", "5"]
+    first = hpcjobs(*base, "--steps", "6", "--lr", "1e-3", cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr
+    specs, restarts = sorted((run / "specs").iterdir()), (run / "restarts.jsonl").read_text()
+    for flags, fragment in ((["--steps", "12", "--lr", "1e-3"], "--steps 6, this submission asks for --steps 12"),
+                            (["--steps", "6", "--lr", "3e-4"], "lr: 0.001 → 0.0003")):
+        out = hpcjobs(*base, *flags, cwd=tmp_path)
+        assert_refused(out, fragment, sbatch_log)
+        assert f"checkpoint {run}/checkpoints/step-6" in out.stderr
+    world = hpcjobs(*[w if w != "2" else "1" for w in base], "--steps", "6", "--lr", "1e-3", cwd=tmp_path)
+    assert_refused(world, "was written by 2 ranks with --strategy ddp, this submission has 1", sbatch_log)
+    assert sorted((run / "specs").iterdir()) == specs and (run / "restarts.jsonl").read_text() == restarts
+    assert _job_records() == 1
+    extended = hpcjobs(*base, "--steps", "8", "--lr", "1e-3", "--extend", cwd=tmp_path, timeout=300)
+    assert extended.returncode == 0, extended.stderr
+

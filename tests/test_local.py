@@ -192,7 +192,7 @@ def test_a_refused_resume_ends_with_its_own_words_not_the_last_jobs(tmp_path: Pa
     assert [r["restarts"] for r in rows] == [1, 0], rows
     second = hpcjobs("logs", rows[0]["job_id"]).stdout
     assert "resumed from" in second and "starting at step 0" not in second, second
-    again = hpcjobs(*args, "--lr", "0.5", cwd=tmp_path)
+    again = hpcjobs(*args, "--hidden", "64", cwd=tmp_path)  # another task config: known on the ranks only
     assert again.returncode == 2 and "was written with other settings" in again.stdout, again.stdout
     end = again.stdout.strip().splitlines()[-1]
     assert "ended with code 2; run folder" in end and "reached step" not in end, end

@@ -32,6 +32,9 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
                   container=ns.container, max_recoveries=ns.max_recoveries, spare_nodes=ns.spare_nodes)
     spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
     backend.check(spec)
+    from hpcjobs.resumecheck import check_resume
+
+    check_resume(spec)  # a resume the checkpoint's settings contradict: refused here, not by the started ranks
     return spec, backend
 
 
