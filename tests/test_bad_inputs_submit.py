@@ -118,3 +118,33 @@ def test_a_resume_the_checkpoint_would_refuse_is_refused_at_submit(tmp_path: Pat
     extended = hpcjobs(*base, "--steps", "8", "--lr", "1e-3", "--extend", cwd=tmp_path, timeout=300)
     assert extended.returncode == 0, extended.stderr
 
+
+def test_a_time_limit_that_leaves_little_of_each_chunk_gets_one_warning(tmp_path: Path, sbatch_log: Path) -> None:
+    """`--time 2:00` with a 60 s warning: after the warning and the start-up, a chunk trains for seconds. Said at
+    submit (one line naming a --time and a seconds_before that would work), not refused."""
+    out = hpcjobs("submit", "--profile", "testcluster", "--dry-run", "--time", "2:00", "trainers.tasks.lm",
+                  "--steps", "5", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "warning" in line]
+    assert len(lines) == 1, out.stderr
+    assert "--time 00:02:00 leaves about 15 s of each time-limit chunk" in lines[0], lines[0]
+    assert "seconds_before 60" in lines[0] and "about 45 s, assumed" in lines[0], lines[0]
+    assert "HINT: ask for --time 00:04:00 or more, or lower preemption.seconds_before to 15" in lines[0], lines[0]
+    roomy = hpcjobs("submit", "--profile", "testcluster", "--dry-run", "--time", "30:00", "trainers.tasks.lm",
+                    "--steps", "5", cwd=REPO)
+    assert roomy.returncode == 0 and "warning" not in roomy.stderr, roomy.stderr
+    assert not sbatch_log.exists()
+
+
+def test_the_warning_counts_this_run_folder_s_measured_start_up(tmp_path: Path) -> None:
+    """Where the run folder has started before, its measured start-up (startup.jsonl: launched → first step)
+    is what the warning counts, not the assumed one; with no seconds_before that would do, only the --time."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "startup.jsonl").write_text(json.dumps({"launched": 100.0, "first_step": 400.0, "rank": 0}) + "\n")
+    out = hpcjobs("submit", "--profile", "testcluster", "--dry-run", "--time", "10:00", "--run-dir", str(run),
+                  "trainers.tasks.lm", "--steps", "5", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "start-up (300 s measured in this run folder)" in out.stderr, out.stderr
+    assert "HINT: ask for --time 00:12:00 or more." in out.stderr, out.stderr
+

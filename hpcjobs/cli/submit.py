@@ -35,6 +35,7 @@ def run_submit(ns: argparse.Namespace) -> int:
     request = backend.dry_run(spec)
     if ns.dry_run:
         present.dry_run(spec, request, tasks_args(spec), ns.json)
+        warn_short_chunks(spec, backend.queued, "submit")
         return 0
     from hpcjobs.submit import submit
 
@@ -44,6 +45,7 @@ def run_submit(ns: argparse.Namespace) -> int:
         request = replace(request, params={**request.params, "stdout_to_stderr": True})
     sub = submit(request)
     present.submitted(spec, sub, ns.json)
+    warn_short_chunks(spec, backend.queued, "submit")  # once submitted: a refusal above stays the one line said
     return sub.returncode or 0
 
 
@@ -61,6 +63,19 @@ def wait_for(spec: JobSpec, queued: bool) -> None:
     if not queued:
         wait_for_upstream(spec.after, lambda job: job_state(job, store),
                           lambda line: print(f"hpcjobs: {line}", file=sys.stderr, flush=True))
+
+
+def warn_short_chunks(spec: JobSpec, queued: bool, command: str) -> None:
+    """One line on stderr when the time limit leaves little of each chunk for training (hpcjobs.chunks): a queued
+    job requeues at its limit and goes on; a local one does not. Said once the command did its work, so that a
+    refusal stays the one line said."""
+    import sys
+
+    from hpcjobs.chunks import chunk_warning
+
+    line = chunk_warning(spec) if queued else None
+    if line:
+        print(f"hpcjobs {command}: warning: {line}", file=sys.stderr)
 
 
 def add_render(sub: Subparsers, common: Parser) -> None:
@@ -85,7 +100,9 @@ def run_render(ns: argparse.Namespace) -> int:
     take_snapshot(spec)  # the script runs the code as it is now, however long it waits to be submitted
     if not ns.output:
         print(script.text, end="")
+        warn_short_chunks(spec, backend.queued, "render")
         return 0
     path = write_script(script, Path(ns.output), ns.force)
     present.rendered(path, spec)
+    warn_short_chunks(spec, backend.queued, "render")
     return 0
