@@ -18,14 +18,31 @@ Submit = Callable[..., tuple[str, Path, Path]]
 """submit(folder, name, profile, time_limit=...) -> (job id, the script's output folder, the run folder)."""
 
 
-def twin_of(prefix: str, tmp_path_factory: pytest.TempPathFactory, submit: Submit) -> tuple[Path, Path]:
-    """The uninterrupted run: its output and run folders, in a folder of /tmp the nodes see."""
+def shared_folder(prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of /tmp the nodes see, one per test session and prefix."""
     folder = Path("/tmp") / f"hpcjobs-{prefix}-{tmp_path_factory.getbasetemp().name}"
     folder.mkdir(exist_ok=True)
     folder.chmod(0o755)
+    return folder
+
+
+def twin_of(prefix: str, tmp_path_factory: pytest.TempPathFactory, submit: Submit) -> tuple[Path, Path]:
+    """The uninterrupted run: its output and run folders, in a folder of /tmp the nodes see."""
+    folder = shared_folder(prefix, tmp_path_factory)
     job, out, run = submit(folder, "twin", make_profile(folder))
     assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
     return out, run
+
+
+def twins_with_a_control(prefix: str, tmp_path_factory: pytest.TempPathFactory, submit: Submit,
+                         ) -> tuple[tuple[Path, Path], Path]:
+    """The uninterrupted run (output and run folders) and, run beside it, the run folder of the same command with
+    another seed: the control that a comparison with the twin must tell apart from it."""
+    folder = shared_folder(prefix, tmp_path_factory)
+    job, _, control = submit(folder, "control", make_profile(folder), seed=1)
+    twin = twin_of(prefix, tmp_path_factory, submit)
+    assert wait_for_state(job, DONE, timeout=600) == "COMPLETED"
+    return twin, control
 
 
 def stopped_and_resumed(folder: Path, trigger: str, submit: Submit, training: str,

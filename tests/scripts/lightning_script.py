@@ -20,6 +20,7 @@ p.add_argument("--num_nodes", type=int, default=1)
 p.add_argument("--sample_seconds", type=float, default=0.0, help="slow data loading: each sample takes this long")
 p.add_argument("--samples", type=int, default=80,
                help="the dataset's length (80: 10 batches a rank and epoch at 2 ranks)")
+p.add_argument("--seed", type=int, default=0)
 p.add_argument("--adamw", action="store_true", help="AdamW and a cosine LR stepped every step (not SGD, by epoch)")
 args = p.parse_args()
 
@@ -59,7 +60,7 @@ class Net(pl.LightningModule):
         return DataLoader(Samples(), batch_size=4, shuffle=True)
 
 
-torch.manual_seed(0)
+torch.manual_seed(args.seed)
 model = Net()
 trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, max_epochs=args.max_epochs,
                      strategy="ddp" if args.devices * args.num_nodes > 1 else "auto", log_every_n_steps=1,

@@ -29,6 +29,7 @@ p.add_argument("--save_every", type=int, default=0)
 p.add_argument("--accumulate", type=int, default=1)
 p.add_argument("--samples", type=int, default=80,
                help="the dataset's length (80: 10 batches a rank and epoch at 2 ranks)")
+p.add_argument("--seed", type=int, default=0)
 p.add_argument("--adamw", action="store_true", help="AdamW and a cosine LR stepped every step (not SGD, by epoch)")
 p.add_argument("--sample_seconds", type=float, default=0.0, help="slow data loading: each sample takes this long")
 args = p.parse_args()
@@ -45,7 +46,7 @@ class Samples(Dataset):
 
 
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
-set_seed(0)
+set_seed(args.seed)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
 if args.adamw:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
