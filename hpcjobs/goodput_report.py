@@ -20,6 +20,7 @@ from hpcjobs.goodput_read import allocations, job_ids, job_times, read_starts, r
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.states import JobState
+from hpcjobs.slurmtime import parse_time
 from hpcjobs.store import JobRecord, JobStore
 
 RUNNING = frozenset({JobState.RUNNING, JobState.COMPLETING, JobState.CONFIGURING, JobState.SIGNALING})
@@ -116,6 +117,16 @@ def seconds_before_of(run: RunFolder) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def time_limit_of(run: RunFolder) -> int | None:
+    """The time limit the run folder's newest submission asked for (spec.json's `time`); None without one."""
+    spec = run.read("spec") or {}
+    text = spec.get("time") if isinstance(spec, dict) else None
+    try:
+        return parse_time(text) if isinstance(text, str) and text else None
+    except UsageError:
+        return None
+
+
 def report(target: str, store: JobStore | None = None, now: float | None = None,
            runner: Callable[[Sequence[str]], Any] | None = None, state_of: StateOf = scheduler_state) -> Report:
     """The report of a run folder, a job, or a sweep's array (one part per task). `runner` runs sacct, `state_of`
@@ -137,7 +148,8 @@ def report(target: str, store: JobStore | None = None, now: float | None = None,
         parts, starts = folder_report(run, job, store, now, runner, state_of)
         out.parts += parts
         if len(folders) == 1 and len(parts) >= 1:
-            out.advice = advice(total(parts, target), starts, run_step_time(run), seconds_before_of(run))
+            out.advice = advice(total(parts, target), starts, run_step_time(run), seconds_before_of(run),
+                                time_limit_of(run))
     return out
 
 

@@ -185,6 +185,44 @@ def test_young_daly_advice_when_the_interval_is_far_off() -> None:
     assert goodput_advice.young_daly_s(4, 3600) == pytest.approx(169.7, abs=0.1)
 
 
+def chunk(restart: int, begin: float, startup: float, trained: float, first: int) -> Start:
+    """A start of a job in 2-minute chunks, stopped at the limit: periodic saves every 10 steps, then its stop's."""
+    saves = tuple(Save(first + s, begin + startup + s, 0.02) for s in (10, 20, 30))
+    return Start(restart, begin, {"first_step": begin + startup}, first, begin + startup + trained, first + 31,
+                 "stopped", saves, stop_to_commit_s=2.5)
+
+
+CHUNKS = [chunk(n, 70.0 * n, 45.0, 12.0, 31 * n) for n in range(6)]
+"""Issue 38's busier machine: a 60 s warning before a 2:00 limit, ~45 s of start-up, a few steps a chunk."""
+
+
+def test_a_job_in_time_limit_chunks_is_not_told_to_checkpoint_more_often() -> None:
+    """Stops at the time limit commit a checkpoint of their step: no work lost, no Young/Daly interval from them
+    (the old code advised --ckpt-every 5 for a job that had lost nothing); a killed start still counts."""
+    g = compute(JobTimes("x", 1, 0.0, tuple(CHUNKS)), [c.start_step for c in CHUNKS[1:]] + [None], 0.0)
+    assert g.interruptions == 6 and goodput_advice.checkpoint_interval(g, CHUNKS, step_s=0.03) is None
+    killed = [*CHUNKS[:-1], Start(5, 350.0, {"first_step": 395.0}, 155, 407.0, 186, "lost", CHUNKS[-1].saves)]
+    line = goodput_advice.checkpoint_interval(g, killed, step_s=0.03)
+    assert line is not None and "(1 seen)" in line, line
+
+
+def test_a_time_limit_that_leaves_each_start_little_to_train_gets_the_time_that_would_work() -> None:
+    line = goodput_advice.short_chunks(CHUNKS, 120, 60)
+    assert line == ("time limit: each start stopped at its 00:02:00 limit trained ~12 s (median of 6): start-up took "
+                    "~45 s and the profile's warning 60 s before the end. HINT: --time 00:09:00 leaves ~80% of each "
+                    "start to training"), line
+    assert "seconds_before: 30 in the profile (a stop here committed within 2.5 s)" in \
+        str(goodput_advice.short_chunks(CHUNKS, 150, 90))
+    long_enough = [chunk(n, 400.0 * n, 45.0, 300.0, 31 * n) for n in range(3)]
+    assert goodput_advice.short_chunks(long_enough, 420, 60) is None
+    assert goodput_advice.short_chunks(CHUNKS, None, 60) is None  # no time limit: nothing to say
+    preempted = [chunk(n, 70.0 * n, 45.0, 12.0, 31 * n) for n in range(3)]  # stopped long before a 1-hour limit
+    assert goodput_advice.short_chunks(preempted, 3600, 60) is None
+    g = compute(JobTimes("x", 1, 0.0, tuple(CHUNKS)), [c.start_step for c in CHUNKS[1:]] + [None], 0.0)
+    advice = goodput_advice.advice(g, CHUNKS, 0.3, 60, 120)
+    assert [a.split(":")[0] for a in advice] == ["time limit"], advice
+
+
 def test_goodput_cli_json_and_a_bad_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = killed_and_resumed(tmp_path / "run")
     assert main(["goodput", str(run), "--json"]) == 0

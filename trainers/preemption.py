@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hpcjobs.protocol import restartcap
-from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.contract import EARLY_SIGNAL_S, LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
 from trainers import jobenv
@@ -42,9 +42,6 @@ _requested: list[tuple[int, float]] = []  # (signal, when): a list append is the
 DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
 _joined: list[bool] = []  # non-empty once install() ran: the entry takes part in the protocol
 _deadline: list[tuple[float, JobEnv, int]] = []  # install(): (when to stop if no signal came, the job, its warning)
-EARLY_SIGNAL_S = 75
-"""How long before it is due the profile's signal may come and still mean the time limit: Slurm checks limits on
-its event resolution (up to a minute; 30 s measured on 22.05), so the signal comes early rather than late."""
 NO_RUN_FOLDER = ""
 """The run folder of a contract made outside a launched rank (a user's script under plain torchrun): a stop is then
 recorded nowhere, since no hpcjobs command will look for it, and nothing is written into the working directory."""

@@ -20,6 +20,9 @@ from hpcjobs.protocol.runfolder import resolve_run_dir
 DEFAULT_SIGNAL = "USR2"
 SIGNALS = ("USR1", DEFAULT_SIGNAL, "TERM", "INT", "HUP", "URG")
 """Signals a profile may ask Slurm to send before it stops a job (`--signal`)."""
+EARLY_SIGNAL_S = 75
+"""How long before it is due the profile's signal may come and still mean the time limit: Slurm checks limits on
+its event resolution (up to a minute; 30 s measured on 22.05), so the signal comes early rather than late."""
 ENV_VAR = "HPCJOBS_CONTRACT"
 """Where the launcher leaves the resolved contract for the rest of the rank (and its child processes)."""
 REQUEUE_FILE_VAR = "HPCJOBS_REQUEUE_FILE"
