@@ -3,14 +3,15 @@ backend, record the job. Everything they need was decided by the pure spec and r
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
 from hpcjobs.backends.common import check_run_folder
 from hpcjobs.protocol.atomic import write_atomic
-from hpcjobs.protocol.errors import RuntimeFailure
-from hpcjobs.protocol.paths import refuse_output
+from hpcjobs.protocol.errors import HpcjobsError, RuntimeFailure
+from hpcjobs.protocol.paths import existing_ancestor, refuse_output
 from hpcjobs.snapshot import materialize
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord, JobStore
@@ -38,20 +39,52 @@ def record(spec: JobSpec, sub: Submitted, store: JobStore | None = None) -> None
         spec=spec.as_dict(sub.task), submitted=time.time()))
 
 
-def take_snapshot(spec: JobSpec) -> None:
+def take_snapshot(spec: JobSpec) -> Path | None:
     """Copy the project's code where the spec says the ranks run it (nothing when it is there already). The run
     folder is checked first: the snapshot goes beside it, and a run folder that cannot be made is the error to give.
-    A snapshot stays when the submission is then refused: another submission of the same tree may be using it."""
-    if spec.snapshot is not None:
-        check_run_folder(spec.run_dir)
-        materialize(spec.snapshot)
+    Returns the outermost folder this call made (the snapshot's, or a runs folder that was not there), or None."""
+    if spec.snapshot is None:
+        return None
+    check_run_folder(spec.run_dir)
+    folder = Path(spec.snapshot.folder)
+    there = existing_ancestor(folder)
+    materialize(spec.snapshot)
+    if there == folder:
+        return None  # an identical snapshot was there: another submission's too
+    return there / folder.relative_to(there).parts[0]
+
+
+def undo_snapshot(made: Path, snapshot: str) -> None:
+    """Take away what take_snapshot made for a submission that was then refused (sbatch: no such account): the
+    snapshot, then each folder it made on the way that is empty again. Another submission of the same tree in the
+    same moment could be using the snapshot; it is taken away only when this submission made it."""
+    shutil.rmtree(snapshot, ignore_errors=True)
+    folder = Path(snapshot).parent
+    while folder == made or made in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # not empty: something else is there now
+        folder = folder.parent
 
 
 def submit(request: SubmitRequest) -> Submitted:
     """Submit through the spec's backend; the job is recorded as soon as it has an id (a local job before it
-    runs, so status and list see it while it does)."""
+    runs, so status and list see it while it does). A submission refused before it had an id leaves nothing:
+    the run folder (the backend's) and the code snapshot it made are taken away."""
     spec = request.spec
     store = JobStore()
     store.check()
-    take_snapshot(spec)
-    return backend_for(spec.profile.scheduler).submit(request, lambda sub: record(spec, sub, store))
+    made = take_snapshot(spec)
+    recorded: list[Submitted] = []
+
+    def on_id(sub: Submitted) -> None:
+        recorded.append(sub)
+        record(spec, sub, store)
+
+    try:
+        return backend_for(spec.profile.scheduler).submit(request, on_id)
+    except HpcjobsError:
+        if made is not None and spec.snapshot is not None and not recorded:
+            undo_snapshot(made, spec.snapshot.folder)
+        raise

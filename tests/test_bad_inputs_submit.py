@@ -148,3 +148,19 @@ def test_the_warning_counts_this_run_folder_s_measured_start_up(tmp_path: Path) 
     assert "start-up (300 s measured in this run folder)" in out.stderr, out.stderr
     assert "HINT: ask for --time 00:12:00 or more." in out.stderr, out.stderr
 
+
+
+def test_a_submission_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, sbatch_log: Path) -> None:
+    """sbatch's refusal (an account or qos the cluster does not take) left the code snapshot and the runs folder
+    it was made in; now the submission that made them takes them away (and its run folder, as before)."""
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({**GOOD, "runs_dir": str(tmp_path / "runs")}))
+    out = hpcjobs("submit", "--profile", str(prof), "--account", "nosuch", "trainers.tasks.lm", cwd=REPO)
+    assert out.returncode == 1 and "sbatch refused the job" in out.stderr, out.stderr
+    assert sbatch_log.exists()
+    nothing_left(tmp_path)
+    (tmp_path / "runs" / ".snapshots").mkdir(parents=True)  # a runs folder that was there stays, as it was
+    out = hpcjobs("submit", "--profile", str(prof), "--account", "nosuch", "trainers.tasks.lm", cwd=REPO)
+    assert out.returncode == 1, out.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [".snapshots"]
+    assert list((tmp_path / "runs" / ".snapshots").iterdir()) == []

@@ -2,6 +2,7 @@
 
 Each backend (`slurm`, `local`) implements `Backend`, in the spirit of torchx's Scheduler:
   check(spec)                       the scheduler's own limits on a request (raises UsageError; pure)
+  check_site(spec)                  what only the scheduler can tell of it (a partition that exists), asked of it
   dry_run(spec) -> SubmitRequest    pure: the request's `text` is exactly what would be submitted
   script(spec) -> Script            a standalone script for the scheduler's own submit command (`hpcjobs render`)
   submit(request, on_id) -> Submitted   the one side effect; `on_id` is called as soon as the job id is known
@@ -95,6 +96,9 @@ class Backend(Protocol):
     """Whether the profile's `setup` lines run before the ranks (so the nodes' Python is the one found after them)."""
 
     def check(self, spec: JobSpec) -> None: ...
+    def check_site(self, spec: JobSpec) -> None: ...
+    """What only the scheduler itself can tell of a request (Slurm: that its partition exists), asked before
+    anything is written; a scheduler that cannot be asked passes it (its submit command then says)."""
     def dry_run(self, spec: JobSpec) -> SubmitRequest: ...
     def script(self, spec: JobSpec) -> Script: ...
     def submit(self, request: SubmitRequest, on_id: Callable[[Submitted], None]) -> Submitted: ...

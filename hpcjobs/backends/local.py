@@ -140,6 +140,9 @@ class LocalBackend(RunFolderLogs):
                              f"{spec.profile.name} (local): valid: at most {slots} ranks at once (its "
                              "gpus_per_node).", f"e.g. --max-parallel {max(1, slots // spec.ranks)}")
 
+    def check_site(self, spec: JobSpec) -> None:
+        """Nothing to ask: the profile's facts are this machine's."""
+
     def doctor(self, spec: JobSpec, probe_wait_s: float | None = None) -> list[Check]:
         """Nothing queues here: the request was checked when the spec was built; what is left is the run folder."""
         checks = [Check("scheduler", Result.SKIP, f"profile {spec.profile.name} is local: nothing to ask a scheduler")]

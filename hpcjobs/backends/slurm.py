@@ -155,6 +155,24 @@ class SlurmBackend(RunFolderLogs):
                              "ask for more time with --time" if spec.time_from == "--time" else
                              f"pass --time, or raise default_time in {spec.profile.source}.")
 
+    def check_site(self, spec: JobSpec) -> None:
+        """A partition the cluster does not have, refused before anything is written (sbatch refused it only after
+        the run folder and the code snapshot were made). Where scontrol is not here or does not answer (a login
+        node without Slurm's configuration, `render` on a laptop), nothing is said: sbatch says it there."""
+        from hpcjobs.backends.slurm_doctor import records
+
+        if not spec.partition or shutil.which("scontrol") is None:
+            return
+        out = self.run(["scontrol", "--all", "show", "partition", "-o"])  # hidden ones, and others' too
+        known = records(out.stdout, "PartitionName") if out.returncode == 0 else {}
+        unknown = [name for name in spec.partition.split(",") if name not in known]
+        if known and unknown:
+            given = (f"--partition {spec.partition}" if spec.partition != spec.profile.partition else
+                     f"partition {spec.partition} of profile {spec.profile.name}")
+            raise UsageError(f"{given}: the cluster has no partition {unknown[0]!r}; valid: {', '.join(known)}; "
+                             "nothing was written.", "`sinfo -s` lists them: pick one with --partition NAME (or "
+                             f"partition: in {spec.profile.source}).")
+
     def script(self, spec: JobSpec) -> Script:
         return Script(render_sbatch(spec), (slurm_log_dir(spec),))
 

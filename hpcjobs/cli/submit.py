@@ -39,6 +39,7 @@ def run_submit(ns: argparse.Namespace) -> int:
         return 0
     from hpcjobs.submit import submit
 
+    backend.check_site(spec)  # a partition the cluster lacks: refused before the snapshot and the run folder
     if spec.after:
         wait_for(spec, backend.queued)
     if ns.json:  # stdout is for the record alone; a foreground job's own output goes to stderr
@@ -97,6 +98,7 @@ def run_render(ns: argparse.Namespace) -> int:
 
     if ns.output:
         refuse_output(Path(ns.output), ns.force)  # before the snapshot: a refused render copies nothing
+    backend.check_site(spec)
     take_snapshot(spec)  # the script runs the code as it is now, however long it waits to be submitted
     if not ns.output:
         print(script.text, end="")
