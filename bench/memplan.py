@@ -149,7 +149,8 @@ def fake_worker(size: str, strategy_name: str, ranks: int, batch: int, ac: bool,
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
     mesh = device_mesh.init_device_mesh("cpu", (ranks,))  # made outside fake mode (it reads its ranks' values)
     device_mesh.init_device_mesh = lambda *a, **k: mesh  # type: ignore[assignment]
-    ctx = types.SimpleNamespace(world_size=ranks, rank=0, device=torch.device("cpu"), is_main=True)
+    ctx = types.SimpleNamespace(world_size=ranks, rank=0, device=torch.device("cpu"), is_main=True,
+                                adopt=lambda groups: None)  # the mesh's groups: no timeouts to set in a fake group
     cfg = TrainConfig(strategy=strategy_name, batch_size=batch, activation_checkpointing=ac, meta_init=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         data = torch.randint(0, 256, (batch, SIZES[size].seq_len + 1))

@@ -7,7 +7,7 @@ import datetime
 import gc
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,13 @@ class DistContext:
     """Another gloo group, for Distributed Checkpoint's planning collectives: an asynchronous save runs them in a
     background thread while training uses the other groups. None when there is no process group."""
 
+    timeout_s: float | None = None
+    """What the training's collectives wait now: the start-up timeout until the first step has finished, then the
+    collective timeout (None without a process group)."""
+    groups: list[Any] = field(default_factory=list)
+    """The training's process groups beside the default one (FSDP's mesh groups, `adopt`): each waits as long as
+    the default group does."""
+
     @property
     def rank(self) -> int:
         return self.env.rank
@@ -51,14 +58,28 @@ class DistContext:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier(group=self.control_group)
 
+    def adopt(self, groups: list[Any]) -> None:
+        """Give the training's own process groups (torch makes a device mesh's with its default timeout: 10 minutes
+        on NCCL) the timeout the default group has now, and the collective timeout once the first step is done."""
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        for group in groups:
+            if group is None or any(group is known for known in self.groups):
+                continue
+            self.groups.append(group)
+            if set_timeout is not None and self.timeout_s is not None:
+                set_timeout(datetime.timedelta(seconds=self.timeout_s), group)
+
     def training_timeout(self) -> float | None:
-        """Once the first step has finished: the training group's collectives get the (shorter) collective timeout,
-        as torchtitan does. Returns it (None with one rank, or where this torch cannot change it)."""
+        """Once the first step has finished: the training's collectives (the default group and every group it
+        adopted) get the (shorter) collective timeout, as torchtitan does. Returns it (None with one rank, or where
+        this torch cannot change it)."""
         set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
         if not dist.is_initialized() or self.world_size == 1 or set_timeout is None:
             return None
         seconds = setting_seconds(COLLECTIVE_TIMEOUT, os.environ)
-        set_timeout(datetime.timedelta(seconds=seconds), None)
+        self.timeout_s = seconds
+        for group in [None, *self.groups]:
+            set_timeout(datetime.timedelta(seconds=seconds), group)
         return seconds
 
 
@@ -157,7 +178,7 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
         trace_prefix.parent.mkdir(parents=True, exist_ok=True)
         for name, value in flight_recorder_env(trace_prefix).items():
             os.environ.setdefault(name, value)
-    ctx = DistContext(env, device, backend)
+    ctx = DistContext(env, device, backend, timeout_s=timeout_s)
     if cpu_collectives and backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
     if env.world_size > 1:
@@ -177,9 +198,10 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
         ctx.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_s))
     elif group_of_one:  # an in-process store: no port, no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
         # Never the default group: on NCCL, a save thread's collectives would share the training's communicator.
-        ctx.checkpoint_group = dist.new_group(backend="gloo")
+        ctx.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     startup.mark("joined")
     try:
         yield ctx

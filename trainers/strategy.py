@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError, check_world
+from hpcjobs.protocol.trainflags import ConfigError
 from trainers import fp8
 from trainers.dist import DistContext
+from trainers.mesh import device_mesh
 from trainers.sharding import Sharding
 
 ShardHook = Callable[[nn.Module, Sharding], None]
@@ -136,18 +137,6 @@ class Fsdp:
         # Returned as computed (a DTensor): reducing it to a number costs an all-reduce, which the Meter does only
         # at log steps (it had been one more all-reduce every step).
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-
-
-def device_mesh(ctx: DistContext, cfg: TrainConfig) -> Any:
-    """FSDP2's mesh: 1-D over every rank, or under --replicate-degree R a 2-D (replicate, shard) mesh of R groups of
-    world/R consecutive ranks (a node's ranks are consecutive: with R = nodes each node shards one replica)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world, replicate = ctx.world_size, cfg.replicate_degree
-    if replicate == 1:
-        return init_device_mesh(ctx.device.type, (world,))
-    check_world(cfg, world)
-    return init_device_mesh(ctx.device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 
 def layout_words(cfg: TrainConfig, world: int) -> str:
