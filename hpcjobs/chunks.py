@@ -6,8 +6,10 @@ One warning line, not a refusal: a job that fits one chunk loses nothing. Torch-
 
 from __future__ import annotations
 
+import math
 import statistics
 
+from hpcjobs.goodput_advice import CHUNK_SHARE, GOOD_SHARE
 from hpcjobs.protocol.runfolder import RunFolder, has_pattern, read_jsonl
 from hpcjobs.slurmtime import format_time
 from hpcjobs.spec import JobSpec
@@ -15,8 +17,6 @@ from hpcjobs.spec import JobSpec
 ASSUMED_STARTUP_S = 45
 """A start's start-up where the run folder has measured none: what a 2-node job of the shared trainer took on the
 test cluster under load (issue 38); an idle one took about 10 s."""
-LEAST_TRAINING_SHARE = 0.5
-"""Warn when less than this share of a chunk is left for training."""
 LEAST_WARNING_S = 10
 """The smallest seconds_before a profile takes (hpcjobs.protocol.contract.Preemption)."""
 
@@ -32,25 +32,23 @@ def measured_startup(run_dir: str) -> float | None:
     return statistics.median(took) if took else None
 
 
-def round_up_to_minute(seconds: float) -> int:
-    return int(-(-seconds // 60) * 60)
-
-
 def chunk_warning(spec: JobSpec) -> str | None:
-    """One line when the time limit leaves less than half of each chunk for training, naming a --time (and, where
-    one would do, a seconds_before) that leaves half; None otherwise."""
+    """One line when the time limit leaves less than CHUNK_SHARE of each chunk for training, naming the --time that
+    leaves GOOD_SHARE (as goodput's advice does, from the chunks a job ran) and, where one would do, a seconds_before
+    that leaves CHUNK_SHARE; None otherwise."""
     warn = spec.profile.preemption.seconds_before
     measured = measured_startup(spec.run_dir)
     startup = measured if measured is not None else ASSUMED_STARTUP_S
     left = spec.time_seconds - warn - startup
-    if left >= LEAST_TRAINING_SHARE * spec.time_seconds:
+    if left >= CHUNK_SHARE * spec.time_seconds:
         return None
     how = f"{startup:.0f} s measured in this run folder" if measured is not None else f"about {startup:.0f} s, assumed"
-    time = round_up_to_minute((warn + startup) / (1 - LEAST_TRAINING_SHARE))
-    lower = int(spec.time_seconds * (1 - LEAST_TRAINING_SHARE) - startup)
+    time = max(spec.time_seconds + 60, math.ceil(round((warn + startup) / (1 - GOOD_SHARE) / 60, 6)) * 60)
+    lower = int(spec.time_seconds * (1 - CHUNK_SHARE) - startup)
     other = (f", or lower preemption.seconds_before to {lower} in {spec.profile.source} if a checkpoint saves in "
              "less" if lower >= LEAST_WARNING_S else "")
     return (f"{spec.time_from} {format_time(spec.time_seconds)} leaves about {max(left, 0):.0f} s of each time-limit "
             f"chunk for training: the preemption warning (seconds_before {warn} of profile {spec.profile.name}) and "
             f"the start-up ({how}) come out of every chunk, so a job longer than one chunk advances little at each "
-            f"requeue. HINT: ask for --time {format_time(time)} or more{other}.")
+            f"requeue. HINT: ask for --time {format_time(time)} or more (it leaves ~{GOOD_SHARE:.0%} of each chunk to "
+            f"training){other}.")

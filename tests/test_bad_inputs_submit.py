@@ -129,7 +129,8 @@ def test_a_time_limit_that_leaves_little_of_each_chunk_gets_one_warning(tmp_path
     assert len(lines) == 1, out.stderr
     assert "--time 00:02:00 leaves about 15 s of each time-limit chunk" in lines[0], lines[0]
     assert "seconds_before 60" in lines[0] and "about 45 s, assumed" in lines[0], lines[0]
-    assert "HINT: ask for --time 00:04:00 or more, or lower preemption.seconds_before to 15" in lines[0], lines[0]
+    assert ("HINT: ask for --time 00:09:00 or more (it leaves ~80% of each chunk to training), or lower "
+            "preemption.seconds_before to 15") in lines[0], lines[0]
     roomy = hpcjobs("submit", "--profile", "testcluster", "--dry-run", "--time", "30:00", "trainers.tasks.lm",
                     "--steps", "5", cwd=REPO)
     assert roomy.returncode == 0 and "warning" not in roomy.stderr, roomy.stderr
@@ -146,7 +147,8 @@ def test_the_warning_counts_this_run_folder_s_measured_start_up(tmp_path: Path) 
                   "trainers.tasks.lm", "--steps", "5", cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "start-up (300 s measured in this run folder)" in out.stderr, out.stderr
-    assert "HINT: ask for --time 00:12:00 or more." in out.stderr, out.stderr
+    assert "HINT: ask for --time 00:30:00 or more (it leaves ~80% of each chunk to training)." in out.stderr, \
+        out.stderr
 
 
 
