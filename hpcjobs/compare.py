@@ -31,7 +31,8 @@ Curve = tuple[tuple[int, float], ...]
 """(step, value) pairs in step order, one per step."""
 
 PLOT_FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
-PLOT_HINT = "pip install 'hpcjobs[plot]' (matplotlib) into the Python that runs hpcjobs."
+PLOT_HINT = ("pip install matplotlib into the Python that runs hpcjobs (it is the plot extra: `pip install '.[plot]'` "
+             "from a clone of hpcjobs).")
 RUN_FOLDER_HOLDS = "a run folder holds spec.json (written at submit) and metrics.jsonl (written as it trains)"
 
 

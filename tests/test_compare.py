@@ -183,7 +183,7 @@ def test_without_matplotlib_plot_fails_in_one_line(sweep: dict[str, Path], tmp_p
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     err = one_line_error(*run_cli(capsys, str(sweep["finished"]), "--plot", str(tmp_path / "loss.png")))
-    assert "needs matplotlib" in err and "pip install 'hpcjobs[plot]'" in err
+    assert "needs matplotlib" in err and "pip install matplotlib into" in err and "pip install '.[plot]'" in err
     assert not (tmp_path / "loss.png").exists()
     assert run_cli(capsys, str(sweep["finished"]))[0] == 0  # the table needs no matplotlib
 

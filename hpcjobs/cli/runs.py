@@ -25,7 +25,7 @@ def add_compare(sub: Subparsers, common: Parser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN_OR_ID",
                    help="a run folder, or a job id (a sweep's array id stands for all its tasks)")
     p.add_argument("--plot", metavar="FILE", help="also draw the loss curves into FILE (.png, .pdf or .svg; needs "
-                   "matplotlib: pip install 'hpcjobs[plot]')")
+                   "matplotlib: pip install matplotlib)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(run=run_compare)

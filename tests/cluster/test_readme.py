@@ -103,8 +103,8 @@ STAND_IN = "import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['
 
 def test_on_a_cluster_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     user = User(tmp_path)
-    (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
     assert "testcluster" in user.run("hpcjobs profiles").stdout
+    user.run("mkdir -p ~/.config/hpcjobs/profiles")  # a fresh HOME has no such folder: the cp alone failed there
     user.run("cp cluster_profiles/a100-ib.yaml ~/.config/hpcjobs/profiles/mysite.yaml")
     user.edit_mysite(shared_tmp / "runs")
     assert "✓ request " in user.run("hpcjobs doctor --profile mysite --nodes 2 --gpus 8 --time 4:00:00").stdout
