@@ -68,5 +68,5 @@ def check_node_major(nodes: list[str], replicate: int) -> None:
                 f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''} and holds only part of {split[0]}'s "
                 f"ranks (rank order by node: {order}); valid: each node's ranks consecutive (node-major, srun's "
                 "block distribution), so that each shard group lies within a node or takes whole nodes. HINT: drop "
-                "a cyclic distribution (srun -m/--distribution, SLURM_DISTRIBUTION) from the profile's srun_args or "
-                "the environment, or drop --replicate-degree to shard over all ranks")
+                "a cyclic distribution (srun -m/--distribution, or its variable in the job's environment) from the "
+                "profile's srun_args, or drop --replicate-degree to shard over all ranks")
