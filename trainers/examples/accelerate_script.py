@@ -48,6 +48,8 @@ class Samples(Dataset):
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
 set_seed(args.seed)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+opt: torch.optim.Optimizer
+sched: torch.optim.lr_scheduler.LRScheduler
 if args.adamw:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
