@@ -24,7 +24,7 @@ from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
 
 NONE = -1
 """The progress of a run folder without a committed checkpoint."""
-OUTSIDE = "a requeue no stop of the job asked for (the scheduler's, a recovery's, an outside scontrol requeue)"
+OUTSIDE = "a requeue no stop of the job asked for: the scheduler's, a recovery's or an outside scontrol requeue"
 """The cause of a requeue that a start finds unrecorded."""
 UNSEEN = "a stop (no run folder to see progress in)"
 """The cause of every requeue of a job without a run folder: each one counts."""

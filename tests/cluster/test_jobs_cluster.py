@@ -1,6 +1,6 @@
 """Following jobs after submit (issue 6) on the real cluster, once with accounting (sacct) and once with the cluster
 restarted without it: status, list, logs and cancel for running, completed, failed, cancelled and requeued jobs;
-concurrent submits from two shells; the restart cap and crashing jobs (issue 5)."""
+concurrent submits from two shells; crashing jobs (issue 5). The restart cap: test_restart_cap_cluster.py."""
 
 from __future__ import annotations
 
@@ -196,35 +196,6 @@ def test_two_shells_submitting_at_once_lose_no_record(shared_tmp: Path, cluster_
         a, b = pool.map(shell, [4, 4])
     listed = {r["job_id"] for r in json.loads(hpcjobs("list", "--json", "--limit", "100", env=home).stdout)}
     assert listed == set(a) | set(b) and len(listed) == 8
-
-
-def test_restart_cap_ends_the_job_failed(shared_tmp: Path) -> None:
-    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
-    data["runs_dir"] = str(shared_tmp / "runs")
-    data["preemption"]["max_restarts"] = 1
-    profile = shared_tmp / "cap.yaml"
-    profile.write_text(yaml.safe_dump(data))
-    run = shared_tmp / "run"
-    out = hpcjobs("submit", "--profile", str(profile), "--gpus", "2", "--json", "--run-dir", str(run),
-                  "trainers.tasks.classifier", "--steps", "1000000", "--log-every", "10", cwd=REPO)
-    job = json.loads(out.stdout)["job_id"]
-    for restart in (0, 1):
-        wait_for_state(job, {"RUNNING"})
-        deadline = time.time() + 120
-        log = run / "logs" / f"restart-{restart}" / "rank-0.log"
-        while not log.exists() or "| loss" not in log.read_text():  # training, not just starting
-            assert time.time() < deadline
-            time.sleep(0.5)
-        subprocess.run(["scancel", "--signal=USR2", job], check=True)
-        if restart == 0:
-            deadline = time.time() + 120
-            while not (run / "logs" / "restart-1").exists():
-                assert time.time() < deadline, "not requeued"
-                time.sleep(0.5)
-    assert wait_for_state(job, DONE) == "FAILED"
-    last = (run / "logs" / "restart-1" / "rank-0.log").read_text().strip().splitlines()
-    assert any("restart cap 1 reached, not requeuing. The job ends failed." in ln for ln in last[-3:]), last[-3:]
-    assert json.loads((run / "final.json").read_text())["state"] == "failed"
 
 
 def test_forgotten_sweep_tasks_and_a_plain_sbatch_job_keep_their_state(
