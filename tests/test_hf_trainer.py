@@ -64,6 +64,9 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     stop = done[-1]
     assert "AFTER TRAIN" not in first and not (out / "after-train.txt").exists()  # nothing after train() on a stop
     assert not (out / f"checkpoint-{stop}" / marks.PENDING).exists()
+    # The case that applies, and what the user did (issue 37: "any other script is stopped now ... saves nothing").
+    assert "stopping (Ctrl-C): this script commits a checkpoint at its next step all ranks agree on" in first
+    assert f"stopped by Ctrl-C at step {stop} with a committed checkpoint" in first
 
     again = hpcjobs(*command(tmp_path, "out"), cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

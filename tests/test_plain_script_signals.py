@@ -90,8 +90,9 @@ def test_ctrl_c_stops_a_plain_script_at_once(tmp_path: Path, plain: tuple[Path, 
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does at Ctrl-C
     out = ended(proc, pids)
     assert proc.returncode == 130, out
-    assert "any other script is stopped now" in out  # the launcher's note says what will happen
-    assert "stopped by SIGUSR2 (KeyboardInterrupt in the script): it has not joined hpcjobs's stop protocol" in out
+    # The launcher's note says the case that applies; rank 0 names what the user did, not the signal it got for it.
+    assert "stopping (Ctrl-C): this script has not joined hpcjobs's stop protocol: it stops now" in out
+    assert "stopped by Ctrl-C: this script has not joined hpcjobs's stop protocol" in out
     assert "Traceback" not in out
     stop = [json.loads(x) for x in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()][-1]
     assert stop["stopped"] == "interrupt" and stop["saved_by_hpcjobs"] is False
@@ -112,9 +113,10 @@ def test_cancel_stops_a_plain_script(tmp_path: Path, plain: tuple[Path, Path]) -
     job = json.loads(hpcjobs("list", "--json").stdout)[0]
     assert job["state"] == "RUNNING"
     said = hpcjobs("cancel", job["job_id"])
-    assert said.returncode == 0 and "any other script is stopped now" in said.stdout + said.stderr, said
-    ended(proc, pids)
-    assert proc.returncode == 130
+    assert said.returncode == 0 and "this script has not joined" in said.stdout + said.stderr, said
+    out = ended(proc, pids)
+    assert proc.returncode == 143, out  # as a command SIGTERM ended: cancel sends the launcher SIGTERM
+    assert "stopping (hpcjobs cancel)" in out and "stopped by hpcjobs cancel:" in out
     assert json.loads(hpcjobs("status", "--json", job["job_id"]).stdout)["state"] == "STOPPED"
 
 
@@ -123,8 +125,8 @@ def test_sigterm_stops_a_plain_script(tmp_path: Path, plain: tuple[Path, Path]) 
     proc = submit(tmp_path, *plain)
     pids = rank_pids(plain[1])
     proc.send_signal(signal.SIGTERM)
-    ended(proc, pids)
-    assert proc.returncode == 130
+    out = ended(proc, pids)
+    assert proc.returncode == 143 and "stopped by SIGTERM:" in out, out
     for pid_file in plain[1].glob("*.pid"):
         pid_file.unlink()
     proc = submit(tmp_path, *plain)
@@ -132,6 +134,34 @@ def test_sigterm_stops_a_plain_script(tmp_path: Path, plain: tuple[Path, Path]) 
     os.kill(pids[1], signal.SIGTERM)  # the default meaning: the rank ends now, and the launcher ends the others
     ended(proc, pids)
     assert proc.returncode != 0
+
+
+STUBBORN = """import os, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+out.mkdir(exist_ok=True)
+(out / f"rank-{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+while True:  # a loop that swallows KeyboardInterrupt: only the third Ctrl-C ends it
+    try:
+        time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+"""
+
+
+def test_a_third_ctrl_c_kills_the_ranks_and_the_job_is_stopped_by_the_user(tmp_path: Path) -> None:
+    """Issue 37: it said "ended with code -9" and status FAILED ("killed?") although the user asked for it."""
+    script, out = tmp_path / "stubborn.py", tmp_path / "pids"
+    script.write_text(STUBBORN)
+    proc = submit(tmp_path, script, out)
+    pids = rank_pids(out)
+    for _ in range(3):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+    said = ended(proc, pids)
+    assert proc.returncode == 130, said
+    assert "stopped by you (Ctrl-C, then Ctrl-C twice): the ranks were killed" in said and "code -9" not in said
+    assert json.loads(hpcjobs("status", "--json").stdout)["state"] == "STOPPED"
 
 
 def test_a_plain_rank_whose_launcher_died_ends_with_it(tmp_path: Path, plain: tuple[Path, Path]) -> None:

@@ -28,7 +28,7 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 
-from hpcjobs.protocol import restartcap
+from hpcjobs.protocol import restartcap, userstop
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.recovery import REFUSED_EXIT
@@ -189,13 +189,12 @@ def interrupted(env: DistEnv, run: RunFolder, tee: Tee, contract: LaunchContract
     not FAILED), and a shell's exit code for Ctrl-C."""
     tee.log_only(traceback.format_exc())
     first = preemption.first_request()
-    by = first[0] if first else "SIGINT"
+    by = userstop.asked_by(run, os.environ.get("HPCJOBS_JOB_ID")) or (first[0] if first else "SIGINT")
     if env.rank == 0:
         reason = preemption.stop_reason(contract, unasked=True)
         run.record_stop(str(reason), -1, env.restart, signal=by, saved_by_hpcjobs=False)
-    say(env, tee, f"hpcjobs: stopped by {by} (KeyboardInterrupt in the script): it has not joined hpcjobs's stop "
-                  "protocol (no StopGuard), so hpcjobs saved nothing; run again, it goes on only from what it saved "
-                  "itself")
+    say(env, tee, f"hpcjobs: stopped by {by}: this script has not joined hpcjobs's stop protocol (no StopGuard), so "
+                  "it stopped at once and hpcjobs saved nothing; run again, it goes on only from what it saved itself")
     return INTERRUPTED_EXIT
 
 

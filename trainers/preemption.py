@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hpcjobs.protocol import restartcap
+from hpcjobs.protocol import restartcap, userstop
 from hpcjobs.protocol.contract import EARLY_SIGNAL_S, LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
@@ -71,6 +71,9 @@ def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> l
     for num in nums:
         signal.signal(num, _handler)
     _joined[:] = [True]
+    if int((os.environ if env is None else env).get("RANK", "0")) == 0:  # the launcher's Ctrl-C line names the case
+        run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
+        userstop.set_joined(run, (os.environ if env is None else env).get("HPCJOBS_JOB_ID"), True)
     job = jobenv.current(env)
     due = job.signal_due(contract)
     warn = contract.preemption.seconds_before
@@ -378,8 +381,9 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
               "The job ends failed.", flush=True)
     if run and outcome in (StopOutcome.LOCAL, StopOutcome.STOPPED):
         when = "to resume" if outcome == StopOutcome.LOCAL else "if Slurm does not bring the job back, to resume"
-        print(f"hpcjobs: stopped at step {step} with a committed checkpoint; {when}, run the same command with "
-              f"--run-dir {run.path}", flush=True)
+        by = userstop.asked_by(run, env.get("HPCJOBS_JOB_ID"))  # what the user did (a local job)
+        print(f"hpcjobs: stopped{' by ' + by if by else ''} at step {step} with a committed checkpoint; {when}, run "
+              f"the same command with --run-dir {run.path}", flush=True)
     if run and outcome == StopOutcome.CAP:
         run.write_final(FinalState.FAILED, why, step, job_id=env.get("HPCJOBS_JOB_ID") or job_id or None)
     return outcome

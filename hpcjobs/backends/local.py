@@ -25,8 +25,9 @@ from typing import Any
 from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
 from hpcjobs.backends.environment import clean
-from hpcjobs.backends.local_ranks import Stopper, device_slice, group_code, rank_preexec, recovered, stop_note
+from hpcjobs.backends.local_ranks import Stopper, device_slice, group_code, rank_preexec, recovered
 from hpcjobs.doctor import Check, Result
+from hpcjobs.protocol import userstop
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.folderlock import in_use
 from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
@@ -193,7 +194,8 @@ class LocalBackend(RunFolderLogs):
         started: dict[int, float] = {}
         restarts: dict[int, int] = {}  # task -> the number of its running start
         running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
-        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind)
+        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind,
+                          lambda: [(RunFolder(subs[i].run_dir), subs[i].job_id, restarts[i]) for i in running])
         old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         for said in ignored(spec):
             print(f"hpcjobs: {said}", file=sys.stderr, flush=True)
@@ -277,10 +279,12 @@ class LocalBackend(RunFolderLogs):
         run = RunFolder(rec.run_dir)
         if not launcher_alive(run, rec.job_id):
             return f"job {rec.job_id} is not running here; nothing to cancel"
+        userstop.cancel(run, rec.job_id)  # the launcher names the stop `hpcjobs cancel`, not SIGTERM
         os.kill(int(run.read("local_process")["pid"]), signal.SIGTERM)
         kind = str((rec.spec.get("entry") or {}).get("kind", "task"))
-        return (f"job {rec.job_id} asked to stop: {stop_note(kind)} (resume with the same command and --run-dir "
-                f"{rec.run_dir})")
+        joined = kind == "task" or userstop.joined(run, rec.job_id)
+        return (f"job {rec.job_id} asked to stop: {userstop.case(kind, joined)} (resume with the same command and "
+                f"--run-dir {rec.run_dir})")
 
 
 def record_allocation(sub: Submitted, started: float, code: int) -> None:

@@ -10,13 +10,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hpcjobs.backends import Submitted
+from hpcjobs.protocol import userstop
 from hpcjobs.protocol.diagnosis import Failure
 from hpcjobs.protocol.recovery import judge, record
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.states import FinalState
+from hpcjobs.protocol.states import FinalState, StopReason
 from hpcjobs.spec import JobSpec
 
 
@@ -55,44 +57,55 @@ def device_slice(slot: int, ranks: int, environ: dict[str, str]) -> dict[str, st
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[slot * ranks:(slot + 1) * ranks])}
 
 
-def stop_note(kind: str) -> str:
-    """What the profile's signal does to the ranks of an entry of this kind (trainers.standby): the
-    shared trainer always takes part in the stop protocol; a user's script only once it made a StopGuard."""
-    if kind == "task":
-        return "every rank commits a checkpoint at the next step, then exits"
-    return ("a script with a StopGuard commits a checkpoint at its next check, then exits; any other script is "
-            "stopped now (KeyboardInterrupt; hpcjobs saves nothing for it)")
-
+Job = tuple[RunFolder, str, int]
+"""A running job of the launcher: its run folder, its id, the number of its running start."""
 
 
 class Stopper:
     """Ctrl-C (or SIGTERM, `hpcjobs cancel`) is passed on to every rank (see the module's docstring): a task (or a
-    StopGuard script) stops at the next step boundary after a checkpoint, any other script at once (`stop_note`); a
-    second one says a stop is under way; a third kills the ranks at once (the last checkpoint stays)."""
+    script in the protocol) stops at the next step boundary after a checkpoint, any other script at once; the first
+    line says which case applies (hpcjobs.protocol.userstop), and the ranks are told what the user did. A second one
+    says a stop is under way; a third kills the ranks at once (the last checkpoint stays) and the job counts as
+    stopped by the user, not failed."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int, kind: str = "task") -> None:
-        self.procs, self.stop_signal, self.kind, self.count = procs, stop_signal, kind, 0
+    def __init__(self, procs: list[subprocess.Popen[bytes]], stop_signal: int, kind: str = "task",
+                 jobs: Callable[[], list[Job]] = list) -> None:
+        self.procs, self.stop_signal, self.kind, self.count, self.jobs = procs, stop_signal, kind, 0, jobs
         self.signum: int | None = None
         """The signal that asked to stop first."""
+        self.by = ""
+        """What the user did, in their words (Ctrl-C, SIGTERM, hpcjobs cancel)."""
 
     def exit_code(self, code: int) -> int:
         """A job's code once its ranks ended: a stop asked for by a signal is not a success, even when every rank
-        exited 0 at its checkpoint (`hpcjobs submit ... && next` must not go on): 128 + the signal, as a shell
-        reports a command it interrupted."""
-        return 128 + self.signum if code == 0 and self.signum is not None else code
+        exited 0 at its checkpoint (`hpcjobs submit ... && next` must not go on): 128 + the user's signal, as a
+        shell reports a command it interrupted (130 for Ctrl-C, 143 for SIGTERM and cancel), also where the ranks
+        ended by the signal they were passed or were killed at the third Ctrl-C. A rank that failed otherwise keeps
+        its code."""
+        if self.signum is None:
+            return code
+        return 128 + self.signum if code == 0 or code in ASKED_TO_STOP or self.count >= 3 else code
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.count += 1
+        jobs = self.jobs()
         if self.count == 1:
             self.signum = signum
+            self.by = userstop.words(signum, signum == signal.SIGTERM and any(userstop.cancelled(r, j)
+                                                                              for r, j, _ in jobs))
+            for run, job_id, _ in jobs:
+                userstop.ask(run, job_id, self.by)
             self._send(signum if self.kind == "task" else self.stop_signal)
-            note = f"stopping: {stop_note(self.kind)}"
+            joined = self.kind == "task" or any(userstop.joined(r, j) for r, j, _ in jobs)
+            note = f"stopping ({self.by}): {userstop.case(self.kind, joined)}"
         elif self.count == 2:
-            saving = "saving a checkpoint" if self.kind == "task" else "a script with a StopGuard saves first"
-            note = f"still stopping ({saving}); press Ctrl-C once more to kill the ranks now"
+            note = "still stopping; press Ctrl-C once more to kill the ranks now"
         else:
             self._send(signal.SIGKILL)
-            note = "killed the ranks; the newest finished checkpoint is kept"
+            for run, _, restart in jobs:
+                run.record_stop(StopReason.INTERRUPT, -1, restart, signal=self.by, killed_by_user=True)
+            note = f"stopped by you ({self.by}, then Ctrl-C twice): the ranks were killed; the newest finished " \
+                   "checkpoint is kept"
         os.write(2, f"\nhpcjobs: {note}\n".encode())  # os.write: no buffered I/O inside a signal handler
 
     def _send(self, signum: int) -> None:

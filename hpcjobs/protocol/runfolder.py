@@ -15,6 +15,8 @@ RUN/allocations.jsonl     the local backend, one line per job it ran: when its r
 RUN/local-process.json    a local job's launching process (pid, host), so status and cancel can reach it
 RUN/tracker.json          rank 0: the experiment trackers' run ids (wandb, mlflow), so a requeued or resumed start
                           logs into the same tracker run; also each one's last logged step per metric
+RUN/stop-asked.json       a local job: what the user did to stop it (Ctrl-C, SIGTERM, hpcjobs cancel), for rank 0's line
+RUN/joined.json           a local job: whether the script takes part in the stop protocol now, for the launcher's line
 RUN/ddp-buckets.json      rank 0: DDP's gradient bucket layout once DDP rebuilt it, so every later start reduces its
                           first step's gradients as the uninterrupted run does (trainers/ddp_buckets.py)
 RUN/logs/restart-N/rank-R.log   per rank and per restart; nothing is ever overwritten
@@ -123,6 +125,8 @@ class RunFolder:
     # newest complete checkpoint a user's Trainer wrote, {"path", "step"}, found again by a start whose output folder
     # has another name
     nccl_traces = property(lambda self: self.path / "nccl-trace")  # NCCL flight recorder dumps, rank-R each
+    stop_asked = property(lambda self: self.path / "stop-asked.json")  # hpcjobs.protocol.userstop: what the user did
+    joined = property(lambda self: self.path / "joined.json")  # hpcjobs.protocol.userstop: the script in the protocol
     ddp_buckets = property(lambda self: self.path / "ddp-buckets.json")  # trainers.ddp_buckets: DDP's bucket layout
     lock = property(lambda self: self.path / ".lock")  # flock of the running job's rank 0; holds who holds it
 

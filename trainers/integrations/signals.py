@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from hpcjobs.protocol import userstop
+from hpcjobs.protocol.runfolder import RunFolder
 from trainers import preemption
 from trainers.integrations import check_every
 from trainers.integrations.checks import StepEndGuard
@@ -34,6 +36,7 @@ def joined(callback: Any) -> Iterator[None]:
     saved = {num: signal.getsignal(num) for num in protocol_signals()}
     callback.guard = StepEndGuard(every=check_every(os.environ))
     stopping = returned = left = False
+    in_protocol(True)
     try:
         yield
         returned = True
@@ -45,6 +48,7 @@ def joined(callback: Any) -> Iterator[None]:
         raise
     finally:
         if not stopping:
+            in_protocol(False)
             if returned:  # every rank started the last check's reduce: wait for it before the script goes on
                 callback.guard.close()
             late = unheard() if returned else None
@@ -53,6 +57,15 @@ def joined(callback: Any) -> Iterator[None]:
                 signal.signal(num, handler)
             if late is not None:
                 (resend_soon if left else signal.raise_signal)(late)
+
+
+def in_protocol(now: bool) -> None:
+    """Rank 0 of a local job: whether the script is in the stop protocol now, for the launcher's Ctrl-C line
+    (hpcjobs.protocol.userstop)."""
+    if os.environ.get("RANK", "0") == "0":
+        contract = preemption.current_contract()
+        run = RunFolder(contract.run_dir) if contract.run_dir != preemption.NO_RUN_FOLDER else None
+        userstop.set_joined(run, os.environ.get("HPCJOBS_JOB_ID"), now)
 
 
 RESEND_S = 0.05
