@@ -353,7 +353,6 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     _barrier(group)
     env = os.environ if env is None else env
     rank, restart = int(env.get("RANK", "0")), int(env.get("HPCJOBS_RESTART", "0"))
-    cap = contract.preemption.max_restarts
     job_id = (job := jobenv.current(env)).scheduler_job_id()
     reason = stop_reason(contract, env, unasked=True) or StopReason.SIGNAL  # unasked: always a word
     if reason == StopReason.TERMINATED and rank == 0 and job.preempted_with_sigterm(runner):
@@ -361,7 +360,7 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
     done = restartcap.progress(run)  # the newest committed checkpoint: this stop's, or an earlier one
     row = restartcap.fruitless(run, job.job_id(), job.requeues(), done)
-    outcome = decide(reason, job_id, len(row), cap)
+    outcome = decide(reason, job_id, len(row), cap := contract.preemption.max_restarts)
     if rank != 0:
         return outcome
     _record_stop(run, reason, step, restart, contract)
