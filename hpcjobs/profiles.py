@@ -39,6 +39,7 @@ from hpcjobs import yamlfile
 from hpcjobs.backends import SCHEDULERS
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.container import Container
+from hpcjobs.credentials import secret_name
 from hpcjobs.protocol.contract import Preemption, Recovery
 from hpcjobs.protocol.errors import ProfileError, UsageError, shown
 from hpcjobs.protocol.memplan import parse_gpu_memory
@@ -47,14 +48,11 @@ from hpcjobs.resources import data_dir
 from hpcjobs.slurmtime import parse_mem_mb, parse_time
 
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
-MAX_NODES = 100_000
-"""The most nodes any job may ask for, whatever the profile (larger than any cluster; Slurm's own node count)."""
+MAX_NODES = 100_000  # the most nodes any job may ask for, whatever the profile (larger than any cluster)
 PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, "
                              "preemption, recovery, container)", ProfileError)
-MAX_ITEMS = 200
-"""The most entries of a list or mapping key (setup, srun_args, env, nccl)."""
-MAX_STRING = 4096
-"""The longest string any key (or list entry, or environment value) may hold."""
+MAX_ITEMS = 200  # the most entries of a list or mapping key (setup, srun_args, env, nccl)
+MAX_STRING = 4096  # the longest string any key (or list entry, or environment value) may hold
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """Matched whole (fullmatch): `$` also matches before a final newline, and `A\n` would be `export A` and a line `=x`."""
 
@@ -107,7 +105,9 @@ class ClusterProfile:
     setup: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_ITEMS})
     """Shell lines run before the job starts (module loads, venv activation), one line each."""
     env: dict[str, str] = field(default_factory=dict, metadata={"max_items": MAX_ITEMS})
-    """Extra environment for every rank."""
+    """Extra environment for every rank. A credential's value is refused here: list its name in `secrets`."""
+    secrets: tuple[str, ...] = field(default=(), metadata={"max_items": MAX_ITEMS, "parse": secret_name})
+    """Variables every rank takes from the submitting shell's environment: names only, a value is never written."""
     nccl: dict[str, str] = field(default_factory=dict,
                                  metadata={"prefixes": ("NCCL_", "TORCH_NCCL_"), "max_items": MAX_ITEMS})
     """NCCL settings for every rank (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...); names start with `NCCL_`
@@ -115,6 +115,8 @@ class ClusterProfile:
     preemption: Preemption = field(default_factory=Preemption)
     """Signal, warning time and restart cap (see Preemption)."""
     recovery: Recovery = field(default_factory=Recovery)  # see Recovery; --max-recoveries, --spare-nodes override
+    group: str | None = None
+    """A group that may read the run folders, snapshots and job store (else only their owner), e.g. `mlteam`."""
     runs_dir: str = "~/hpcjobs-runs"
     """Where run folders go (a shared filesystem on a cluster); `~` and `$VARS` are expanded (an unset one refused)."""
     python: str | None = field(default=None,
@@ -343,11 +345,9 @@ def search_dirs(cwd: Path | None = None) -> list[tuple[str, Path]]:
     dirs: list[tuple[str, Path]] = []
     for d in filter(None, os.environ.get("HPCJOBS_PROFILES_DIR", "").split(os.pathsep)):
         dirs.append(("$HPCJOBS_PROFILES_DIR", Path(d)))
-    dirs.append(("working dir", (cwd or Path.cwd()) / "cluster_profiles"))
     config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    dirs.append(("user config", config_home / "hpcjobs" / "profiles"))
-    dirs.append(("shipped", data_dir("cluster_profiles")))
-    return dirs
+    return [*dirs, ("working dir", (cwd or Path.cwd()) / "cluster_profiles"),
+            ("user config", config_home / "hpcjobs" / "profiles"), ("shipped", data_dir("cluster_profiles"))]
 
 
 def available_profiles() -> list[tuple[str, str, Path]]:

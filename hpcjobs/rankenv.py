@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from hpcjobs import credentials
 from hpcjobs.backends.environment import RENDEZVOUS
 from hpcjobs.protocol import stopcheck
 from hpcjobs.protocol.errors import UsageError
@@ -15,10 +16,13 @@ from hpcjobs.protocol.errors import UsageError
 _ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
 
-def job_env(profile_env: Mapping[str, str], nccl: Mapping[str, str], flags: tuple[str, ...]) -> dict[str, str]:
+def job_env(profile_env: Mapping[str, str], nccl: Mapping[str, str], flags: tuple[str, ...],
+            allow_values: bool = False) -> dict[str, str]:
     """Every rank's environment: the profile's env and NCCL settings, then each --env NAME=VALUE over them."""
     given = _env_pairs(flags)
-    _check_env_names(given, "--env")  # the profile's env: checked when it was loaded
+    check_env_names(given, "--env")  # the profile's env: checked when it was loaded
+    credentials.refuse_values(profile_env, "the profile's env:", allow_values)
+    credentials.refuse_values(given, "--env", allow_values)
     env = {**profile_env, **nccl, **given}
     if stopcheck.parse(env.get(stopcheck.CHECK_EVERY)) is None:  # every rank would refuse it at its start
         raise UsageError(*stopcheck.refusal(env[stopcheck.CHECK_EVERY]))
@@ -29,13 +33,16 @@ def _env_pairs(items: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for item in items:
         m = _ENV_ASSIGN.match(item)
+        if not m and credentials.NAME.fullmatch(item):
+            continue  # --env NAME: a secret passed by name (hpcjobs.credentials)
         if not m:
-            raise UsageError(f"--env {item!r} is not NAME=VALUE.", "e.g. --env WANDB_MODE=offline")
+            raise UsageError(f"--env {item!r} is not NAME=VALUE or NAME.", "e.g. --env WANDB_MODE=offline, or "
+                             "--env WANDB_API_KEY to pass that variable of this shell")
         out[m.group(1)] = m.group(2)
     return out
 
 
-def _check_env_names(env: Mapping[str, str], where: str) -> None:
+def check_env_names(env: Mapping[str, str], where: str) -> None:
     """A rank's identity and rendezvous are set for each rank when it starts: one given for the whole job would be
     every rank's (all rank 0), or be overwritten without a word."""
     taken = [name for name in env if name in RENDEZVOUS]

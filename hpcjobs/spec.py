@@ -12,6 +12,7 @@ from typing import Protocol
 
 from hpcjobs.after import After, parse_all
 from hpcjobs.container import Image, resolve
+from hpcjobs.credentials import bare_names
 from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
@@ -20,7 +21,7 @@ from hpcjobs.protocol.errors import UsageError, shown
 from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
-from hpcjobs.rankenv import job_env
+from hpcjobs.rankenv import check_env_names, job_env
 from hpcjobs.slurmtime import format_time, parse_time
 from hpcjobs.snapshot import Snapshot, plan
 from hpcjobs.sweep import as_mapping, build_points, tasks_args
@@ -72,6 +73,8 @@ class Request:
     """`--max-recoveries N`: instead of the profile's recovery.max_recoveries."""
     spare_nodes: int | None = None
     """`--spare-nodes K`: instead of the profile's recovery.spare_nodes."""
+    allow_secret_values: bool = False
+    """`--allow-secret-values`: a credential-looking --env or env: value is written as given (hpcjobs.credentials)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class JobSpec:
     recovery: Recovery = field(default_factory=Recovery)
     """The profile's recovery settings with the job's flags (--max-recoveries, --spare-nodes): see
     trainers/recover.py."""
+    secrets: tuple[str, ...] = ()
+    """Variables every rank takes from the submitting shell's environment: only their names are ever written."""
 
     @property
     def array(self) -> bool:
@@ -152,6 +157,7 @@ class JobSpec:
             **({"after": [str(a) for a in self.after]} if self.after else {}),  # only then: spec.json as it was
             "container": self.container.as_dict() if self.container else None,
             **({"recovery": asdict(self.recovery)} if self.recovery != Recovery() else {}),
+            **({"secrets": list(self.secrets)} if self.secrets else {}),  # names only, never a value
         }
 
 
@@ -338,7 +344,8 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
     time_s = _time_seconds(profile, req)
     entry, points = _entry_and_points(profile, req, caps, workdir, gpus)
     name = _job_name(req, entry)
-    env = job_env(profile.env, profile.nccl, req.env)
+    env = job_env(profile.env, profile.nccl, req.env, req.allow_secret_values)
+    secrets = secret_names(profile, req)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
     run_dir = _run_dir(profile, req, workdir, name, stamp, len(points), job_id_in_run_dir)
     snapshot = plan(workdir, snapshot_root(run_dir)) if req.snapshot else None
@@ -358,5 +365,12 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
         gpu_ranks=caps.requests_gpus and profile.gpu_request != "none", after=parse_all(req.after),
-        recovery=_recovery(profile, req, most_nodes(profile, caps)),
+        recovery=_recovery(profile, req, most_nodes(profile, caps)), secrets=secrets,
     )
+
+
+def secret_names(profile: ClusterProfile, req: Request) -> tuple[str, ...]:
+    """The profile's secrets and the --env NAME flags, once each, in order; checked as any rank's variable."""
+    names = tuple(dict.fromkeys((*profile.secrets, *bare_names(req.env))))
+    check_env_names(dict.fromkeys(names, ""), "--env or secrets:")
+    return names

@@ -54,7 +54,8 @@ BAD_FLAGS = [
     (["--time", "99:99"], "has a field past its unit"),  # it silently became 01:40:39
     (["--time", "0:30"], "is not longer than the preemption warning"),
     (["--name", "bad name!"], "--name 'bad name!'"),
-    (["--env", "NOEQUALS"], "is not NAME=VALUE"),
+    (["--env", "1NOEQUALS"], "is not NAME=VALUE"),
+    (["--env", "NOEQUALS"], "secret NOEQUALS is not set"),  # a name alone: a secret this shell lacks
     (["--gpus", "abc"], "'abc' is not a whole number"),
 ]
 

@@ -26,6 +26,7 @@ from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
 from hpcjobs.backends.environment import clean
 from hpcjobs.backends.local_ranks import Stopper, device_slice, group_code, rank_preexec, recovered
+from hpcjobs.credentials import states
 from hpcjobs.doctor import Check, Result
 from hpcjobs.protocol import userstop
 from hpcjobs.protocol.errors import UsageError
@@ -108,6 +109,7 @@ def describe(spec: JobSpec, job_id: str) -> str:
     argv = " ".join(shlex.quote(w) for w in ranks_argv(spec))
     lines = [f"# local: {spec.world()} on this machine, from {spec.workdir}", *(f"# {x}" for x in ignored(spec))]
     lines += [f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
+    lines += [f"# {k}: {s}, from this shell (its value is never written)" for k, s in states(spec.secrets).items()]
     for r in range(spec.ranks):
         lines.append(f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={spec.ranks} MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> "
                      f"HPCJOBS_JOB_ID={job_id} {argv}")

@@ -20,6 +20,7 @@ from hpcjobs.backends.slurm_container import (
     requeue_lines,
     srun_container_flags,
 )
+from hpcjobs.credentials import check_lines
 from hpcjobs.profiles import ClusterProfile
 from hpcjobs.protocol.nodecall import NODE_PYTHON, RECOVERY_MODULE
 from hpcjobs.protocol.points import array_spec
@@ -117,6 +118,7 @@ def environment_lines(spec: JobSpec) -> list[str]:
     lines = ['export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
              f"export MASTER_PORT={shell_port_expr()}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
+    lines += check_lines(spec.secrets)  # their values come from sbatch's environment, never from this file
     return lines
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcjobs.protocol.errors import UsageError
@@ -29,7 +30,8 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
                   time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
                   run_dir=ns.run_dir, env=tuple(ns.env), sweep=tuple(ns.sweep), sweep_file=ns.sweep_file,
                   max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot, after=tuple(ns.after),
-                  container=ns.container, max_recoveries=ns.max_recoveries, spare_nodes=ns.spare_nodes)
+                  container=ns.container, max_recoveries=ns.max_recoveries, spare_nodes=ns.spare_nodes,
+                  allow_secret_values=ns.allow_secret_values)
     spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
     backend.check(spec)
     from hpcjobs.resumecheck import check_resume
@@ -73,14 +75,18 @@ def refuse_array_patterns(spec: JobSpec, command: str) -> None:
 
 def entry_help(spec: JobSpec) -> int | None:
     """`hpcjobs submit|render ... ENTRY --help` asks for the entry's flags: show them here (the shared trainer's and
-    the task's for a task, the script's own otherwise) and submit nothing. None when help was not asked for."""
+    the task's for a task; a script's or module's as its source declares them, without running it) and submit
+    nothing. None when help was not asked for."""
     if not asks_help(spec.entry.args):
         return None
+    if spec.entry.kind != "task":  # the user's own code never runs on the submit host (hpcjobs/cli/entryhelp.py)
+        from hpcjobs.cli.entryhelp import text
+
+        print(text(spec.entry.kind, spec.entry.target, Path(spec.workdir)))
+        return 0
     import subprocess
 
-    how = {"task": ["-m", "trainers", "help", spec.entry.target], "module": ["-m", spec.entry.target, "--help"],
-           "script": [spec.entry.target, "--help"]}[spec.entry.kind]
-    return subprocess.run([sys.executable, *how], cwd=spec.workdir).returncode
+    return subprocess.run([sys.executable, "-m", "trainers", "help", spec.entry.target], cwd=spec.workdir).returncode
 
 
 def tasks_args(spec: JobSpec) -> list[tuple[str, ...]]:

@@ -142,7 +142,12 @@ def job_flags(entry_optional: bool = False) -> Parser:
     p.add_argument("--account", help="override the profile's account")
     p.add_argument("--qos", help="override the profile's qos")
     p.add_argument("--run-dir", help="run folder (checkpoints, metrics, logs); an existing one is resumed")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment (repeat)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE|NAME",
+                   help="extra environment (repeat); NAME alone passes this shell's NAME to every rank without "
+                        "writing its value anywhere (for keys and tokens: docs/how-to/secrets.md)")
+    p.add_argument("--allow-secret-values", action="store_true",
+                   help="accept an --env or profile env: value that looks like a key or token: it is then written "
+                        "in plain text to the run folder, the job store and the job script")
     p.add_argument("-m", "--module", action="store_true", help="ENTRY is a module run like `python -m ENTRY`")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="sweep a flag of the entry (repeat: the grid of all): one Slurm array task per point, each "

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from hpcjobs.credentials import states
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -96,9 +98,13 @@ def dry_run(spec: JobSpec, request: SubmitRequest, tasks_args: list[tuple[str, .
     """What `submit --dry-run` shows: the world, the memory plan, the spec, a sweep's points and the request."""
     if as_json:
         print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "request": request.text,
-                    "points": [dict(p) for p in spec.points], "memory_plan": memory_plans(spec, tasks_args)})
+                    "points": [dict(p) for p in spec.points], "memory_plan": memory_plans(spec, tasks_args),
+                    **({"secrets": states(spec.secrets)} if spec.secrets else {})})
         return
     print(f"# dry run: {spec.world()}; nothing submitted")
+    if spec.secrets:
+        print("# secrets, from this shell's environment (never written): "
+              + ", ".join(f"{n} {s}" for n, s in states(spec.secrets).items()))
     print(memory_text(spec, tasks_args))
     print(yaml.safe_dump(brief(spec.as_dict()), sort_keys=True).rstrip())
     print(points_text(spec), end="")

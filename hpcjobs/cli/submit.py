@@ -37,8 +37,10 @@ def run_submit(ns: argparse.Namespace) -> int:
         present.dry_run(spec, request, tasks_args(spec), ns.json)
         warn_short_chunks(spec, backend.queued, "submit")
         return 0
+    from hpcjobs.credentials import refuse_missing
     from hpcjobs.submit import submit
 
+    refuse_missing(spec.secrets)  # every rank would start without it
     backend.check_site(spec)  # a partition the cluster lacks: refused before the snapshot and the run folder
     if spec.after:
         wait_for(spec, backend.queued)

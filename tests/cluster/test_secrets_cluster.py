@@ -1,0 +1,78 @@
+"""Secrets on the real cluster (issue 39): a canary passed by name (`--env NAME`, a profile's `secrets:`) reaches
+every rank on both nodes through submitit's sbatch and through a rendered script under plain sbatch, and is found in
+no file of the run folder, the snapshot, the job store, the script, and in no output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, hpcjobs, wait_for_state
+
+pytestmark = pytest.mark.cluster
+NAME = "HPCJOBS_CANARY_TOKEN"
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def found_in(canary: str, folders: list[Path], outputs: list[subprocess.CompletedProcess[str]]) -> list[str]:
+    needle = canary.encode()
+    hits = [str(p) for f in folders for p in f.rglob("*") if p.is_file() and needle in p.read_bytes()]
+    return hits + [" ".join(map(str, o.args[:3])) for o in outputs if canary in o.stdout + o.stderr]
+
+
+def rank_digests(run: Path) -> dict[str, str]:
+    return {log.name: log.read_text() for log in sorted((run / "logs" / "restart-0").glob("rank-*.log"))}
+
+
+@pytest.mark.train
+def test_a_secret_reaches_both_nodes_and_is_written_nowhere(shared_tmp: Path, hpcjobs_home: Path) -> None:
+    canary = f"canary-{uuid.uuid4().hex}"
+    digest = hashlib.sha256(canary.encode()).hexdigest()
+    work = shared_tmp / "work"  # outside git: the snapshot copies the folder, the profiles with it
+    work.mkdir()
+    shutil.copy(REPO / "tests" / "scripts" / "secret_hash.py", work / "secret_hash.py")
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    data.update(runs_dir=str(shared_tmp / "runs"), python=str(REPO / ".venv" / "bin" / "python"))
+    (work / "by-flag.yaml").write_text(yaml.safe_dump(data))
+    (work / "by-profile.yaml").write_text(yaml.safe_dump({**data, "secrets": [NAME]}))
+    env = {NAME: canary, "HPCJOBS_TEST_SECRET_NAME": NAME}
+    common = ["--nodes", "2", "--gpus", "1", "--time", "5:00"]
+    outputs: list[subprocess.CompletedProcess[str]] = []
+    runs: list[tuple[str, Path]] = []
+    for flags in (["--profile", str(work / "by-flag.yaml"), "--env", NAME],
+                  ["--profile", str(work / "by-profile.yaml")]):
+        dry = hpcjobs("submit", *flags, *common, "--dry-run", "secret_hash.py", cwd=work, env=env)
+        out = hpcjobs("submit", *flags, *common, "--json", "secret_hash.py", cwd=work, env=env)
+        assert out.returncode == 0 and dry.returncode == 0, out.stderr + dry.stderr
+        assert f"{NAME} set" in dry.stdout
+        rec = json.loads(out.stdout)
+        runs.append((rec["job_id"], Path(rec["run_dir"])))
+        outputs += [dry, out]
+    script = shared_tmp / "job.sbatch"
+    out = hpcjobs("render", "--profile", str(work / "by-flag.yaml"), "--env", NAME, *common, "-o", str(script),
+                  "secret_hash.py", cwd=work, env=env)
+    assert out.returncode == 0, out.stderr
+    sb = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=work,
+                        env={**os.environ, **env})
+    assert sb.returncode == 0, sb.stderr
+    job = sb.stdout.strip().split(";")[0]
+    for job_id, run in runs:
+        assert wait_for_state(job_id, DONE) == "COMPLETED"
+        outputs += [hpcjobs("status", job_id), hpcjobs("status", "--json", job_id)]
+        logs = rank_digests(run)
+        assert sorted(logs) == ["rank-0.log", "rank-1.log"], logs
+        assert all(f"{NAME} sha256 {digest}" in text for text in logs.values()), logs
+    assert wait_for_state(job, DONE) == "COMPLETED"
+    rendered_run = next((shared_tmp / "runs").glob(f"*-{job}"))
+    logs = rank_digests(rendered_run)
+    assert len(logs) == 2 and all(f"{NAME} sha256 {digest}" in t for t in logs.values()), logs
+    outputs.append(hpcjobs("list", "--json"))
+    assert found_in(canary, [shared_tmp, hpcjobs_home], outputs) == []
