@@ -152,3 +152,27 @@ def test_a_bad_task_argument_is_one_line_not_a_traceback_per_rank(tmp_path: Path
     errors = [line for line in said.splitlines() if "--size 7b needs GPUs" in line]
     assert errors and all("rank 0" in line for line in errors) and len(said.splitlines()) <= 6, said
     assert "Traceback" in (tmp_path / "r" / "logs" / "restart-0" / "rank-0.log").read_text()  # kept for debugging
+
+
+IGNORES_HELP = """import argparse, pathlib
+p = argparse.ArgumentParser(add_help=False)  # its own way: --help is not answered, training starts
+p.add_argument("data")
+p.add_argument("--epochs", type=int, default=3, help="how many passes")
+p.add_argument("--out", required=True)
+args, _ = p.parse_known_args()
+pathlib.Path("TRAINED").write_text("on the submit host")
+"""
+
+
+@pytest.mark.parametrize("entry", ["train.py", "-m mypkg.train"])
+def test_a_scripts_help_is_read_from_its_source_and_the_script_never_runs_here(tmp_path: Path, entry: str) -> None:
+    """Issue 37: `submit ... train.py --help` ran the script on the submit host; one that ignores --help trained."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "train.py").write_text(IGNORES_HELP)
+    (tmp_path / "mypkg" / "train.py").write_text(IGNORES_HELP)
+    out = hpcjobs("submit", "--profile", "local", *entry.split(), "--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "TRAINED").exists() and not (tmp_path / "runs").exists()
+    assert "read from its source (hpcjobs does not run your script on this host" in out.stdout
+    assert "--epochs INT default 3 — how many passes" in out.stdout and "--out (required)" in out.stdout
+    assert out.stdout.splitlines()[1].strip() == "data"  # positionals first
