@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcjobs.protocol.helpflags import asks_help
 from hpcjobs.protocol.lmsizes import SIZES, size_defaults
 from hpcjobs.protocol.taskargs import Number, TaskArgError, TaskArgParser
 
@@ -113,7 +114,7 @@ def task_defaults(target: str, task_args: list[str]) -> dict[str, Any]:
     as Task.defaults); none for a user's task (the submit side cannot read its module) or flags it refuses (the
     task's flag check says why)."""
     flags = BUNDLED.get(target)
-    if flags is None:
+    if flags is None or asks_help(task_args):  # --help is the entry's: parsing it here printed the task's and exited
         return {}
     try:
         return flags.defaults(flags.parse(task_args))
