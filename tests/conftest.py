@@ -64,6 +64,16 @@ def hpcjobs_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.fixture(autouse=True)
+def login_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """USER as a login shell sets it: the shipped profiles' runs_dir names it (/shared/$USER/runs), and a variable
+    that is not set is refused (CI's containers and this machine's sessions run without it)."""
+    if not os.environ.get("USER"):
+        import pwd
+
+        monkeypatch.setenv("USER", pwd.getpwuid(os.getuid()).pw_name)
+
+
 SLURM_COMMANDS = ("sbatch", "squeue", "sacct", "sacctmgr", "scancel", "scontrol", "sinfo", "srun", "salloc")
 
 
