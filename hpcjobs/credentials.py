@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
+from hpcjobs.doctor import Check, Result
+from hpcjobs.protocol.access import world_readable
 from hpcjobs.protocol.errors import UsageError
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -80,3 +83,32 @@ def refuse_missing(names: Iterable[str]) -> None:
 def check_lines(names: Iterable[str]) -> list[str]:
     """Shell lines ending the job with one line when a secret is missing from the environment sbatch gave it."""
     return [f': "${{{n}:?hpcjobs: secret {n} is not set: export it in the shell that runs sbatch}}"' for n in names]
+
+
+def group_id(group: str | None) -> int | None:
+    """The id of the profile's `group:` (None: none named); one line when this machine has no such group."""
+    if not group:
+        return None
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise UsageError(f"the profile's group {group!r} does not exist here; valid: a group you are in "
+                         f"(`id -Gn` lists them).", "fix group: in the profile, or leave it out to keep runs "
+                         "readable by you alone.") from None
+
+
+def doctor_checks(secrets: Iterable[str], runs_root: Path) -> list[Check]:
+    """Each secret set or missing in this shell (never its value), and run folders any user can read."""
+    checks = [Check(f"secret {n}", Result.PASS if s == "set" else Result.FAIL, s,
+                    f"export {n}=... in this shell before submitting") for n, s in states(secrets).items()]
+    try:
+        found = sorted(p.name for p in runs_root.iterdir() if p.is_dir() and world_readable(p))
+    except OSError:
+        found = []
+    if found:
+        checks.append(Check("run folders private", Result.FAIL, f"{len(found)} run folder(s) in {runs_root} any "
+                            f"user can read: {', '.join(found[:3])}{' …' if len(found) > 3 else ''}",
+                            f"chmod -R go-rwx {runs_root}/NAME (or chmod o-rwx, for a group's runs)"))
+    return checks

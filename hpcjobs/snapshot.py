@@ -35,6 +35,12 @@ PLAIN_EXCLUDES = frozenset({".git", ".hg", ".svn", ".venv", "venv", "env", "__py
                             ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", "node_modules", "wandb", "mlruns",
                             ".tox", ".nox", "build", "dist", SNAPSHOTS})
 """Folder names a plain (non-git) copy leaves out: environments, caches, trackers' local stores."""
+CREDENTIAL_DIRS = frozenset({".ssh", ".aws", ".azure", ".gnupg", ".kube", ".docker"})
+_CREDENTIAL_FILE = re.compile(r"\.env(?:\.(?!example$|sample$|template$).+)?|\.netrc|_netrc|\.pgpass|\.pypirc|\.npmrc"
+                              r"|\.git-credentials|\.boto|\.s3cfg|.+\.(?:pem|key|p12|pfx|jks|keystore)"
+                              r"|id_(?:rsa|dsa|ecdsa|ed25519)(?:\.pub)?|credentials(?:\.json)?"
+                              r"|application_default_credentials\.json|.*service[-_]?account.*\.json")
+"""Names a plain (non-git) copy leaves out, and says so: files that commonly hold credentials (issue 39)."""
 HINT = "pass --no-snapshot to run from the working tree, or leave big files out of the project (.gitignore)."
 
 
@@ -53,6 +59,8 @@ class Snapshot:
     git_dirty: bool = False
     git_diff: str = ""
     untracked: tuple[str, ...] = field(default=())
+    skipped: tuple[str, ...] = field(default=())
+    """Files outside git left out because they commonly hold credentials (.env, .netrc, *.pem, id_rsa, ...)."""
 
     def where(self, path: str) -> str:
         """`path` (absolute, under the source) as it is in the snapshot; a path outside the project stays as is."""
@@ -113,12 +121,15 @@ def _is_output(path: Path) -> bool:
     return (path / "trainer_state.json").is_file() or (path / ".hydra").is_dir()
 
 
-def _plain_files(root: Path) -> list[str]:
+def _plain_files(root: Path, skipped: list[str]) -> list[str]:
     files = []
     for folder, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in PLAIN_EXCLUDES and not d.endswith(".egg-info")
-                         and not _is_output(Path(folder, d)))
-        files += [os.path.relpath(os.path.join(folder, n), root) for n in names if not n.endswith((".pyc", ".pyo"))]
+        skipped += [os.path.relpath(os.path.join(folder, d), root) + "/" for d in dirs if d in CREDENTIAL_DIRS]
+        dirs[:] = sorted(d for d in dirs if d not in PLAIN_EXCLUDES | CREDENTIAL_DIRS
+                         and not d.endswith(".egg-info") and not _is_output(Path(folder, d)))
+        rel = [os.path.relpath(os.path.join(folder, n), root) for n in names if not n.endswith((".pyc", ".pyo"))]
+        skipped += [p for p in rel if _CREDENTIAL_FILE.fullmatch(os.path.basename(p))]
+        files += [p for p in rel if not _CREDENTIAL_FILE.fullmatch(os.path.basename(p))]
     return sorted(files)
 
 
@@ -170,7 +181,8 @@ def plan(workdir: Path, runs_root: Path) -> Snapshot:
     top = _git(["rev-parse", "--show-toplevel"], workdir)
     root = Path(top.strip()) if top else workdir
     found = _git_files(root) if top else None
-    tracked, untracked = found if found is not None else (_plain_files(root), [])
+    skipped: list[str] = []
+    tracked, untracked = found if found is not None else (_plain_files(root, skipped), [])
     # Never the snapshots, the run folders or the job store, when they lie inside the project (a runs folder that
     # holds the project, as a scratch folder may, keeps the project's files).
     runs = runs_root.resolve()
@@ -194,7 +206,8 @@ def plan(workdir: Path, runs_root: Path) -> Snapshot:
     untracked_kept = tuple(p for p in untracked if p in set(files))
     return Snapshot(source=str(root), files=tuple(files), digest=digest,
                     folder=str(runs_root.resolve() / SNAPSHOTS / digest), git_commit=commit,
-                    git_dirty=bool(diff or untracked_kept), git_diff=diff, untracked=untracked_kept)
+                    git_dirty=bool(diff or untracked_kept), git_diff=diff, untracked=untracked_kept,
+                    skipped=tuple(sorted(skipped)))
 
 
 def materialize(snap: Snapshot) -> Path:
@@ -208,7 +221,7 @@ def materialize(snap: Snapshot) -> Path:
     root = Path(snap.source)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True, mode=0o700)  # the owner's alone whatever the umask; a group's: take_snapshot
         for rel in snap.files:
             src, dst = root / rel, tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from hpcjobs.credentials import bare_names
 from hpcjobs.entry import Entry, resolve_entry
 from hpcjobs.memfit import check_fits
 from hpcjobs.profiles import MAX_NODES, ClusterProfile
+from hpcjobs.protocol.access import GROUP, UMASK_VAR
 from hpcjobs.protocol.contract import Recovery
 from hpcjobs.protocol.errors import UsageError, shown
 from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
@@ -346,6 +347,7 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
     name = _job_name(req, entry)
     env = job_env(profile.env, profile.nccl, req.env, req.allow_secret_values)
     secrets = secret_names(profile, req)
+    env = {**env, UMASK_VAR: f"{GROUP:03o}"} if profile.group else env  # each rank's umask (protocol.access)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
     run_dir = _run_dir(profile, req, workdir, name, stamp, len(points), job_id_in_run_dir)
     snapshot = plan(workdir, snapshot_root(run_dir)) if req.snapshot else None

@@ -3,6 +3,7 @@ without losing a record (sqlite serialises writers with a file lock; a busy time
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -94,9 +95,13 @@ class JobStore:
             raise RuntimeFailure(f"the job store {self.path} cannot be made: {place} is a file, not a folder.",
                                  "HPCJOBS_HOME (or XDG_DATA_HOME) picks another folder.")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             with closing(sqlite3.connect(self.path, timeout=30, isolation_level=None)) as con:
                 _set_up(con)
+                if self.path.stat().st_mode & 0o077:  # the owner's alone whatever the umask (and the -wal)
+                    for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+                        with contextlib.suppress(FileNotFoundError):
+                            path.chmod(0o600)
                 yield con
         except (sqlite3.Error, OSError) as e:
             raise RuntimeFailure(

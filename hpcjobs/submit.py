@@ -9,6 +9,8 @@ from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
 from hpcjobs.backends.common import check_run_folder
+from hpcjobs.credentials import group_id
+from hpcjobs.protocol.access import restrict_made
 from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.errors import HpcjobsError, RuntimeFailure
 from hpcjobs.protocol.paths import existing_ancestor, refuse_output
@@ -48,7 +50,13 @@ def take_snapshot(spec: JobSpec) -> Path | None:
     check_run_folder(spec.run_dir)
     folder = Path(spec.snapshot.folder)
     there = existing_ancestor(folder)
+    if spec.snapshot.skipped:
+        import sys
+
+        print(f"hpcjobs: the code snapshot leaves out what commonly holds credentials: "
+              f"{', '.join(spec.snapshot.skipped)}", file=sys.stderr)
     materialize(spec.snapshot)
+    restrict_made(folder, there, group_id(spec.profile.group))
     if there == folder:
         return None  # an identical snapshot was there: another submission's too
     return there / folder.relative_to(there).parts[0]

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, hpcjobs, newest_log
+from conftest import BIN, REPO, hpcjobs, newest_log
 
 NAME = "HPCJOBS_CANARY_TOKEN"
 SCRIPT = REPO / "tests" / "scripts" / "secret_hash.py"
 
 
-def local_profile(folder: Path, **keys: object) -> Path:
-    data = yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text())
+def local_profile(folder: Path, base: str = "local", **keys: object) -> Path:
+    data = yaml.safe_load((REPO / "cluster_profiles" / f"{base}.yaml").read_text())
     data.update(runs_dir=str(folder / "runs"), **keys)
     path = folder / "p.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -45,7 +45,7 @@ def test_a_secret_reaches_every_rank_and_is_written_nowhere(tmp_path: Path, hpcj
     work = tmp_path / "work"  # outside git: the snapshot copies the folder, the profile with it
     work.mkdir()
     shutil.copy(SCRIPT, work / "secret_hash.py")
-    profile = local_profile(work, **({"secrets": [NAME]} if way == "secrets" else {}))
+    profile = local_profile(work, secrets=[NAME]) if way == "secrets" else local_profile(work)
     flags = ["--profile", str(profile), "--gpus", "2", *(["--env", NAME] if way == "--env" else [])]
     env = {NAME: canary, "HPCJOBS_TEST_SECRET_NAME": NAME}
     dry = hpcjobs("submit", *flags, "--dry-run", "secret_hash.py", cwd=work, env=env)
@@ -72,7 +72,7 @@ def test_render_names_each_secret_and_a_missing_one_stops_the_job_in_one_line(tm
     profile = tmp_path / "slurm.yaml"
     profile.write_text(yaml.safe_dump(data))
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", NAME)}
-    out = subprocess.run([str(REPO / ".venv" / "bin" / "hpcjobs"), "render", "--profile", str(profile), "--env",
+    out = subprocess.run([str(BIN / "hpcjobs"), "render", "--profile", str(profile), "--env",
                           NAME, "--no-snapshot", "trainers.tasks.lm"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     checks = [ln for ln in out.stdout.splitlines() if ln.startswith(': "${')]
@@ -84,7 +84,7 @@ def test_render_names_each_secret_and_a_missing_one_stops_the_job_in_one_line(tm
 def test_a_secret_missing_at_submit_is_one_line_and_nothing_is_written(tmp_path: Path, hpcjobs_home: Path) -> None:
     profile = local_profile(tmp_path, secrets=["HF_TOKEN"])
     env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
-    out = subprocess.run([str(REPO / ".venv" / "bin" / "hpcjobs"), "submit", "--profile", str(profile),
+    out = subprocess.run([str(BIN / "hpcjobs"), "submit", "--profile", str(profile),
                           "trainers.tasks.lm"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "HF_TOKEN" in out.stderr
     assert not (tmp_path / "runs").exists() and not hpcjobs_home.exists()
@@ -108,7 +108,7 @@ REFUSED = [
 def test_a_credential_value_is_refused_in_one_line_before_anything_is_written(
         tmp_path: Path, hpcjobs_home: Path, flags: list[str], keys: dict[str, object], masked: str,
         command: str) -> None:
-    profile = local_profile(tmp_path, **keys)
+    profile = local_profile(tmp_path, "testcluster" if command == "render" else "local", **keys)
     value = (flags[1] if flags else next(iter(keys["env"].values()))).split("=", 1)[-1]  # type: ignore[attr-defined]
     extra = ["-o", str(tmp_path / "job.sh")] if command == "render" else []
     out = hpcjobs(command, "--profile", str(profile), *flags, *extra, "trainers.tasks.lm", cwd=tmp_path)
@@ -137,3 +137,54 @@ def test_a_secret_name_hpcjobs_sets_per_rank_is_refused(tmp_path: Path) -> None:
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
+
+
+def under_umask_022(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "hpcjobs"), *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, preexec_fn=lambda: os.umask(0o022), timeout=300)
+
+
+@pytest.mark.train
+def test_run_folder_snapshot_and_store_are_the_owners_alone_under_umask_022(tmp_path: Path,
+                                                                             hpcjobs_home: Path) -> None:
+    work = tmp_path / "work"  # outside git
+    work.mkdir()
+    shutil.copy(SCRIPT, work / "secret_hash.py")
+    for name in (".env", "id_rsa", "server.pem", ".netrc"):
+        (work / name).write_text("not for the snapshot\n")
+    (work / ".aws").mkdir()
+    (work / ".aws" / "credentials").write_text("[default]\n")
+    out = under_umask_022("submit", "--profile", str(local_profile(work)), "--gpus", "2", "--json", "secret_hash.py",
+                          cwd=work)
+    assert out.returncode == 0, out.stderr
+    assert "leaves out what commonly holds credentials: .aws/, .env, .netrc, id_rsa, server.pem" in out.stderr
+    run = Path(json.loads(out.stdout)["run_dir"])
+    snapshot = next((work / "runs" / ".snapshots").iterdir())
+    assert sorted(p.name for p in snapshot.iterdir()) == [".hpcjobs-snapshot.json", "p.yaml", "secret_hash.py"]
+    assert {mode(p) for p in (work / "runs", run, run / "logs", snapshot.parent, snapshot, hpcjobs_home)} == {0o700}
+    assert mode(hpcjobs_home / "jobs.sqlite") == 0o600
+    assert mode(run / "spec.json") == 0o600
+    assert all(mode(p) & 0o077 == 0 for p in (run / "logs").rglob("*.log"))
+    doctor = under_umask_022("doctor", "--profile", str(local_profile(work)), "--gpus", "2", cwd=work)
+    assert "run folders private" not in doctor.stdout, doctor.stdout
+    (work / "runs" / "lm-old").mkdir(mode=0o755)
+    (work / "runs" / "lm-old").chmod(0o755)
+    doctor = under_umask_022("doctor", "--profile", str(local_profile(work)), "--gpus", "2", cwd=work)
+    assert "run folders private" in doctor.stdout and "lm-old" in doctor.stdout, doctor.stdout
+
+
+@pytest.mark.train
+def test_a_group_makes_the_run_folder_the_groups_too(tmp_path: Path, hpcjobs_home: Path) -> None:
+    import grp
+
+    group = grp.getgrgid(([g for g in os.getgroups() if g != os.getgid()] or [os.getgid()])[0])
+    profile = local_profile(tmp_path, group=group.gr_name)
+    out = under_umask_022("submit", "--profile", str(profile), "--json", "trainers.tasks.lm", "--size", "tiny",
+                          "--steps", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    run = Path(json.loads(out.stdout)["run_dir"])
+    assert mode(run) == 0o2750 and run.stat().st_gid == group.gr_gid
+    assert mode(run / "spec.json") == 0o640 and mode(hpcjobs_home / "jobs.sqlite") == 0o600
+    bad = under_umask_022("submit", "--profile", str(local_profile(tmp_path, group="no-such-group-39")),
+                          "trainers.tasks.lm", cwd=tmp_path)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no-such-group-39" in bad.stderr

@@ -28,7 +28,7 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 
-from hpcjobs.protocol import restartcap, userstop
+from hpcjobs.protocol import access, restartcap, userstop
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.recovery import REFUSED_EXIT
@@ -148,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return REFUSED_EXIT
     os.environ.update(env.as_env())
     contract.export()
+    access.tighten(access.node_umask(os.environ))  # what this rank makes: the owner's (or the group's) alone
     run = RunFolder(contract.run_dir)
     if ns.kind == "task":  # after submitit's runner installed its own: ours replace them
         preemption.install(contract)  # the shared trainer takes part in the stop protocol from its start

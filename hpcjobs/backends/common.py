@@ -9,9 +9,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpcjobs.backends import SchedulerFacts
+from hpcjobs.credentials import group_id
+from hpcjobs.protocol.access import restrict_made
 from hpcjobs.protocol.diagnosis import Failure
 from hpcjobs.protocol.errors import UsageError
-from hpcjobs.protocol.paths import RUN_DIR_HINT, run_folder_place
+from hpcjobs.protocol.paths import RUN_DIR_HINT, existing_ancestor, run_folder_place
 from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord
@@ -72,7 +74,9 @@ def prepare_run_folder(spec: JobSpec, run_dir: str, task: int | None = None) -> 
     run = RunFolder(run_dir)
     created = not run.path.exists()
     try:
+        there = existing_ancestor(run.path)
         run.path.mkdir(parents=True, exist_ok=True)
+        restrict_made(run.path, there, group_id(spec.profile.group))
         record_spec(run, spec, task)
     except OSError as e:
         raise UsageError(f"cannot write the run folder {run_dir} ({e.strerror}).",

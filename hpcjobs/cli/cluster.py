@@ -36,6 +36,10 @@ def run_doctor(ns: argparse.Namespace) -> int:
     spec, backend = checked_spec(ns, snapshot=False)
     refuse_array_patterns(spec, "doctor")
     checks = backend.doctor(spec, ns.probe_wait if ns.probe else None)
+    from hpcjobs.credentials import doctor_checks
+    from hpcjobs.spec import snapshot_root
+
+    checks += doctor_checks(spec.secrets, snapshot_root(spec.run_dir))
     if spec.entry.kind == "task":
         from hpcjobs.memfit import doctor_check
 

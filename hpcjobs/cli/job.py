@@ -25,6 +25,7 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
 
     refuse_empty(ns)
     profile = load_profile(ns.profile)
+    private(profile.group)
     backend = backend_for(profile.scheduler)
     req = Request(entry=ns.entry, args=tuple(ns.args), module=ns.module, nodes=ns.nodes, gpus=ns.gpus,
                   time=ns.time, name=ns.name, partition=ns.partition, account=ns.account, qos=ns.qos,
@@ -38,6 +39,16 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
 
     check_resume(spec)  # a resume the checkpoint's settings contradict: refused here, not by the started ranks
     return spec, backend
+
+
+def private(group: str | None) -> None:
+    """What this command makes (run folders, snapshots, the store, the ranks' files) is the owner's alone, or also
+    the profile's group's, whatever the umask (hpcjobs.protocol.access)."""
+    from hpcjobs.credentials import group_id
+    from hpcjobs.protocol.access import tighten, umask_for
+
+    group_id(group)  # a group this machine lacks: one line before anything is made
+    tighten(umask_for(group))
 
 
 EMPTY_HINTS = {

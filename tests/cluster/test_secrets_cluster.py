@@ -1,6 +1,7 @@
 """Secrets on the real cluster (issue 39): a canary passed by name (`--env NAME`, a profile's `secrets:`) reaches
 every rank on both nodes through submitit's sbatch and through a rendered script under plain sbatch, and is found in
-no file of the run folder, the snapshot, the job store, the script, and in no output."""
+no file of the run folder, the snapshot, the job store, the script, and in no output; the run folders and
+the ranks' logs are the owner's alone though sbatch ran under umask 022."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def found_in(canary: str, folders: list[Path], outputs: list[subprocess.Complete
     needle = canary.encode()
     hits = [str(p) for f in folders for p in f.rglob("*") if p.is_file() and needle in p.read_bytes()]
     return hits + [" ".join(map(str, o.args[:3])) for o in outputs if canary in o.stdout + o.stderr]
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
 
 
 def rank_digests(run: Path) -> dict[str, str]:
@@ -61,7 +66,7 @@ def test_a_secret_reaches_both_nodes_and_is_written_nowhere(shared_tmp: Path, hp
                   "secret_hash.py", cwd=work, env=env)
     assert out.returncode == 0, out.stderr
     sb = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=work,
-                        env={**os.environ, **env})
+                        env={**os.environ, **env}, preexec_fn=lambda: os.umask(0o022))
     assert sb.returncode == 0, sb.stderr
     job = sb.stdout.strip().split(";")[0]
     for job_id, run in runs:
@@ -70,9 +75,11 @@ def test_a_secret_reaches_both_nodes_and_is_written_nowhere(shared_tmp: Path, hp
         logs = rank_digests(run)
         assert sorted(logs) == ["rank-0.log", "rank-1.log"], logs
         assert all(f"{NAME} sha256 {digest}" in text for text in logs.values()), logs
+        assert mode(run) == 0o700 and {mode(p) for p in (run / "logs" / "restart-0").iterdir()} == {0o600}
     assert wait_for_state(job, DONE) == "COMPLETED"
     rendered_run = next((shared_tmp / "runs").glob(f"*-{job}"))
     logs = rank_digests(rendered_run)
     assert len(logs) == 2 and all(f"{NAME} sha256 {digest}" in t for t in logs.values()), logs
+    assert mode(rendered_run) == 0o700  # made on the node by the first rank, under sbatch's umask 022
     outputs.append(hpcjobs("list", "--json"))
     assert found_in(canary, [shared_tmp, hpcjobs_home], outputs) == []
