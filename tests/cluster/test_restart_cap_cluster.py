@@ -61,7 +61,7 @@ def final_weights(run: Path, steps: int) -> dict[str, torch.Tensor]:
 # another cluster test); the old code ended it FAILED at the second stop ("restart cap 1 reached (timeout)").
 @pytest.mark.parametrize("steps,slow,cap,least", [
     pytest.param(200, "0.55", 1, 3, id="3-chunks-cap-1"),
-    pytest.param(500, "1.35", 2, 12, id="12-chunks-cap-2", marks=[pytest.mark.slow, pytest.mark.timeout(3600)]),
+    pytest.param(500, "1.35", 2, 12, id="12-chunks-cap-2", marks=[pytest.mark.slow, pytest.mark.timeout(4200)]),
 ])
 def test_a_job_in_more_time_limit_chunks_than_the_cap_completes_exactly(
         steps: int, slow: str, cap: int, least: int, folder: Path) -> None:
@@ -72,7 +72,7 @@ def test_a_job_in_more_time_limit_chunks_than_the_cap_completes_exactly(
     profile = make_profile(folder, env={"HPCJOBS_FAULT_SLOW_STEP": slow}, seconds_before=60, max_restarts=cap)
     began = time.time()
     job = submit(profile, run, steps, "2:00")
-    state = wait_for_state(job, DONE, timeout=120 * least + 600)
+    state = wait_for_state(job, DONE, timeout=300 * least)  # measured: 24 chunks in 1413 s (500 steps at 1.1 s)
     took = time.time() - began
     stops = chunks(run)
     print(f"RESTART CAP REPORT {json.dumps({'chunks': len(stops) + 1, 'seconds': round(took), 'cap': cap})}")
