@@ -215,3 +215,29 @@ def test_chain_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
     assert f"after:       {train.group(1)} (ok): COMPLETED, met" in user.run("hpcjobs status 4242").stdout
     last = job_id(user.run("hpcjobs submit --profile mysite --after 4242 -m mypkg.train"))
     assert wait_for_state(last, DONE, timeout=300) == "COMPLETED"
+
+
+def test_secrets_block_as_typed(tmp_path: Path, shared_tmp: Path) -> None:
+    """The docs' keys by name (docs/how-to/secrets.md): each in a file of its own, exported, named with --env; the
+    job completes on both nodes and no file of its runs folder or the job store holds a key."""
+    user = User(tmp_path)
+    (user.home / ".config" / "hpcjobs" / "profiles").mkdir(parents=True)
+    user.edit_mysite(shared_tmp / "runs")
+    keys = {"wandb": f"canary-w-{os.getpid()}-{time.time_ns()}", "hf": f"canary-h-{os.getpid()}-{time.time_ns()}"}
+    user.run("mkdir -p ~/.secrets && chmod 700 ~/.secrets")
+    for name, value in keys.items():
+        (user.home / ".secrets" / name).write_text(value)
+    exported = 'export WANDB_API_KEY="$(cat ~/.secrets/wandb)" HF_TOKEN="$(cat ~/.secrets/hf)"'
+    dry = "hpcjobs submit --dry-run --profile mysite --env WANDB_API_KEY trainers.tasks.lm"
+    submit = ("hpcjobs submit --profile mysite --nodes 2 --gpus 2 --env WANDB_API_KEY --env HF_TOKEN trainers.tasks.lm "
+              "--size tiny --steps 20")
+    user.run(exported)  # as typed; each command below runs in a shell of its own, so the export leads each
+    shown = user.run(exported + "\n" + dry)
+    assert "WANDB_API_KEY set" in shown.stdout, shown.stdout
+    out = user.run(exported + "\n" + submit)
+    user.job = job_id(out)
+    assert wait_for_state(user.job, DONE) == "COMPLETED"
+    for folder in (shared_tmp / "runs", tmp_path / "store", user.cwd):
+        for path in (p for p in folder.rglob("*") if p.is_file()):
+            assert not any(v.encode() in path.read_bytes() for v in keys.values()), path
+    assert not any(v in out.stdout + shown.stdout for v in keys.values())
