@@ -17,6 +17,7 @@ p.add_argument("--save_steps", type=int, default=10)
 p.add_argument("--resume_from_checkpoint", default=None)
 p.add_argument("--sample_seconds", type=float, default=0.0, help="slow data loading: each sample takes this long")
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--deepspeed", default=None, help="a DeepSpeed config (JSON): ZeRO through the Trainer's deepspeed=")
 p.add_argument("--ddp_find_unused_parameters", choices=["true", "false"], default=None,
                help="false: DDP rebuilds its buckets after the first step (the Trainer's own default for a model with "
                     "activation checkpointing); default: the Trainer's choice")
@@ -38,7 +39,7 @@ model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_
 training_args = TrainingArguments(
     output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=4, logging_steps=1,
     save_steps=args.save_steps, report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=args.seed,
-    dataloader_num_workers=0,
+    dataloader_num_workers=0, deepspeed=args.deepspeed,
     ddp_find_unused_parameters={"true": True, "false": False}.get(args.ddp_find_unused_parameters))
 trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
 last = args.resume_from_checkpoint

@@ -22,18 +22,23 @@ Attached when the script imports `transformers.trainer` (trainers/integrations/_
   `OUTPUT/incomplete/` with one line, and the newest complete one before it is used instead (Hugging Face's own
   `get_last_checkpoint`, which scripts like run_clm.py call, picks the newest folder however it ended). A
   checkpoint written without hpcjobs (neither mark) is taken as it is.
+- DeepSpeed through the Trainer's `deepspeed=` (ZeRO-2, ZeRO-3, CPU offload) needs nothing more: its shards are
+  files of checkpoint-N like the others (tests/test_deepspeed.py). Its checkpoint resumes only at the world size that
+  wrote it: another is refused in one line naming DeepSpeed's universal-checkpoint conversion (`same_world_size`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from hpcjobs.protocol.runfolder import read_json
 from trainers import watchdog
+from trainers.integrations.account import ACCOUNT
 from trainers.integrations.marks import COMPLETE, incomplete, mark_complete, mark_pending, run_folder, say, settle
 from trainers.integrations.signals import joined
 
@@ -81,13 +86,33 @@ def resume_point(output_dir: str, given: Any) -> Any:
                  f"resume the newest complete one of {output_dir}. HINT: check the path, or drop the flag")
             raise SystemExit(2)  # on every rank: each was given the same path
         if not incomplete(Path(given)):
+            same_world_size(Path(given))
             say(f"resuming from {given}")
             return given
     newest = settle(root) or previous_start(root)
     if newest is not None:
+        same_world_size(newest)
         say(f"resuming from {newest}")
         return str(newest)
     return None if given is True else given
+
+
+_ZERO_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def same_world_size(checkpoint: Path) -> None:
+    """A DeepSpeed checkpoint (`global_stepN/` inside the Trainer's checkpoint-N) holds one ZeRO shard of the
+    optimizer per rank and loads only at the world size that wrote it: at another, DeepSpeed fails on every rank
+    after the model is built (or, for some stages, loads a wrong partition). Refused in one line before that."""
+    ranks = {m.group(1) for p in checkpoint.glob("global_step*/*") if (m := _ZERO_SHARD.search(p.name))}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks and len(ranks) != world:
+        say(f"{checkpoint} holds DeepSpeed ZeRO shards for {len(ranks)} ranks and this start has {world} "
+            f"rank{'s' if world != 1 else ''}; valid: the world size that wrote it (DeepSpeed's checkpoints are tied "
+            f"to it). HINT: run with {len(ranks)} ranks, or convert it to a universal checkpoint (python -m "
+            "deepspeed.checkpoint.ds_to_universal --input_folder CHECKPOINT/global_stepN --output_folder ...) and "
+            "resume with \"load_universal_checkpoint\": true in the DeepSpeed config")
+        raise SystemExit(2)  # on every rank: each reads the same folder
 
 
 def skippable(args: Any) -> None:
@@ -144,8 +169,22 @@ def stop_callback() -> Any:
             self.guard: StepEndGuard | None = None  # made by train() (signals.joined)
             self.stop_step: int | None = None
 
+        def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+            ACCOUNT.begin(state.global_step)  # the step a resume loaded, 0 fresh
+            return control
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> Any:
+            if isinstance(logs, dict) and isinstance(logs.get("loss"), (int, float)):
+                ACCOUNT.logged(state.global_step, logs["loss"])
+            return control
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
+            ACCOUNT.end()
+            return control
+
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> Any:
             watchdog.progress(state.global_step)
+            ACCOUNT.step_done(state.global_step)
             # every rank, every step; a collective at the cadence's steps
             if self.guard is not None and self.guard.step_ended():
                 control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
@@ -164,6 +203,7 @@ def stop_callback() -> Any:
             mark_complete(folder, state.global_step)
             watchdog.saved()
             if self.stop_step is not None and self.guard is not None:
+                ACCOUNT.end()
                 self.guard.requeue_and_exit(state.global_step)
             return control
 
