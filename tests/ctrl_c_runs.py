@@ -4,6 +4,7 @@ each with its own command line and its own way of reading the loss lines."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable, Sized
 from pathlib import Path
 
-from conftest import BIN
+from conftest import BIN, hpcjobs
 from trainers.integrations import CHECK_EVERY
 
 EVERY = 3
@@ -43,3 +44,19 @@ def without_recovery(cmd: list[str]) -> list[str]:
     """A `submit` command with the job's own recovery off: a killed rank ends the job, the next command resumes it."""
     assert cmd[0] == "submit"
     return [cmd[0], "--max-recoveries", "0", *cmd[1:]]
+
+
+def one_account(run_dir: Path, final_step: int, losses: bool = True) -> None:
+    """Issue 37: `status`, `goodput` and `compare` tell the truth of a user's script stopped once and resumed (they
+    showed the stop's step or none, restarts 0, and 0 s productive): the final step, 1 restart, buckets that add up to
+    each job's wall time, productive time and ETTR, and the run in `compare` with its final loss where it logs one."""
+    status = json.loads(hpcjobs("status", str(run_dir), "--json").stdout)
+    assert (status["state"], status["last_step"], status["restarts"]) == ("COMPLETED", final_step, 1), status
+    jobs = json.loads(hpcjobs("goodput", str(run_dir), "--json").stdout)["jobs"]
+    assert len(jobs) == 2, jobs  # the stopped job and the one that resumed it
+    for job in jobs:
+        assert abs(sum(job["buckets_s"].values()) - job["wall_s"]) < 1.0, job
+        assert job["buckets_s"]["productive"] > 0 and job["ettr"] is not None, job
+    row = next(line for line in hpcjobs("compare", str(run_dir)).stdout.splitlines() if str(run_dir) in line)
+    assert "COMPLETED" in row and f" {final_step} " in row, row
+    assert not losses or row.split()[5] != "-", row  # its last loss

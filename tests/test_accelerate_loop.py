@@ -91,6 +91,7 @@ def test_ctrl_c_saves_mid_epoch_and_the_same_command_resumes_exactly(tmp_path: P
     assert f"resuming from {root(tmp_path) / f'checkpoint-{stop}'}" in again.stdout
     assert resumed_exactly(first, again.stdout, out, twin) == []
     assert (out / "after-loop.txt").read_text() == "ran\n"  # once, after the training that finished
+    ctrl_c_runs.one_account(tmp_path / "run-out", STEPS, losses=False)
 
 
 @pytest.mark.train

@@ -75,6 +75,7 @@ def test_ctrl_c_saves_at_the_agreed_step_and_the_same_command_resumes_exactly(tm
     assert (out / "after-train.txt").read_text() == "ran\n"  # once, after the training that finished
 
     same_as(out, twin)
+    ctrl_c_runs.one_account(tmp_path / "run-out", STEPS)
 
 
 @pytest.mark.train

@@ -90,6 +90,7 @@ def stopped_and_resumed_exactly(tmp_path: Path, twin: tuple[Path, dict[int, str]
     assert (out / "after-fit.txt").read_text() == "ran\n"  # once, after the training that finished
     mine, theirs = torch.load(out / "final.pt"), torch.load(twin[0] / "final.pt")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ctrl_c_runs.one_account(tmp_path / "run-out", STEPS)
 
 
 @pytest.mark.train

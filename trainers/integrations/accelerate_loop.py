@@ -46,6 +46,7 @@ import torch
 
 from trainers.checkpoint.state import rng_state, set_rng_state
 from trainers.integrations import check_every, enabled
+from trainers.integrations.account import ACCOUNT
 from trainers.integrations.marks import barrier, mark_complete, mark_pending, rank, run_folder, say, settle
 from trainers.integrations.signals import joined
 
@@ -94,10 +95,12 @@ class Loop:
 
     def run(self) -> Iterator[tuple[int, Any]]:
         at = self.resume()
+        ACCOUNT.begin(at["step"] if at else 0)
         with joined(self):  # the protocol's handlers for the length of the loop
             try:
                 yield from self.batches(at)
             finally:  # also when the script breaks out of the loop
+                ACCOUNT.end()
                 self.guard.close()  # a pipelined reduce still in flight, before the script ends its group
 
     def batches(self, at: dict[str, Any] | None) -> Iterator[tuple[int, Any]]:
@@ -110,6 +113,8 @@ class Loop:
             while batch is not _END and (self.max_steps is None or step < self.max_steps):
                 yield step, batch
                 step, done = step + 1, done + 1
+                if self.guard is not None:
+                    ACCOUNT.step_done(step)
                 batch = next(it, _END)  # one ahead: whether this step ended the epoch
                 if batch is _END and self.epoch_end is not None:
                     self.epoch_end(epoch)
@@ -128,6 +133,7 @@ class Loop:
         if self.asked or (self.save_every and step % self.save_every == 0):
             self.save(step, where)
         if self.asked:
+            ACCOUNT.end()
             self.guard.requeue_and_exit(step)
 
     def save(self, step: int, where: tuple[int, int]) -> None:

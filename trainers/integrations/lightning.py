@@ -39,6 +39,7 @@ from types import ModuleType
 from typing import Any
 
 from trainers import watchdog
+from trainers.integrations.account import ACCOUNT
 from trainers.integrations.marks import mark_complete, mark_pending, rank, run_folder, say, settle
 from trainers.integrations.signals import joined
 
@@ -125,9 +126,17 @@ def stop_callback(package: str) -> Any:
 
             stop_after_batch_end(trainer, self)
             rewind(trainer, position(self.resume_from, rank()) if self.resume_from else None)
+            ACCOUNT.begin(trainer.global_step)  # the step a resume loaded, 0 fresh
+
+        def on_train_end(self, trainer: Any, *_: Any) -> None:
+            ACCOUNT.end()
 
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
             watchdog.progress(trainer.global_step)  # a batch, not always a step: its time is what is measured
+            ACCOUNT.step_done(trainer.global_step)
+            loss = trainer.callback_metrics.get("loss")
+            if loss is not None and rank() == 0 and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+                ACCOUNT.logged(trainer.global_step, float(loss))
             self.asked |= self.guard.step_ended()  # every rank, every batch; a collective at the cadence's batches
             if not self.asked or self.saved or not resumable_here(trainer):
                 return
@@ -152,6 +161,7 @@ def stop_callback(package: str) -> Any:
             if self.saved is not None:
                 folder, step = self.saved
                 mark_complete(folder, step)
+                ACCOUNT.end()
                 self.guard.requeue_and_exit(step)
 
     return StopAtAgreedBatch()

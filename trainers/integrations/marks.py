@@ -22,6 +22,7 @@ from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
 from trainers import ddp_buckets
 from trainers.faults import maybe_die
+from trainers.integrations.account import ACCOUNT
 
 COMPLETE = "hpcjobs-complete.json"
 PENDING = ".hpcjobs-pending"
@@ -64,6 +65,7 @@ def settle(root: Path, owned: bool = False) -> Path | None:
 def mark_pending(folder: Path) -> None:
     """Rank 0, before the save writes anything into `folder`. A save into a folder an earlier save completed (a run
     that went back to an earlier step) takes its completion mark away: until it completes, its files are mixed."""
+    ACCOUNT.save_began(folder)  # saves.jsonl: how long the loop waits for it (integrations/account.py)
     if rank() == 0:
         ddp_buckets.record()  # the layout a resume from this save needs (trainers/ddp_buckets.py)
         folder.mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,7 @@ def mark_complete(folder: Path, step: int) -> None:
         run = run_folder()
         if run is not None:
             write_json_atomic(run.script_checkpoint, {"path": str(folder.resolve()), "step": step})
+    ACCOUNT.save_done(folder, step)
     barrier()
 
 
