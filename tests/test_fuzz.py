@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import grp
 import io
 import json
 import os
@@ -307,6 +308,8 @@ GOOD: dict[str, st.SearchStrategy[Any]] = {
     "exclusive": st.booleans(),
     "setup": st.lists(st.sampled_from(["module load cuda", "source venv/bin/activate", "echo 'a;b' \"$X\""])),
     "env": st.dictionaries(env_names, st.one_of(words, st.integers(), st.floats(allow_nan=False)), max_size=3),
+    "secrets": st.lists(st.sampled_from(["HOME", "PATH"]), max_size=2),  # set in every shell (issue 39)
+    "group": st.just(grp.getgrgid(os.getgid()).gr_name),
     "nccl": st.dictionaries(env_names.map(lambda n: f"NCCL_{n}"), words, max_size=3),
     "preemption": st.fixed_dictionaries({}, optional={"signal": st.sampled_from(SIGNALS),
                                                       "seconds_before": st.integers(10, 600),

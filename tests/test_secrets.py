@@ -188,3 +188,35 @@ def test_a_group_makes_the_run_folder_the_groups_too(tmp_path: Path, hpcjobs_hom
     bad = under_umask_022("submit", "--profile", str(local_profile(tmp_path, group="no-such-group-39")),
                           "trainers.tasks.lm", cwd=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no-such-group-39" in bad.stderr
+
+
+def test_a_chain_step_with_a_missing_secret_queues_no_step(tmp_path: Path, hpcjobs_home: Path) -> None:
+    profile = local_profile(tmp_path)
+    (tmp_path / "chain.yaml").write_text(yaml.safe_dump({
+        "first": {"submit": f"--profile {profile} trainers.tasks.lm --size tiny --steps 1"},
+        "second": {"after": "first", "submit": f"--profile {profile} --env HPCJOBS_UNSET_39 trainers.tasks.lm"}}))
+    out = hpcjobs("submit", "--chain", "chain.yaml", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "HPCJOBS_UNSET_39" in out.stderr and not (tmp_path / "runs").exists()
+
+
+def as_nobody(*argv: str) -> int:
+    """The exit code of `argv` run as the unprivileged user nobody (group nogroup)."""
+    return subprocess.run(["runuser", "-u", "nobody", "--", *argv], capture_output=True).returncode
+
+
+@pytest.mark.train
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root to act as nobody")
+@pytest.mark.parametrize("group", [None, "nogroup"])
+def test_another_user_reads_nothing_unless_the_profile_names_a_group_they_share(shared_tmp: Path,
+                                                                                 group: str | None) -> None:
+    home = shared_tmp / "store"
+    profile = local_profile(shared_tmp, **({"group": group} if group else {}))
+    out = under_umask_022("submit", "--profile", str(profile), "--json", "trainers.tasks.lm", "--size", "tiny",
+                          "--steps", "1", cwd=shared_tmp, env={"HPCJOBS_HOME": str(home)})
+    assert out.returncode == 0, out.stderr
+    run = Path(json.loads(out.stdout)["run_dir"])
+    assert as_nobody("test", "-r", str(home / "jobs.sqlite")) != 0  # the store is its owner's alone, group or not
+    reads = [as_nobody("ls", str(run)), as_nobody("cat", str(run / "spec.json")),
+             as_nobody("ls", str(next((shared_tmp / "runs" / ".snapshots").iterdir())))]
+    assert reads == ([0, 0, 0] if group else [2, 1, 2]), reads

@@ -59,6 +59,10 @@ def run_chain(argv: Sequence[str], parser: Callable[[], argparse.ArgumentParser]
                  [f"{up}:{cond}" for up, cond in s.after]) for s in steps]
         present.chain_planned(rows, ns.json)
         return 0
+    from hpcjobs.credentials import refuse_missing
+
+    for spec, _ in specs.values():
+        refuse_missing(spec.secrets)  # before any step is queued: every rank of that step would start without it
     ids = submit_steps(steps, specs, ns.json)
     present.chain_submitted(ids, ns.json)
     return 0 if all(v is not None for v in ids.values()) else 1
