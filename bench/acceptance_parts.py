@@ -248,19 +248,19 @@ def p8_ddp_regression(s: Suite) -> dict[str, Any]:
 class Part:
     prio: str
     what: str
-    minutes: float  # the doc's estimate on an H100, model build and compile included
+    minutes: float  # the estimate on an H100, model build and compile included (recalibrated: see PARTS)
     run: Callable[[Suite], dict[str, Any]]
     h200_only: bool = False
 
 
-PARTS = (
-    Part("P0", "environment + attention kernel", 1, p0_environment),
-    Part("P1", "the GPU tests (pytest -m gpu tests/test_gpu.py)", 6, p1_gpu_tests),
-    Part("P2", "1b throughput and memory: DDP/FSDP, eager/compiled", 8, p2_1b),
-    Part("P3", "full activation checkpointing at 1b", 2, p3_full_ac),
-    Part("P4", "asynchronous vs foreground checkpoint cost at 1b", 4, p4_async_save),
-    Part("P5", "compile under FSDP (large, b=32): graph breaks, MFU", 4, p5_compile_fsdp),
-    Part("P6", "7b on one H200 (fsdp + AC, b=4)", 4, p6_7b, h200_only=True),
-    Part("P7", "--cpu-offload at 1b", 3, p7_offload),
-    Part("P8", "the DDP numbers of bench/gpu.py (regression)", 10, p8_ddp_regression),
+PARTS = (  # minutes: the H200 run of 2026-11-26 (bench/results/gpu-h200-acceptance.json) with ~1.5x for an H100
+    Part("P0", "environment + attention kernel", 0.5, p0_environment),  # 12 s
+    Part("P1", "the GPU tests (pytest -m gpu tests/test_gpu.py)", 6, p1_gpu_tests),  # 259 s
+    Part("P2", "1b throughput and memory: DDP/FSDP, eager/compiled", 6, p2_1b),  # not timed whole there
+    Part("P3", "full activation checkpointing at 1b", 1, p3_full_ac),  # 33 s
+    Part("P4", "asynchronous vs foreground checkpoint cost at 1b", 3.5, p4_async_save),  # 132 s
+    Part("P5", "compile under FSDP (large, b=32): graph breaks, MFU", 4, p5_compile_fsdp),  # never run
+    Part("P6", "7b on one H200 (fsdp + AC, b=4)", 2.5, p6_7b, h200_only=True),  # 98 s
+    Part("P7", "--cpu-offload at 1b", 1.5, p7_offload),  # 44 s
+    Part("P8", "the DDP numbers of bench/gpu.py (regression)", 10, p8_ddp_regression),  # never run
 )

@@ -189,10 +189,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "10-minute command limit give 9")
     p.add_argument("--parts", default=",".join(x.prio for x in PARTS),
                    help="which parts, in priority order whatever the order given (default: all)")
-    p.add_argument("--work", type=Path, help="where the runs go (default $OUT when set, e.g. on a lent machine, "
-                   "whose $OUT comes back; else a new temporary folder); 1b checkpoints are removed after P4")
-    p.add_argument("--out", type=Path, help="results file (default bench/results/gpu-<gpu>-acceptance.json; "
-                   "with --dry WORK/gpu-dry-acceptance.json); a copy goes to WORK/acceptance.json")
+    p.add_argument("--work", type=Path, help="where the runs go (default ~/gpu-acceptance-runs when $OUT is set, as "
+                   "on a lent machine, where only a few files of $OUT come back: run folders stay out of it; else a "
+                   "new temporary folder); 1b checkpoints are removed after P4")
+    p.add_argument("--out", type=Path, help="results file (default $OUT/gpu-<gpu>-acceptance.json when $OUT is set, "
+                   "else bench/results/gpu-<gpu>-acceptance.json; with --dry WORK/gpu-dry-acceptance.json); a copy "
+                   "goes to WORK/acceptance.json")
     p.add_argument("--dry", action="store_true", help="every part on the CPU with tiny shapes (CI)")
     p.add_argument("--jobs", type=int, default=1, help="with --dry: parts run this many at a time (CI's cores; "
                    "P3 then may not see P2's figures). On a GPU parts always run one at a time: they are timings")
@@ -230,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
               "GPU machine, or --dry to run the suite's commands on the CPU", file=sys.stderr)
         return 2
     suite.found["probe"] = {"run": probe, "env": env}
-    suite.work = work = a.work or (Path(os.environ["OUT"]) if os.environ.get("OUT") else
+    lent = os.environ.get("OUT")  # a lent machine's: what is written under it comes back, a few files at most
+    suite.work = work = a.work or (Path.home() / "gpu-acceptance-runs" if lent else
                                    Path(tempfile.mkdtemp(prefix="gpu-acceptance-")))
     work.mkdir(parents=True, exist_ok=True)
-    out = a.out or (work / "gpu-dry-acceptance.json" if a.dry else RESULTS / f"gpu-{slug(suite.gpu)}-acceptance.json")
+    named = f"gpu-{slug(suite.gpu)}-acceptance.json"
+    out = a.out or (work / "gpu-dry-acceptance.json" if a.dry else Path(lent) / named if lent else RESULTS / named)
     outs, chosen, code = [out, work / "acceptance.json"], set(a.parts.split(",")), 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry": a.dry,

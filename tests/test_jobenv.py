@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -126,3 +128,21 @@ def test_every_job_environment_is_named_once_in_the_shared_list_and_the_last_alw
     assert set(JOB_ENVIRONMENTS) == {p.stem for p in folder.glob("*.py") if "\nENVIRONMENT = " in p.read_text()}
     last = importlib.import_module(f"trainers.jobenv.{JOB_ENVIRONMENTS[-1]}")
     assert last.applies({}) and type(jobenv.current({})) is last.ENVIRONMENT
+
+
+def test_a_rank_outside_slurm_never_imports_hostlist() -> None:
+    """Issue 41 item 8: a bare GPU machine's image lacks python-hostlist, and the node imported it at every start,
+    local runs included. Only a Slurm task's node list needs it."""
+    code = ("import sys\n"
+            "class NoHostlist:\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'hostlist':\n"
+            "            raise ImportError('no hostlist here')\n"
+            "sys.meta_path.insert(0, NoHostlist())\n"
+            "from trainers import jobenv\n"
+            "from trainers.distenv import from_environ\n"
+            "env = {'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', 'MASTER_ADDR': '127.0.0.1',"
+            " 'MASTER_PORT': '29500'}\n"
+            "print(type(jobenv.current(env)).__name__, from_environ(env).world_size)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "1", done.stderr[-2000:]

@@ -14,8 +14,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import hostlist
-
 from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.contract import REQUEUE_FILE_VAR
 from trainers.jobenv import single, torchrun
@@ -168,7 +166,11 @@ def srun_task(env: Mapping[str, str]) -> bool:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM_JOB_NODELIST's hosts in order (python-hostlist, a kept parser: padded and unpadded ranges)."""
+    """SLURM_JOB_NODELIST's hosts in order (python-hostlist, a kept parser: padded and unpadded ranges). Imported
+    here, not with the module: a rank that is not a Slurm task (the local profile, a bare GPU machine whose image
+    lacks the package) never needs it."""
+    import hostlist
+
     try:
         hosts = hostlist.expand_hostlist(nodelist)
     except hostlist.BadHostlist as e:
