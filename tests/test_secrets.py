@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -62,7 +63,9 @@ def test_a_secret_reaches_every_rank_and_is_written_nowhere(tmp_path: Path, hpcj
     outputs = [dry, dry_json, out, hpcjobs("status", job["job_id"]), hpcjobs("status", "--json", job["job_id"]),
                hpcjobs("list", "--json")]
     assert all(o.returncode == 0 for o in outputs), [o.stderr for o in outputs]
-    assert found_in(canary, [work, hpcjobs_home], outputs) == []
+    doctor = hpcjobs("doctor", *flags, "secret_hash.py", cwd=work, env=env)
+    assert re.search(rf"✓ secret {NAME} +set", doctor.stdout), doctor.stdout
+    assert found_in(canary, [work, hpcjobs_home], [*outputs, doctor]) == []
 
 
 def test_render_names_each_secret_and_a_missing_one_stops_the_job_in_one_line(tmp_path: Path) -> None:
