@@ -223,3 +223,25 @@ def test_another_user_reads_nothing_unless_the_profile_names_a_group_they_share(
     reads = [as_nobody("ls", str(run)), as_nobody("cat", str(run / "spec.json")),
              as_nobody("ls", str(next((shared_tmp / "runs" / ".snapshots").iterdir())))]
     assert reads == ([0, 0, 0] if group else [2, 1, 2]), reads
+
+
+@pytest.mark.train
+def test_a_tracker_key_reaches_every_rank_and_the_tracker_writes_it_nowhere(tmp_path: Path,
+                                                                           hpcjobs_home: Path) -> None:
+    """The third way of issue 39's canary: a tracker's key in the profile's `secrets:`; rank 0 runs a wandb run
+    (offline, into the run folder) with it, and neither hpcjobs nor the tracker's own files hold the key."""
+    pytest.importorskip("wandb")
+    canary = uuid.uuid4().hex + uuid.uuid4().hex[:8]  # 40 characters, as W&B's keys
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(REPO / "tests" / "scripts" / "tracker_key.py", work / "tracker_key.py")
+    profile = local_profile(work, secrets=["WANDB_API_KEY"])
+    env = {"WANDB_API_KEY": canary, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = hpcjobs("submit", "--profile", str(profile), "--gpus", "2", "--json", "tracker_key.py", cwd=work, env=env,
+                  timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = Path(json.loads(out.stdout)["run_dir"])
+    digest = hashlib.sha256(canary.encode()).hexdigest()
+    assert all(f"rank {r} WANDB_API_KEY sha256 {digest}" in newest_log(run, r) for r in (0, 1))
+    assert list(run.rglob("*.wandb")), sorted(str(p) for p in run.rglob("*"))[:20]  # the tracker wrote its run
+    assert found_in(canary, [work, hpcjobs_home], [out, hpcjobs("status", "--json")]) == []
