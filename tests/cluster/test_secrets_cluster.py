@@ -1,7 +1,8 @@
 """Secrets on the real cluster (issue 39): a canary passed by name (`--env NAME`, a profile's `secrets:`) reaches
 every rank on both nodes through submitit's sbatch and through a rendered script under plain sbatch, and is found in
 no file of the run folder, the snapshot, the job store, the script, and in no output; the run folders and
-the ranks' logs are the owner's alone though sbatch ran under umask 022."""
+the ranks' logs are the owner's alone though sbatch ran under umask 022: another, unprivileged user cannot list the
+run folders nor read a log or the job store."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_secrets import as_nobody
 
 from conftest import REPO, hpcjobs, wait_for_state
 
@@ -83,3 +85,8 @@ def test_a_secret_reaches_both_nodes_and_is_written_nowhere(shared_tmp: Path, hp
     assert mode(rendered_run) == 0o700  # made on the node by the first rank, under sbatch's umask 022
     outputs.append(hpcjobs("list", "--json"))
     assert found_in(canary, [shared_tmp, hpcjobs_home], outputs) == []
+    if os.geteuid() == 0 and shutil.which("runuser"):  # another, unprivileged user of the cluster (as CI runs)
+        for _, run in [*runs, (job, rendered_run)]:
+            assert as_nobody("ls", str(run)) != 0
+            assert as_nobody("cat", str(run / "logs" / "restart-0" / "rank-0.log")) != 0
+        assert as_nobody("test", "-r", str(hpcjobs_home / "jobs.sqlite")) != 0
