@@ -78,6 +78,18 @@ FOLDER_STATES: dict[str, JobState] = {FinalState.FINISHED: JobState.COMPLETED, F
 """final.json's state as a job state."""
 
 
+def lines_of(history: list[dict[str, Any]], job_id: str) -> list[dict[str, Any]]:
+    """The job's own lines of a run folder's restarts.jsonl: its start lines, each with the stop lines after it (a
+    stop line names no job: it is the start's before it). Another job on the same folder has its own."""
+    mine, own = [], False
+    for r in history:
+        if "stopped" not in r:
+            own = str(r.get("job_id")) == job_id
+        if own:
+            mine.append(r)
+    return mine
+
+
 def stopped_for_good(history: list[dict[str, Any]], job_id: str) -> bool:
     """Whether the job's last start stopped on a SIGTERM that was neither a preemption nor followed by another start
     of it: a `scancel` (inside the job, Slurm shows a cancelled job only as COMPLETING, so no rank can write it).

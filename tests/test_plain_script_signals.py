@@ -99,6 +99,23 @@ def test_ctrl_c_stops_a_plain_script_at_once(tmp_path: Path, plain: tuple[Path, 
     assert json.loads(hpcjobs("status", "--json").stdout)["state"] == "STOPPED"
 
 
+def test_a_job_stopped_by_ctrl_c_stays_stopped_once_its_run_folder_is_used_again(tmp_path: Path,
+                                                                                  plain: tuple[Path, Path]) -> None:
+    """Issue 38: once another job ran on the same --run-dir, the job stopped by Ctrl-C turned UNKNOWN (the local
+    backend read the folder's final.json and last line, which were the later job's)."""
+    proc = submit(tmp_path, *plain)
+    pids = rank_pids(plain[1])
+    os.killpg(proc.pid, signal.SIGINT)
+    ended(proc, pids)
+    stopped = json.loads(hpcjobs("list", "--json").stdout)[0]["job_id"]
+    (tmp_path / "quick.py").write_text("print('done')\n")
+    again = hpcjobs("submit", "--profile", "local", "--gpus", "1", "--run-dir", str(tmp_path / "run"),
+                    str(tmp_path / "quick.py"), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    states = {j["job_id"]: j["state"] for j in json.loads(hpcjobs("list", "--json").stdout)}
+    assert states[stopped] == "STOPPED" and sorted(states.values()) == ["COMPLETED", "STOPPED"], states
+
+
 def test_ctrl_c_under_tee_leaves_no_rank_behind(tmp_path: Path, plain: tuple[Path, Path]) -> None:
     proc = submit(tmp_path, *plain, shell=f"{{}} | tee {tmp_path / 'log'}")
     pids = rank_pids(plain[1])

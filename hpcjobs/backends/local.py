@@ -28,6 +28,7 @@ from hpcjobs.backends.environment import clean
 from hpcjobs.backends.local_ranks import Stopper, device_slice, group_code, rank_preexec, recovered
 from hpcjobs.credentials import states
 from hpcjobs.doctor import Check, Result
+from hpcjobs.jobs import lines_of
 from hpcjobs.protocol import userstop
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.folderlock import in_use
@@ -264,11 +265,13 @@ class LocalBackend(RunFolderLogs):
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
         """No scheduler to ask: the run folder says how far it got, and its launching process whether it lives."""
         run = RunFolder(rec.run_dir)
-        if run.final.exists():
-            return None  # the run's own final word decides
-        history = run.read_restarts()
-        if history and "stopped" in history[-1] and history[-1]["stopped"] != StopReason.FAULT:
-            return JobState.STOPPED, "run folder"  # checkpointed and stopped when asked: resumable
+        if isinstance(run.final_of(rec.job_id), dict):
+            return None  # the job's own final word decides
+        # This job's own lines: a later job on the same folder (a resume) must not make it UNKNOWN, nor lend it
+        # its ending.
+        mine = lines_of(run.read_restarts(), rec.job_id)
+        if mine and "stopped" in mine[-1] and mine[-1]["stopped"] != StopReason.FAULT:
+            return JobState.STOPPED, "run folder"  # stopped when asked (at a checkpoint, or by you): resumable
         alive = launcher_alive(run, rec.job_id)
         if alive is None:
             return None
