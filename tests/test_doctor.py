@@ -179,7 +179,12 @@ def test_bad_requests_are_refused_before_any_check(args: list[str], said: str) -
 
 
 def test_local_doctor() -> None:
+    """Without an entry the request alone is checked: no memory plan for a task the user never named (issue 38: it
+    showed one for trainers.tasks.lm --size tiny); with the task named, its plan."""
     out = hpcjobs("doctor", "--profile", "local", "--gpus", "2", "--json", cwd=REPO)
+    said = json.loads(out.stdout)
+    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder"], said
+    out = hpcjobs("doctor", "--profile", "local", "--gpus", "2", "--json", "trainers.tasks.lm", cwd=REPO)
     said = json.loads(out.stdout)
     assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder", "memory plan"]
     assert said["checks"][-1]["result"] == "skip" and "declares no gpu_memory" in said["checks"][-1]["found"]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from hpcjobs.cli import present
 from hpcjobs.cli.job import checked_spec, refuse_array_patterns, tasks_args
-from hpcjobs.cli.parser import Parser, command_parser, job_flags, option_strings, whole_number
+from hpcjobs.cli.parser import DOCTOR_ENTRY, Parser, command_parser, job_flags, option_strings, whole_number
 from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ def run_doctor(ns: argparse.Namespace) -> int:
 
     if ns.probe and not 10 <= ns.probe_wait <= 86400:
         raise UsageError(f"--probe-wait {ns.probe_wait}: valid: 10 to 86400 seconds.", "e.g. --probe-wait 600")
+    named = ns.entry is not None  # none: the request alone is checked, with a stand-in entry (DOCTOR_ENTRY)
+    ns.entry = ns.entry or DOCTOR_ENTRY
     # as submit builds it, but checked against the working tree: nothing copied
     spec, backend = checked_spec(ns, snapshot=False)
     refuse_array_patterns(spec, "doctor")
@@ -40,7 +42,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
     from hpcjobs.spec import snapshot_root
 
     checks += doctor_checks(spec.secrets, snapshot_root(spec.run_dir))
-    if spec.entry.kind == "task":
+    if spec.entry.kind == "task" and named:  # a memory plan for a task the user never named would mislead
         from hpcjobs.memfit import doctor_check
 
         checks.append(doctor_check(spec.profile, spec.entry.target, tasks_args(spec), spec.ranks))

@@ -55,7 +55,8 @@ EXAMPLES = {
 }
 
 DOCTOR_ENTRY = "trainers.tasks.lm"
-"""What doctor checks the request with when no entry is given (it must exist, like any entry)."""
+"""What doctor checks the request with when no entry is given (it must exist, like any entry); the entry's own
+checks (its memory plan) are then left out: it is not the user's."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -170,7 +171,7 @@ def job_flags(entry_optional: bool = False) -> Parser:
                         "(the copy is what every restart runs, whatever is edited after)")
     p.add_argument("--container", metavar="IMAGE", help="run every rank in this image (the profile's container "
                    "runtime: pyxis, apptainer, charliecloud, oci) instead of its container.image")
-    p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=DOCTOR_ENTRY,
+    p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=None,
                    help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
                         + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))
     rest = p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the entry unchanged")

@@ -30,7 +30,7 @@ def test_a_request_that_fits_passes_every_check(cluster_profile: Path) -> None:
     code, result, found = doctor("--profile", str(cluster_profile), "--nodes", "2", "--gpus", "8", "--time", "1:00:00")
     assert code == 0 and result == {"request": "pass", "partition": "pass", "nodes": "pass", "account": "pass",
                                     "requeue": "pass", "signal": "pass", "requeue delay": "pass",
-                                    "node failure": "pass", "memory plan": "skip"}, found  # no gpu_memory here
+                                    "node failure": "pass"}, found  # no entry: no memory plan (issue 38)
     assert "would start at" in found["request"] and "sends SIGUSR2" in found["signal"]
     assert "waits 6 s" in found["requeue delay"] and "SlurmdTimeout=60 s" in found["node failure"]
     assert queued() == before  # --test-only queues nothing
