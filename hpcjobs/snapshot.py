@@ -42,6 +42,13 @@ _CREDENTIAL_FILE = re.compile(r"\.env(?:\.(?!example$|sample$|template$).+)?|\.n
                               r"|application_default_credentials\.json|.*service[-_]?account.*\.json")
 """Names a plain (non-git) copy leaves out, and says so: files that commonly hold credentials (issue 39)."""
 HINT = "pass --no-snapshot to run from the working tree, or leave big files out of the project (.gitignore)."
+PLAIN_HINT = ("pass --no-snapshot to run from the working tree, or move the big files out of this folder (outside git "
+              "hpcjobs copies the folder it runs from), or run from a git repository whose .gitignore leaves them out.")
+PLAIN_FILE_MAX = 8 * 2**20
+"""Outside git, a larger file is data or weights, not code: left out of the copy, and said."""
+DATA_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".onnx")
+"""Outside git, names of model weights (what a run writes, never code): left out of the copy whatever their size,
+and said. Data files are left out only by size: a script may read a small one by a relative path."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class Snapshot:
     git_diff: str = ""
     untracked: tuple[str, ...] = field(default=())
     skipped: tuple[str, ...] = field(default=())
+    data: tuple[str, ...] = field(default=())
+    """Outside git: the data and weights left out (their paths and sizes), said at submit."""
     """Files outside git left out because they commonly hold credentials (.env, .netrc, *.pem, id_rsa, ...)."""
 
     def where(self, path: str) -> str:
@@ -121,7 +130,10 @@ def _is_output(path: Path) -> bool:
     return (path / "trainer_state.json").is_file() or (path / ".hydra").is_dir()
 
 
-def _plain_files(root: Path, skipped: list[str]) -> list[str]:
+def _plain_files(root: Path, skipped: list[str], data: list[str]) -> list[str]:
+    """Outside git: the folder's files, less caches, environments, outputs, credentials (`skipped`) and data or
+    weights (`data`: by name, or over PLAIN_FILE_MAX; issue 38: a 210 MiB out/model.pt beside the script made the
+    next submit fail)."""
     files = []
     for folder, dirs, names in os.walk(root):
         skipped += [os.path.relpath(os.path.join(folder, d), root) + "/" for d in dirs if d in CREDENTIAL_DIRS]
@@ -129,7 +141,12 @@ def _plain_files(root: Path, skipped: list[str]) -> list[str]:
                          and not d.endswith(".egg-info") and not _is_output(Path(folder, d)))
         rel = [os.path.relpath(os.path.join(folder, n), root) for n in names if not n.endswith((".pyc", ".pyo"))]
         skipped += [p for p in rel if _CREDENTIAL_FILE.fullmatch(os.path.basename(p))]
-        files += [p for p in rel if not _CREDENTIAL_FILE.fullmatch(os.path.basename(p))]
+        for p in (p for p in rel if not _CREDENTIAL_FILE.fullmatch(os.path.basename(p))):
+            size = (root / p).lstat().st_size
+            if p.lower().endswith(DATA_SUFFIXES) or size > PLAIN_FILE_MAX:
+                data.append(f"{p} ({size / 2**20:.1f} MiB)")
+            else:
+                files.append(p)
     return sorted(files)
 
 
@@ -182,7 +199,9 @@ def plan(workdir: Path, runs_root: Path) -> Snapshot:
     root = Path(top.strip()) if top else workdir
     found = _git_files(root) if top else None
     skipped: list[str] = []
-    tracked, untracked = found if found is not None else (_plain_files(root, skipped), [])
+    data: list[str] = []
+    tracked, untracked = found if found is not None else (_plain_files(root, skipped, data), [])
+    hint = HINT if found is not None else PLAIN_HINT
     # Never the snapshots, the run folders or the job store, when they lie inside the project (a runs folder that
     # holds the project, as a scratch folder may, keeps the project's files).
     runs = runs_root.resolve()
@@ -194,12 +213,12 @@ def plan(workdir: Path, runs_root: Path) -> Snapshot:
                    and ((root / p).is_file() or (root / p).is_symlink()))
     if len(files) > MAX_FILES:
         raise UsageError(f"the code snapshot of {root} would hold {len(files)} files; valid: at most {MAX_FILES}.",
-                         HINT)
+                         hint)
     sizes = sorted(((root / p).lstat().st_size, p) for p in files)
     total = sum(s for s, _ in sizes)
     if total > MAX_BYTES:
         raise UsageError(f"the code snapshot of {root} would copy {total / 2**20:.0f} MiB (largest: "
-                         f"{_largest(sizes)}); valid: at most {MAX_BYTES // 2**20} MiB.", HINT)
+                         f"{_largest(sizes)}); valid: at most {MAX_BYTES // 2**20} MiB.", hint)
     digest, _ = _digest(root, files)
     commit = (_git(["rev-parse", "HEAD"], root) or "").strip() or None if top else None
     diff = (_git(["diff", "HEAD", "--no-color"], root) or "") if commit else ""
@@ -207,7 +226,7 @@ def plan(workdir: Path, runs_root: Path) -> Snapshot:
     return Snapshot(source=str(root), files=tuple(files), digest=digest,
                     folder=str(runs_root.resolve() / SNAPSHOTS / digest), git_commit=commit,
                     git_dirty=bool(diff or untracked_kept), git_diff=diff, untracked=untracked_kept,
-                    skipped=tuple(sorted(skipped)))
+                    skipped=tuple(sorted(skipped)), data=tuple(sorted(data)))
 
 
 def materialize(snap: Snapshot) -> Path:

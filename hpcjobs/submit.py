@@ -14,7 +14,7 @@ from hpcjobs.protocol.access import restrict_made
 from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.errors import HpcjobsError, RuntimeFailure
 from hpcjobs.protocol.paths import existing_ancestor, refuse_output
-from hpcjobs.snapshot import materialize
+from hpcjobs.snapshot import PLAIN_FILE_MAX, materialize
 from hpcjobs.spec import JobSpec
 from hpcjobs.store import JobRecord, JobStore
 
@@ -55,6 +55,15 @@ def take_snapshot(spec: JobSpec) -> Path | None:
 
         print(f"hpcjobs: the code snapshot leaves out what commonly holds credentials: "
               f"{', '.join(spec.snapshot.skipped)}", file=sys.stderr)
+    if spec.snapshot.data:
+        import sys
+
+        shown = spec.snapshot.data[:5]
+        more = f" and {len(spec.snapshot.data) - len(shown)} more" if len(spec.snapshot.data) > len(shown) else ""
+        print(f"hpcjobs: the code snapshot (outside git) leaves out data and weights: {', '.join(shown)}{more}; "
+              f"(weights, or over {PLAIN_FILE_MAX // 2**20} MiB); a rank that opens one by a relative path will not "
+              "find it: give it by its absolute path, run from a git repository, or pass --no-snapshot",
+              file=sys.stderr)
     materialize(spec.snapshot)
     restrict_made(folder, there, group_id(spec.profile.group))
     if there == folder:

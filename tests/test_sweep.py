@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, hpcjobs
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.points import point_of
-from hpcjobs.snapshot import MANIFEST, MAX_BYTES, materialize, plan
+from hpcjobs.snapshot import MANIFEST, MAX_BYTES, PLAIN_FILE_MAX, materialize, plan
 from hpcjobs.store import JobRecord, JobStore
 from hpcjobs.sweep import build_points, read_sweep_file
 from test_bad_inputs import assert_refused, sbatch_log  # noqa: F401 - the fixture is used by name
@@ -219,20 +219,41 @@ def test_snapshot_outside_git_never_copies_earlier_outputs(tmp_path: Path) -> No
     assert sorted(snap.files) == sorted(code)
 
 
+def test_snapshot_outside_git_leaves_out_weights_and_large_files_and_says_so(tmp_path: Path,
+                                                                              hpcjobs_home: Path) -> None:
+    """Issue 38: outside git a 210 MiB out/model.pt beside the script made the next submit fail (over the snapshot's
+    limit) with a .gitignore hint that does not apply there. Weights by name and any file over the per-file limit
+    are left out, and the submit says which; a small data file the script may read by a relative path stays."""
+    project = tmp_path / "plain"
+    (project / "out").mkdir(parents=True)
+    (project / "train.py").write_text("print('trained')\n")
+    (project / "vocab.json").write_text("{}\n")
+    (project / "out" / "model.pt").write_bytes(b"0" * 1024)
+    with open(project / "corpus.txt", "wb") as f:
+        f.truncate(PLAIN_FILE_MAX + 1)  # sparse: the size is what counts
+    snap = plan(project, tmp_path / "runs")
+    assert snap.files == ("train.py", "vocab.json"), snap.files
+    assert [d.split(" (")[0] for d in snap.data] == ["corpus.txt", "out/model.pt"]
+    out = hpcjobs("submit", "--profile", "local", "--run-dir", str(tmp_path / "run"), "train.py", cwd=project)
+    assert out.returncode == 0 and "trained" in out.stdout + out.stderr, out.stderr
+    assert "leaves out data and weights: corpus.txt (8.0 MiB), out/model.pt (0.0 MiB)" in out.stderr
+
+
 def test_snapshot_over_the_size_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project = tmp_path / "plain"
     project.mkdir()
-    (project / "weights.bin").write_bytes(b"0" * 4096)
+    (project / "corpus.dat").write_bytes(b"0" * 4096)
     monkeypatch.setattr("hpcjobs.snapshot.MAX_BYTES", 1024)
-    with pytest.raises(UsageError, match=r"largest: weights.bin") as refused:
+    with pytest.raises(UsageError, match=r"largest: corpus.dat") as refused:
         plan(project, tmp_path / "runs")
     assert "--no-snapshot" in refused.value.one_line()
+    assert ".gitignore" not in refused.value.one_line().split("--no-snapshot")[0]  # outside git: advice that applies
     for i in range(3):
         (project / "data" / f"part{i}").mkdir(parents=True)
         (project / "data" / f"part{i}" / "shard.arrow").write_bytes(b"0" * 3000)
     with pytest.raises(UsageError) as refused:  # the folder that holds the bytes is named, not only a file in it
         plan(project, tmp_path / "runs")
-    assert "(largest: data/ (0 MiB), weights.bin (0 MiB); largest file weights.bin (0 MiB))" in str(refused.value)
+    assert "(largest: data/ (0 MiB), corpus.dat (0 MiB); largest file corpus.dat (0 MiB))" in str(refused.value)
     assert MAX_BYTES >= 100 * 2**20
 
 
