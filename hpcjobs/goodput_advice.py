@@ -21,6 +21,8 @@ from hpcjobs.goodput import Goodput, Start
 from hpcjobs.protocol.contract import EARLY_SIGNAL_S
 from hpcjobs.slurmtime import format_time
 
+MIN_SAVES_APART = 4
+"""No checkpoint interval is advised shorter than this many times what a save costs the loop."""
 LOST_WORK = frozenset({"failed", "lost"})
 """How a start ended when it lost the steps since its newest checkpoint (Start.ended)."""
 CHUNK_SHARE, GOOD_SHARE = 0.5, 0.8
@@ -57,7 +59,9 @@ def checkpoint_interval(g: Goodput, starts: Sequence[Start], step_s: float | Non
     best_s = young_daly_s(cost, mtbi)
     best_steps = max(1, round(best_s / step_s))
     now_s = every * step_s
-    if 0.5 <= best_s / now_s <= 2:
+    if 0.5 <= best_s / now_s <= 2 or best_s < MIN_SAVES_APART * cost:
+        # Below a few save costs apart the loop would spend most of its time saving: interruptions that frequent
+        # are the problem to fix, not the interval (issue 38: --ckpt-every 17, 0.85 s, was advised).
         return None
     return (f"checkpoint interval: every {every} steps (~{now_s:.3g} s) now; with a save costing the loop "
             f"{cost:.3g} s and one interruption per {mtbi:.3g} s of allocation ({faults} seen), "

@@ -185,6 +185,15 @@ def test_young_daly_advice_when_the_interval_is_far_off() -> None:
     assert goodput_advice.young_daly_s(4, 3600) == pytest.approx(169.7, abs=0.1)
 
 
+def test_no_interval_shorter_than_a_few_saves_is_advised() -> None:
+    """Issue 38: a run interrupted twice within seconds was advised --ckpt-every 17 (0.85 s) with saves that cost
+    more than that: checkpointing that often would only save."""
+    starts = [Start(0, 0.0, saves=tuple(Save(s, 0.0, 1.0) for s in (100, 200, 300)), ended="lost")]
+    g = compute(JobTimes("x", 1, 0.0, (Start(0, 0.0, {"first_step": 0.0}, 0, 4.0, None, "lost"),)), [None], 0.0)
+    assert goodput_advice.young_daly_s(1.0, g.allocated_s) < goodput_advice.MIN_SAVES_APART * 1.0
+    assert goodput_advice.checkpoint_interval(g, starts, step_s=0.2) is None  # saves 20 s apart now: no advice
+
+
 def chunk(restart: int, begin: float, startup: float, trained: float, first: int) -> Start:
     """A start of a job in 2-minute chunks, stopped at the limit: periodic saves every 10 steps, then its stop's."""
     saves = tuple(Save(first + s, begin + startup + s, 0.02) for s in (10, 20, 30))
