@@ -226,3 +226,71 @@ def run(target: str, as_json: bool) -> int:
                          "`hpcjobs status ID` says where the job is.")
     print(json.dumps(rep.as_dict(), indent=2) if as_json else text(rep))
     return 0
+
+
+# --- the timeline (--plot) -------------------------------------------------------------------------------------------
+
+ENDED_MARKS = {"failed": ("x", "failed"), "lost": ("x", "killed (no word)"), "stopped": ("s", "stopped when asked"),
+               "finished": ("o", "finished")}
+"""How a start ended, as a marker at its bar's end."""
+
+
+def timeline_starts(target: str, store: JobStore | None = None) -> list[tuple[str, Start, int | None]]:
+    """Every start of the target's run folders, in order, with its job id and the step the start after it resumed
+    at (what `resumed_after` gives the buckets)."""
+    from hpcjobs.jobs import records_for
+
+    folders = [RunFolder(target)] if target.strip() and Path(target).is_dir() else \
+        [RunFolder(d) for d in dict.fromkeys(r.run_dir for r in records_for(target, store or JobStore()))]
+    out: list[tuple[str, Start, int | None]] = []
+    for run in folders:
+        starts = read_starts(run)
+        resumed = resumed_after([s for _, s in starts], run.newest_checkpoint())
+        out += [(job, s, r) for (job, s), r in zip(starts, resumed, strict=True)]
+    return out
+
+
+def plot(target: str, out_path: str, force: bool) -> Path:
+    """`hpcjobs goodput --plot FILE`: one bar per start along the wall clock, from its begin to its last record:
+    start-up until its first step, then training, its saves where the loop waited for them, the training a later
+    start did again hatched (rework), and how it ended marked (✕ failed or killed, ■ stopped when asked, ● finished).
+    The gaps between bars are queue, requeue hold and recovery."""
+    from hpcjobs.compare import plot_format, require_matplotlib, save_atomic
+
+    fmt = plot_format(out_path, force)
+    require_matplotlib()
+    starts = timeline_starts(target)
+    if not starts:
+        raise UsageError(f"{target}: no start of it is recorded yet (pending, or not a run folder of hpcjobs).",
+                         "`hpcjobs status ID` says where the job is.")
+    from matplotlib.figure import Figure
+
+    t0 = min(s.begin for _, s, _ in starts)
+    fig = Figure(figsize=(9, 1.5 + 0.45 * len(starts)), layout="constrained")
+    ax = fig.add_subplot()
+    colors = {b: f"C{i}" for i, b in enumerate(BUCKETS)}  # as compare --plot's goodput bars
+    for y, (_, s, resumed) in enumerate(starts):
+        end = s.end if s.end is not None else time.time()
+        first = s.marks.get("first_step", end)
+        ax.broken_barh([(s.begin - t0, max(0.0, first - s.begin))], (y - 0.35, 0.7), color=colors["startup"])
+        ax.broken_barh([(first - t0, max(0.0, end - first))], (y - 0.35, 0.7), color=colors["productive"])
+        ax.broken_barh([(v.time - t0, v.blocking_s) for v in s.saves], (y - 0.35, 0.7), color=colors["checkpoint"])
+        redo = next((v.time + v.blocking_s for v in s.saves if v.step == resumed), None) if resumed else None
+        if redo is None and s.ended in ("failed", "lost") and resumed is not None:
+            redo = first  # nothing it saved was resumed: all its training was done again
+        if redo is not None and redo < end:
+            ax.broken_barh([(redo - t0, end - redo)], (y - 0.35, 0.7), facecolor="none", hatch="///",
+                           edgecolor=colors["rework"])
+        marker, _ = ENDED_MARKS.get(s.ended, ("", ""))
+        if marker:
+            ax.plot([end - t0], [y], marker, color="black", markersize=7)
+    ax.set_yticks(range(len(starts)), [f"{job} #{s.restart}" for job, s, _ in starts], fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first start began")
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=colors[b], label=BUCKET_WORDS[b]) for b in ("startup", "productive", "checkpoint")]
+    legend.append(Patch(facecolor="none", edgecolor=colors["rework"], hatch="///", label=BUCKET_WORDS["rework"]))
+    fig.legend(handles=legend, fontsize="x-small", ncols=4, loc="outside lower center")
+    ax.set_title("ends: x failed or killed, square stopped when asked, circle finished", fontsize="small")
+    return save_atomic(fig, Path(out_path), fmt)

@@ -381,3 +381,29 @@ def test_a_start_recovered_in_its_allocation_counts_its_lost_steps_as_rework_and
     assert g.buckets["rework"] == 20.0  # step 200's save (1040) to the start's last record (1060): done again
     assert g.buckets["recovery"] == 5.0  # its last record (1060) to the next start's launch (1065)
     assert g.wall_s == 100.0 == sum(g.buckets.values())
+
+
+def test_goodput_plot_draws_each_start_on_the_wall_clock(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: `goodput --plot` draws a job's timeline, one bar per start: the killed start's bar ends in a cross
+    and its training after the save the next start resumed is hatched; a bad file name is one line, nothing read."""
+    pytest.importorskip("matplotlib")
+    from hpcjobs import goodput_report
+
+    run = killed_and_resumed(tmp_path / "run")
+    starts = goodput_report.timeline_starts(str(run))
+    assert [(job, s.ended, resumed) for job, s, resumed in starts] == [("A", "failed", 40), ("B", "finished", None)]
+    drawn: list[tuple[str, tuple[float, ...]]] = []
+    from matplotlib.axes import Axes
+
+    def spy(self: Any, xranges: Any, yrange: Any, **kw: Any) -> Any:
+        drawn.extend((kw.get("hatch") or kw.get("color") or "", tuple(x)) for x in xranges)
+        return original(self, xranges, yrange, **kw)
+
+    original = Axes.broken_barh
+    monkeypatch.setattr(Axes, "broken_barh", spy)
+    assert main(["goodput", str(run), "--plot", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in capsys.readouterr().out
+    assert ("///", (2025.5 - 2001.0, 2035.0 - 2025.5)) in drawn  # A's steps after its step-40 save: done again
+    assert main(["goodput", str(run), "--plot", str(tmp_path / "t.txt")]) == 2
+    assert "cannot tell the format" in capsys.readouterr().err

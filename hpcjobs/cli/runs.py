@@ -70,13 +70,27 @@ def add_goodput(sub: Subparsers, common: Parser) -> None:
                        "training, checkpoints, rework, requeue hold, recovery) and its ETTR, with advice.")
     p.add_argument("target", metavar="ID|RUN_FOLDER", help="a job id (a sweep's array id: every task) or a run folder")
     p.add_argument("--json", action="store_true", help="print the buckets as JSON")
+    p.add_argument("--plot", metavar="FILE", help="also draw the job's timeline into FILE (.png, .pdf or .svg): a bar "
+                   "per start split into start-up, training, saves and rework, how each ended marked (needs "
+                   "matplotlib)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
     p.set_defaults(run=run_goodput)
 
 
 def run_goodput(ns: argparse.Namespace) -> int:
-    from hpcjobs.goodput_report import run
+    from hpcjobs.goodput_report import plot, run
 
-    return run(ns.target, ns.json)
+    if ns.plot:
+        from hpcjobs import compare
+
+        compare.plot_format(ns.plot, ns.force)  # before any reading: a wrong name costs nothing
+        compare.require_matplotlib()
+    code = run(ns.target, ns.json)
+    if ns.plot:
+        import sys
+
+        print(f"wrote {plot(ns.target, ns.plot, ns.force)}", file=sys.stderr if ns.json else sys.stdout)
+    return code
 
 
 def add_export(sub: Subparsers, common: Parser) -> None:
