@@ -294,7 +294,7 @@ def test_fp8_is_refused_in_one_line_without_float8_tensor_cores_or_torchao(
     line = None if why is None else fp8.refusal(why)
     assert (line is None) == (said is None)
     if said is not None:
-        assert line is not None and said in line and "\n" not in line and "HINT: pip install 'hpcjobs[fp8]'" in line
+        assert line is not None and said in line and "\n" not in line and "HINT: pip install torchao" in line
 
 
 def test_fp8_converts_the_aligned_linears_first_and_gathers_in_float8_under_fsdp(

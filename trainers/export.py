@@ -6,7 +6,7 @@ never imports torch).
 Only finished checkpoints are exported (step-N/ with its FINISHED marker); the newest unless --step names one.
 Written to a temporary name and renamed: a file of that name is always whole. An existing file is kept unless
 --force. Bad input (no such run folder, no finished checkpoint, a step that was not kept, an unknown suffix, a
-missing safetensors package: `pip install 'hpcjobs[safetensors]'`) is one line with a HINT and exit 2.
+missing safetensors package: `pip install safetensors`) is one line with a HINT and exit 2.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def write(state: dict[str, torch.Tensor], out: Path, force: bool) -> None:
                 from safetensors.torch import save_file
             except ImportError:
                 raise ExportError("-o *.safetensors needs the safetensors package. HINT: pip install "
-                                  "'hpcjobs[safetensors]', or -o model.pt") from None
+                                  "safetensors, or -o model.pt") from None
             save_file(state, str(tmp))
         else:
             torch.save(state, tmp)

@@ -1,4 +1,4 @@
-"""--fp8: float8 training of the model's linear layers with torchao (an optional extra: pip install 'hpcjobs[fp8]').
+"""--fp8: float8 training of the model's linear layers with torchao (an optional extra: pip install torchao).
 
 torchao's float8 swaps each chosen nn.Linear for a Float8Linear whose matmuls run in float8 with a dynamic scale per
 tensor, on GPUs whose tensor cores have float8 (compute capability 8.9 and up: L4/L40S, H100/H200, B200); under
@@ -38,7 +38,7 @@ def unavailable(device: torch.device) -> str | None:
 
 def refusal(why: str) -> str:
     return (f"--fp8 on {why}; valid: --fp8 on GPUs with float8 tensor cores (H100/H200-class, compute capability "
-            "8.9+) with torchao installed. HINT: pip install 'hpcjobs[fp8]' on the nodes' Python, or drop --fp8")
+            "8.9+) with torchao installed. HINT: pip install torchao on the nodes' Python, or drop --fp8")
 
 
 def convertible(module: nn.Module, fqn: str) -> bool:

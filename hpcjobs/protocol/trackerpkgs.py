@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from hpcjobs.protocol.trainconfig import TRACKERS
+from hpcjobs.protocol.trainconfig import PIP_NAMES, TRACKERS
 from hpcjobs.protocol.trainflags import ConfigError
 
 ASK_TIMEOUT_S = 20.0
@@ -50,8 +50,8 @@ def installed(module: str) -> bool:
 def unavailable(name: str, module: str, why: str = "", python: str | None = None) -> TrackerUnavailable:
     return TrackerUnavailable(f"--tracker {name}: the {module} package is not installed in "
                               f"{python or sys.executable}{why}; valid: --tracker {'|'.join(TRACKERS)} with each "
-                              f"one's package installed. HINT: pip install 'hpcjobs[{name}]' into the environment the "
-                              f"ranks run in, or drop {name} from --tracker")
+                              f"one's package installed. HINT: pip install {PIP_NAMES.get(module, module)} into the "
+                              f"environment the ranks run in (hpcjobs's {name} extra), or drop {name} from --tracker")
 
 
 def _is_this(python: str) -> bool:

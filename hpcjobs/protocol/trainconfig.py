@@ -18,6 +18,8 @@ AC_MODES = ("full", "selective")
 TRACKERS: dict[str, str | None] = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """--tracker's names, each with the package it needs (its pip extra of hpcjobs has the tracker's name). metrics.jsonl
 (jsonl) is the Meter's own and always written; every other tracker NAME is trainers/tracking/NAME_run.py."""
+PIP_NAMES: dict[str, str] = {"mlflow": "mlflow-skinny"}
+"""What pip installs a tracker's package as, where that is not the package's own name (pyproject's extras)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class TrainConfig:
     fp8: bool = False
     """Float8 training of the linear layers (torchao's float8, dynamic scaling; with fsdp the parameters are also
     all-gathered in float8): on GPUs with float8 tensor cores (H100/H200-class, compute capability 8.9+) with torchao
-    installed (pip install 'hpcjobs[fp8]'); refused in one line elsewhere. Layers whose dimensions are not multiples
+    installed (pip install torchao); refused in one line elsewhere. Layers whose dimensions are not multiples
     of 16 stay in the run's precision."""
     strategy: str = field(default="ddp", metadata={
         "choices": STRATEGIES,

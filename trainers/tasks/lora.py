@@ -112,7 +112,7 @@ def read_base(path: Path, shapes_only: bool = False) -> dict[str, torch.Tensor]:
         except ImportError:
             raise TaskArgError(f"{PROG}: --base {path} is a .safetensors file and the safetensors package is missing; "
                                "valid: a .pt file, or safetensors installed. HINT: pip install "
-                               "'hpcjobs[safetensors]', or export the base with -o base.pt") from None
+                               "safetensors, or export the base with -o base.pt") from None
         try:
             if not shapes_only:
                 return load_file(str(path), device="cpu")
