@@ -90,3 +90,33 @@ def test_a_secret_reaches_both_nodes_and_is_written_nowhere(shared_tmp: Path, hp
             assert as_nobody("ls", str(run)) != 0
             assert as_nobody("cat", str(run / "logs" / "restart-0" / "rank-0.log")) != 0
         assert as_nobody("test", "-r", str(hpcjobs_home / "jobs.sqlite")) != 0
+
+
+@pytest.mark.train
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root to act as nobody")
+def test_a_tracker_key_reaches_both_nodes_and_a_group_shares_the_run(shared_tmp: Path, hpcjobs_home: Path) -> None:
+    """The canary's third way, a tracker's key (WANDB_API_KEY in the profile's secrets): both nodes' ranks get it,
+    rank 0's wandb run (offline, into the run folder) writes it nowhere; and with the profile's `group:` another
+    user of that group reads the run folder and its logs (without it, the test above: nothing)."""
+    pytest.importorskip("wandb")
+    canary = uuid.uuid4().hex + uuid.uuid4().hex[:8]  # 40 characters, as W&B's keys
+    work = shared_tmp / "work"
+    work.mkdir()
+    shutil.copy(REPO / "tests" / "scripts" / "tracker_key.py", work / "tracker_key.py")
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    data.update(runs_dir=str(shared_tmp / "runs"), python=str(REPO / ".venv" / "bin" / "python"),
+                secrets=["WANDB_API_KEY"], group="nogroup")  # nobody's group
+    (work / "team.yaml").write_text(yaml.safe_dump(data))
+    env = {"WANDB_API_KEY": canary, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = hpcjobs("submit", "--profile", str(work / "team.yaml"), "--nodes", "2", "--gpus", "1", "--time", "5:00",
+                  "--json", "tracker_key.py", cwd=work, env=env)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout)
+    run = Path(rec["run_dir"])
+    assert wait_for_state(rec["job_id"], DONE) == "COMPLETED"
+    digest = hashlib.sha256(canary.encode()).hexdigest()
+    logs = rank_digests(run)
+    assert len(logs) == 2 and all(f"WANDB_API_KEY sha256 {digest}" in t for t in logs.values()), logs
+    assert list(run.rglob("*.wandb")), "the tracker wrote no run"
+    assert found_in(canary, [shared_tmp, hpcjobs_home], [out, hpcjobs("status", "--json", rec["job_id"])]) == []
+    assert as_nobody("ls", str(run)) == 0 and as_nobody("cat", str(run / "logs" / "restart-0" / "rank-0.log")) == 0
