@@ -151,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     access.tighten(access.node_umask(os.environ))  # what this rank makes: the owner's (or the group's) alone
     run = RunFolder(contract.run_dir)
     if ns.kind == "task":  # after submitit's runner installed its own: ours replace them
-        preemption.install(contract)  # the shared trainer takes part in the stop protocol from its start
+        # The shared trainer takes part in the stop protocol from its start (the launcher knows it by the entry's
+        # kind: nothing to announce, and a start its run folder refuses below writes nothing there).
+        preemption.install(contract, announce=False)
     else:
         standby.stand_by(contract)  # a user's entry joins only if it makes a StopGuard: its signals' usual meaning
     refused = claim_run_folder(run, env)

@@ -62,7 +62,7 @@ def current_contract() -> LaunchContract:
     return LaunchContract.current() or LaunchContract(run_dir=NO_RUN_FOLDER)
 
 
-def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> list[int]:
+def install(contract: LaunchContract, env: Mapping[str, str] | None = None, announce: bool = True) -> list[int]:
     """Handle the profile's signal and SIGTERM (and SIGINT for local runs) by setting the flag, and arm the
     deadline: the signal can be lost (sent before this rank's step existed, or while the rank was starting with it
     ignored, see `hpcjobs.render.launcher_argv`), so at the time the signal was due the rank stops anyway.
@@ -71,7 +71,7 @@ def install(contract: LaunchContract, env: Mapping[str, str] | None = None) -> l
     for num in nums:
         signal.signal(num, _handler)
     _joined[:] = [True]
-    if int((os.environ if env is None else env).get("RANK", "0")) == 0:  # the launcher's Ctrl-C line names the case
+    if announce and int((os.environ if env is None else env).get("RANK", "0")) == 0:  # for the launcher's Ctrl-C line
         run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
         userstop.set_joined(run, (os.environ if env is None else env).get("HPCJOBS_JOB_ID"), True)
     job = jobenv.current(env)
