@@ -73,7 +73,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Straight:
 
 SAVE_FAULTS = ("save-written@9", "save-marked@9", "save-renamed@9:0")
 CASES = [("ddp", 1, "step@7"), ("ddp", 1, "save-written@9"), *[("ddp", 2, f) for f in ("step@7", *SAVE_FAULTS)],
-    ("ddp", 4, "step@7"),  # gloo's ring sums in an order that depends on DDP's bucket layout (trainers/ddp_buckets.py)
+    ("ddp", 4, "step@7"),  # gloo's ring sums in an order that depends on DDP's bucket grouping (settle_ddp_buckets)
     ("ddp", 4, "save-shards@9:2"),
     ("fsdp", 1, "step@7"), ("fsdp", 1, "save-shards@9"),
     *[("fsdp", 2, f) for f in ("step@7", *SAVE_FAULTS)],

@@ -14,14 +14,16 @@ dropout and AdamW, a fresh DDP after step 30 of 60): the final weights differed 
 way. The same drift was seen on the test cluster with an unchanged Lightning script at 2 nodes x 2 ranks (466 of
 1000 losses equal).
 
-So, for every DDP built in a rank that hpcjobs launched: rank 0 writes the rebuilt layout to the run folder
-(RUN/ddp-buckets.json, keyed by the shapes and dtypes of the parameters DDP reduces) at the first save after DDP rebuilt
-it, and a later start of the run builds its DDP with that layout from its first step. DDP's own rebuild after that step
-finds the same ready order and lays the buckets out as they already are. Applied to users' scripts through the import
-hook (trainers/integrations: any DDP the script's library builds, HPCJOBS_HOOKS=0 leaves torch as it is) and to the
-shared trainer (trainers/strategy.py). A model whose parameters differ from the saved key, a DDP built with
-`find_unused_parameters=True` (never rebuilt: its first layout is every start's) and a process outside a launched rank
-are left as torch builds them.
+So, for every DDP built in a user's script that hpcjobs launched (through the import hook, trainers/integrations:
+Lightning's, accelerate's, the HF Trainer's; HPCJOBS_HOOKS=0 leaves torch as it is): rank 0 writes the rebuilt
+layout to the run folder (RUN/ddp-buckets.json, keyed by the shapes and dtypes of the parameters DDP reduces) at the
+first save after DDP rebuilt it, and a later start of the run builds its DDP with that layout from its first step.
+DDP's own rebuild after that step finds the same ready order and lays the buckets out as they already are. Not
+covered: a resume from a save made before DDP rebuilt (a stop at the first step: nothing to record yet). The shared
+trainer keeps its own way (trainers/trainer.py's settle_ddp_buckets: one throwaway backward at every start, so every
+real step is reduced in the rebuilt layout), which covers that case too: it owns its loop, a user's script does not.
+A model whose parameters differ from the saved key, a DDP built with `find_unused_parameters=True` (never rebuilt:
+its first layout is every start's) and a process outside a launched rank are left as torch builds them.
 """
 
 from __future__ import annotations

@@ -73,12 +73,8 @@ class Ddp:
     name, mixed_precision = "ddp", False
 
     def __init__(self, model: nn.Module, ctx: DistContext, cfg: TrainConfig) -> None:
-        import torch.nn.parallel.distributed
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from trainers import ddp_buckets
-
-        ddp_buckets.attach(torch.nn.parallel.distributed)  # a resumed start's first step in the run's bucket layout
         self.model = model
         device = ctx.device
         # Gradients as views into DDP's buckets: no copy into the buckets and no second copy of the gradients.

@@ -25,7 +25,7 @@ from trainers import activations, allocator, checkpoint, faults, memory, perf, p
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import Checkpointer
-from trainers.checkpoint.state import Position, RngState, reseed, seed_all
+from trainers.checkpoint.state import Position, RngState, reseed, rng_state, seed_all, set_rng_state
 from trainers.checkpoint.stateful import ModelState, OptimizerState, Place, Stateful
 from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
@@ -59,6 +59,24 @@ def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.op
     # Fused: one launch per group on CUDA; under --cpu-offload a vectorised CPU kernel, not a per-parameter loop.
     fused = cfg.cpu_offload or all(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if fused else None)
+
+
+def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, device: torch.device,
+                       autocast: Any, optimizer: torch.optim.Optimizer) -> None:
+    """DDP regroups its gradient buckets after the first backward, and the all-reduce sums each element in an
+    order that depends on that grouping (gloo's ring with more than two ranks). A run resumed at step k would
+    reduce step k+1 with the first grouping while the uninterrupted run used the regrouped one, and the weights
+    would drift by a few ULPs. So every run, fresh or resumed, does one throwaway backward first (RNG states
+    restored, gradients dropped): every real step then reduces with the settled grouping."""
+    saved = rng_state(device)
+    batch = to_device(next(iter(DataLoader(dataset, batch_size=micro))), device)
+    net.eval()  # no running-statistics updates; the graph (and so the bucket order) is the same
+    with autocast:
+        loss = task.loss(net, batch)
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    net.train()
+    set_rng_state(saved, device)
 
 
 def evaluate(model: nn.Module, task: Task, dataset: Any, ctx: DistContext, micro: int, autocast: Any) -> float:
@@ -220,6 +238,11 @@ class Training:
         low = self.precision in ("bf16", "fp16") and not self.strategy.mixed_precision  # FSDP2 casts by itself
         self.autocast = torch.autocast(ctx.device.type, dtype=torch.float16 if self.precision == "fp16" else
                                        torch.bfloat16, enabled=low)
+        ddp = getattr(self.strategy, "ddp", None)
+        if ddp is not None:
+            # The uncompiled DDP module: its graph is the same, and compiling an eval-mode graph first would make
+            # the first step compile again for train mode.
+            settle_ddp_buckets(ddp, task, dataset, self.micro, ctx.device, self.autocast, self.optimizer)
         self.first_step = self.pos.step
         self.last_saved = self.pos.step if self.resumed_from is not None else -1
         world = ctx.world_size
