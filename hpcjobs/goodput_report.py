@@ -250,15 +250,11 @@ def timeline_starts(target: str, store: JobStore | None = None) -> list[tuple[st
     return out
 
 
-def plot(target: str, out_path: str, force: bool) -> Path:
-    """`hpcjobs goodput --plot FILE`: one bar per start along the wall clock, from its begin to its last record:
-    start-up until its first step, then training, its saves where the loop waited for them, the training a later
-    start did again hatched (rework), and how it ended marked (✕ failed or killed, ■ stopped when asked, ● finished).
-    The gaps between bars are queue, requeue hold and recovery."""
-    from hpcjobs.compare import plot_format, require_matplotlib, save_atomic
-
-    fmt = plot_format(out_path, force)
-    require_matplotlib()
+def timeline(target: str) -> Any:
+    """`hpcjobs goodput --plot FILE`'s figure (hpcjobs/cli/runs.py writes it): one bar per start along the wall
+    clock, from its begin to its last record: start-up until its first step, then training, its saves where the loop
+    waited for them, the training a later start did again hatched (rework), and how it ended marked (✕ failed or
+    killed, ■ stopped when asked, ● finished). The gaps between bars are queue, requeue hold and recovery."""
     starts = timeline_starts(target)
     if not starts:
         raise UsageError(f"{target}: no start of it is recorded yet (pending, or not a run folder of hpcjobs).",
@@ -293,4 +289,4 @@ def plot(target: str, out_path: str, force: bool) -> Path:
     legend.append(Patch(facecolor="none", edgecolor=colors["rework"], hatch="///", label=BUCKET_WORDS["rework"]))
     fig.legend(handles=legend, fontsize="x-small", ncols=4, loc="outside lower center")
     ax.set_title("ends: x failed or killed, square stopped when asked, circle finished", fontsize="small")
-    return save_atomic(fig, Path(out_path), fmt)
+    return fig

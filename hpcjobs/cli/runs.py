@@ -78,18 +78,19 @@ def add_goodput(sub: Subparsers, common: Parser) -> None:
 
 
 def run_goodput(ns: argparse.Namespace) -> int:
-    from hpcjobs.goodput_report import plot, run
+    from hpcjobs import compare
+    from hpcjobs.goodput_report import run, timeline
 
+    fmt = compare.plot_format(ns.plot, ns.force) if ns.plot else ""  # before any reading: a wrong name costs nothing
     if ns.plot:
-        from hpcjobs import compare
-
-        compare.plot_format(ns.plot, ns.force)  # before any reading: a wrong name costs nothing
         compare.require_matplotlib()
     code = run(ns.target, ns.json)
     if ns.plot:
         import sys
+        from pathlib import Path
 
-        print(f"wrote {plot(ns.target, ns.plot, ns.force)}", file=sys.stderr if ns.json else sys.stdout)
+        wrote = compare.save_atomic(timeline(ns.target), Path(ns.plot), fmt)
+        print(f"wrote {wrote}", file=sys.stderr if ns.json else sys.stdout)
     return code
 
 
