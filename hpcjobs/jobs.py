@@ -80,7 +80,10 @@ FOLDER_STATES: dict[str, JobState] = {FinalState.FINISHED: JobState.COMPLETED, F
 
 def lines_of(history: list[dict[str, Any]], job_id: str) -> list[dict[str, Any]]:
     """The job's own lines of a run folder's restarts.jsonl: its start lines, each with the stop lines after it (a
-    stop line names no job: it is the start's before it). Another job on the same folder has its own."""
+    stop line names no job: it is the start's before it). Another job on the same folder has its own. A folder with
+    no start line at all (written before starts were recorded) is taken as the job's."""
+    if all("stopped" in r for r in history):
+        return list(history)
     mine, own = [], False
     for r in history:
         if "stopped" not in r:

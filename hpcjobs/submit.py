@@ -4,6 +4,7 @@ backend, record the job. Everything they need was decided by the pure spec and r
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,21 @@ def record(spec: JobSpec, sub: Submitted, store: JobStore | None = None) -> None
         spec=spec.as_dict(sub.task), submitted=time.time()))
 
 
+def snapshot_notes(spec: JobSpec) -> list[str]:
+    """What the snapshot left out, said once the job has an id (a submission refused before says only why)."""
+    snap, notes = spec.snapshot, []
+    if snap is not None and snap.skipped:
+        notes.append("hpcjobs: the code snapshot leaves out what commonly holds credentials: "
+                     + ", ".join(snap.skipped))
+    if snap is not None and snap.data:
+        more = f" and {len(snap.data) - 5} more" if len(snap.data) > 5 else ""
+        notes.append(f"hpcjobs: the code snapshot (outside git) leaves out data and weights (weights, or files over "
+                     f"{PLAIN_FILE_MAX // 2**20} MiB): {', '.join(snap.data[:5])}{more}; a rank that opens one by a "
+                     "relative path will not find it: give it by its absolute path, run from a git repository, or "
+                     "pass --no-snapshot")
+    return notes
+
+
 def take_snapshot(spec: JobSpec) -> Path | None:
     """Copy the project's code where the spec says the ranks run it (nothing when it is there already). The run
     folder is checked first: the snapshot goes beside it, and a run folder that cannot be made is the error to give.
@@ -50,20 +66,6 @@ def take_snapshot(spec: JobSpec) -> Path | None:
     check_run_folder(spec.run_dir)
     folder = Path(spec.snapshot.folder)
     there = existing_ancestor(folder)
-    if spec.snapshot.skipped:
-        import sys
-
-        print(f"hpcjobs: the code snapshot leaves out what commonly holds credentials: "
-              f"{', '.join(spec.snapshot.skipped)}", file=sys.stderr)
-    if spec.snapshot.data:
-        import sys
-
-        shown = spec.snapshot.data[:5]
-        more = f" and {len(spec.snapshot.data) - len(shown)} more" if len(spec.snapshot.data) > len(shown) else ""
-        print(f"hpcjobs: the code snapshot (outside git) leaves out data and weights: {', '.join(shown)}{more}; "
-              f"(weights, or over {PLAIN_FILE_MAX // 2**20} MiB); a rank that opens one by a relative path will not "
-              "find it: give it by its absolute path, run from a git repository, or pass --no-snapshot",
-              file=sys.stderr)
     materialize(spec.snapshot)
     restrict_made(folder, there, group_id(spec.profile.group))
     if there == folder:
@@ -96,6 +98,9 @@ def submit(request: SubmitRequest) -> Submitted:
     recorded: list[Submitted] = []
 
     def on_id(sub: Submitted) -> None:
+        if not recorded:
+            for note in snapshot_notes(spec):
+                print(note, file=sys.stderr, flush=True)
         recorded.append(sub)
         record(spec, sub, store)
 

@@ -236,7 +236,8 @@ def test_snapshot_outside_git_leaves_out_weights_and_large_files_and_says_so(tmp
     assert [d.split(" (")[0] for d in snap.data] == ["corpus.txt", "out/model.pt"]
     out = hpcjobs("submit", "--profile", "local", "--run-dir", str(tmp_path / "run"), "train.py", cwd=project)
     assert out.returncode == 0 and "trained" in out.stdout + out.stderr, out.stderr
-    assert "leaves out data and weights: corpus.txt (8.0 MiB), out/model.pt (0.0 MiB)" in out.stderr
+    assert "leaves out data and weights (weights, or files over 8 MiB): corpus.txt (8.0 MiB), out/model.pt (0.0 MiB)" \
+        in out.stderr
 
 
 def test_snapshot_over_the_size_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
