@@ -62,9 +62,10 @@ def attach(module: ModuleType) -> None:
         if path is None:  # not a launched rank: torch as it is
             return original(self, *args, **kwargs)
         key: list[str] = []
-        with saved_layout_applied(read(path), key):
+        saved = read(path)
+        with saved_layout_applied(saved, key):
             original(self, *args, **kwargs)
-        if key and key[0] not in read(path) and int(os.environ.get("RANK", "0")) == 0:
+        if key and key[0] not in saved and int(os.environ.get("RANK", "0")) == 0:
             _unrecorded[self] = (path, key[0])
 
     ddp_cls.__init__ = __init__

@@ -134,10 +134,11 @@ def stop_callback(package: str) -> Any:
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
             watchdog.progress(trainer.global_step)  # a batch, not always a step: its time is what is measured
             ACCOUNT.step_done(trainer.global_step)
-            loss = (getattr(trainer, "callback_metrics", None) or {}).get("loss")  # the script's self.log("loss")
             every = max(1, getattr(trainer, "log_every_n_steps", 1) or 1)
-            if loss is not None and rank() == 0 and trainer.global_step % every == 0:
-                ACCOUNT.logged(trainer.global_step, float(loss))
+            if rank() == 0 and trainer.global_step % every == 0:  # callback_metrics is built when read: not each batch
+                loss = (getattr(trainer, "callback_metrics", None) or {}).get("loss")  # the script's self.log("loss")
+                if loss is not None:
+                    ACCOUNT.logged(trainer.global_step, float(loss))
             self.asked |= self.guard.step_ended()  # every rank, every batch; a collective at the cadence's batches
             if not self.asked or self.saved or not resumable_here(trainer):
                 return
