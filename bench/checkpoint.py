@@ -81,7 +81,7 @@ def sharded_worker(folder: Path, megabytes: int, rounds: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers import strategy
     from trainers.checkpoint.sharded import Checkpointer
     from trainers.checkpoint.state import RngState

@@ -63,7 +63,7 @@ def bare_loop(size: str, batch: int, steps: int, precision: str, compiled: bool)
     """What a user writes by hand for one GPU; run in its own process (math settings are process-wide)."""
     from torch.utils.data import DataLoader
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers import perf
     from trainers.tasks.lm import lm_loss, make_task
     from trainers.trainer import default_optimizer

@@ -9,7 +9,7 @@ tell 2% apart. `--control` adds a second torchrun run a round: its interval must
 runs carry the stop checks at the integrations' cadence (trainers/integrations/checks.py: every step end over the
 first 12, then about once a second; the all-reduce bench/stop_agreement.py times alone). What this bench found: ranks
 left in the shell's session ran several % slower than torchrun's, each in a session of its own as fast: the kernel
-shares CPU time by session (hpcjobs/backends/local_ranks.py rank_preexec; the figures in bench/README.md).
+shares CPU time by session (hpcjobs/backends/local/ranks.py rank_preexec; the figures in bench/README.md).
 
     .venv/bin/python bench/hf_trainer.py [--rounds 4] [--steps 100] [--control] [--variants hpcjobs,torchrun-launch]
 Writes bench/results/hf_trainer.json and prints a summary.

@@ -43,7 +43,7 @@ def worker(size: str, strategy_name: str, meta_init: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers import strategy
     from trainers.dist import distributed, release_groups
     from trainers.tasks.lm import make_task

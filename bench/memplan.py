@@ -1,4 +1,5 @@
-"""bench/memplan: the memory plan (hpcjobs.protocol.memplan) against the peak bytes ranks really hold (CPU, gloo).
+"""bench/memplan: the memory plan (hpcjobs.protocol.planning.memory_plan) against the peak bytes ranks really hold (CPU,
+gloo).
 
     .venv/bin/python bench/memplan.py
 Each case starts `ranks` CPU ranks (torch.distributed.run) that build the LM task's model as the shared trainer does
@@ -115,7 +116,7 @@ def worker(size: str, strategy_name: str, batch: int, ac: bool, precision: str) 
     """One real CPU rank of a torch.distributed.run job (gloo)."""
     import torch
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers import strategy
     from trainers.dist import distributed, release_groups
     from trainers.tasks.lm import make_task
@@ -143,7 +144,7 @@ def fake_worker(size: str, strategy_name: str, ranks: int, batch: int, ac: bool,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers.tasks.lm import GPT, SIZES, lm_loss
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
@@ -162,8 +163,8 @@ def measure(size: str, strategy: str, ranks: int, batch: int, ac: bool = False, 
             fake: bool = False) -> dict[str, Any]:
     """Rank 0's measured peak beside the plan's bytes for the same case (on the CPU: no headroom). `fake`: under
     fake tensors and a fake process group (`fake_worker`), else real CPU ranks over gloo."""
-    from hpcjobs.protocol.lmsizes import SIZES
-    from hpcjobs.protocol.memplan import Setup, plan
+    from hpcjobs.protocol.planning.lmsizes import SIZES
+    from hpcjobs.protocol.planning.memory_plan import Setup, plan
     from hpcjobs.protocol.ports import free_port
 
     env = {**os.environ, "HPCJOBS_BACKEND": "gloo", "PYTHONPATH": str(Path(__file__).parent.parent),

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainers.preemption import Agreement
+from trainers.agreement import Agreement
 
 RESULTS = Path(__file__).parent / "results" / "stop_agreement.json"
 WARMUP = 10

@@ -1,5 +1,5 @@
 """bench/submit_time: what checking a bundled task's flags and the trackers' packages before queueing (issue 26
-item 4: hpcjobs/taskcheck.py) adds to `hpcjobs submit`, timed as `submit --dry-run` (the same argv → profile →
+item 4: hpcjobs/request/taskcheck.py) adds to `hpcjobs submit`, timed as `submit --dry-run` (the same argv → profile →
 spec → checks as a submit, without sbatch) of this tree against a baseline tree (a git worktree of the commit
 before), interleaved rounds, medians.
 

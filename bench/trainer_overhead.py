@@ -39,7 +39,7 @@ def bare_ddp(task: Any, steps: int, log_every: int, out: Path | None, batch_size
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers.checkpoint.resume import lr_lambda
     from trainers.checkpoint.state import seed_all
     from trainers.trainer import default_optimizer
@@ -98,7 +98,7 @@ def worker(mode: str, steps: int, log_every: int, out: Path, strategy: str) -> N
     import torch
 
     from hpcjobs.protocol.runfolder import RunFolder
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers.dist import distributed
     from trainers.tasks.lm import make_task
     from trainers.trainer import train
@@ -179,7 +179,7 @@ def part_b(rounds: int, steps: int, log_every: int) -> dict[str, Any]:
     import torch
 
     from hpcjobs.protocol.runfolder import RunFolder
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers.dist import distributed
     from trainers.trainer import train
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, backend_for
 from hpcjobs.backends.common import check_run_folder
-from hpcjobs.credentials import group_id
+from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.protocol.access import restrict_made
 from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.errors import HpcjobsError, RuntimeFailure
 from hpcjobs.protocol.paths import existing_ancestor, refuse_output
-from hpcjobs.snapshot import PLAIN_FILE_MAX, materialize
-from hpcjobs.spec import JobSpec
-from hpcjobs.store import JobRecord, JobStore
+from hpcjobs.request.credentials import group_id
+from hpcjobs.request.snapshot import PLAIN_FILE_MAX, materialize
+from hpcjobs.request.spec import JobSpec
 
 
 def write_script(script: Script, path: Path, force: bool = False) -> Path:

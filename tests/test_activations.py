@@ -12,7 +12,7 @@ import torch
 from test_fsdp import train, weights
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
+from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args
 from trainers import strategy
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, hpcjobs, sbatch_shim
-from hpcjobs.after import After, dependency, parse_after, parse_all
-from hpcjobs.chainfile import read_chain
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.states import JobState
+from hpcjobs.request.after import After, dependency, parse_after, parse_all
+from hpcjobs.request.chainfile import read_chain
 
 
 def test_after_parses_each_form_and_joins_slurms_dependency() -> None:

@@ -21,27 +21,27 @@ from submitit.slurm import slurm as submitit_slurm
 
 from conftest import REPO, hpcjobs, sbatch_shim
 from hpcjobs.backends import SCHEDULERS, backend_for
-from hpcjobs.backends.environment import clean, cleaned_os_environ
-from hpcjobs.backends.local import LocalBackend, rank_envs
-from hpcjobs.backends.slurm import SlurmBackend
-from hpcjobs.backends.slurm_render import (
+from hpcjobs.backends.local.local import LocalBackend, rank_envs
+from hpcjobs.backends.slurm.sbatch import (
     SUBMITIT_NATIVE,
     job_comment,
     render_sbatch,
     run_dir_of_comment,
     submitit_parameters,
 )
-from hpcjobs.jobs import cancel, last_step, status_of
-from hpcjobs.profiles import load_profile
+from hpcjobs.backends.slurm.slurm import SlurmBackend
+from hpcjobs.backends.start_env import clean, cleaned_os_environ
+from hpcjobs.follow.status import cancel, last_step, status_of
+from hpcjobs.jobs.store import JobRecord, JobStore
+from hpcjobs.profiles.cluster_profile import load_profile
 from hpcjobs.protocol.contract import LaunchContract, Preemption
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder, resolve_run_dir
 from hpcjobs.protocol.states import FinalState, JobState
-from hpcjobs.spec import Request, build_spec
-from hpcjobs.store import JobRecord, JobStore
+from hpcjobs.request.spec import Request, build_spec
 
 # Recorded on the test cluster (Slurm 22.05, tests/cluster/testcluster.sh): (exit code, stdout, stderr).
-# `{comment}`: the job's comment, hpcjobs:run=<its run folder> (slurm_render.job_comment).
+# `{comment}`: the job's comment, hpcjobs:run=<its run folder> (hpcjobs.backends.slurm.sbatch.job_comment).
 SQUEUE = {
     "running": (0, "RUNNING|{comment}\n", ""),
     "pending": (0, "PENDING|{comment}\n", ""),
@@ -394,8 +394,8 @@ def test_no_scheduler_branch_outside_the_backends() -> None:
                  for i, line in enumerate(p.read_text().splitlines(), 1)
                  if re.search(r"scheduler\s*[!=]=|[!=]=\s*[\w.]*scheduler\b", line)]
     assert offenders == []
-    assert set(SCHEDULERS) == {p.stem for p in (REPO / "hpcjobs" / "backends").glob("*.py")
-                               if "BACKEND = " in p.read_text()}
+    assert set(SCHEDULERS) == {p.stem for p in (REPO / "hpcjobs" / "backends").glob("*/*.py")
+                               if p.stem == p.parent.name and "BACKEND = " in p.read_text()}
     assert [backend_for(s).name for s in SCHEDULERS] == list(SCHEDULERS)
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hpcjobs.protocol.trainflags import ResumeError
+from hpcjobs.protocol.settings.trainflags import ResumeError
 from trainers import checkpoint
 from trainers.checkpoint.sharded import Checkpointer, flat, model_weights
 from trainers.checkpoint.state import RngState

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from conftest import BIN, REPO
-from hpcjobs import compare
 from hpcjobs.cli import main
-from hpcjobs.store import JobRecord, JobStore
+from hpcjobs.goodput import compare
+from hpcjobs.jobs.store import JobRecord, JobStore
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Containers (hpcjobs.container): the profile's `container:` keys and `--container IMAGE`, refused in one line
+"""Containers (hpcjobs.profiles.container): the profile's `container:` keys and `--container IMAGE`, refused in one line
 before anything is written when they cannot work, and recorded in the spec when they can. The rendered scripts
 are golden-tested in tests/test_render.py; the runs on the test cluster are in tests/cluster/ (marked slow)."""
 

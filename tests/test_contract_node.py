@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import ENV_VAR, LaunchContract, Preemption
+from hpcjobs.protocol.faultpolicy import restartcap
 from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.settings.taskargs import TaskArgError
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args, reference_table
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
-from hpcjobs.protocol.taskargs import TaskArgError
-from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, reference_table
 from trainers import preemption
 from trainers.jobenv import slurm as slurm_control
 
@@ -124,7 +124,7 @@ def test_requeue_tolerates_a_job_slurm_already_requeues() -> None:
 
 
 def test_slurm_control_is_torch_free_and_preemption_uses_it() -> None:
-    code = ("import sys, trainers.jobenv.slurm, hpcjobs.protocol.trainflags, trainers.launch; "
+    code = ("import sys, trainers.jobenv.slurm, hpcjobs.protocol.settings.trainflags, trainers.launch; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
@@ -344,7 +344,7 @@ def test_the_launcher_enforces_the_contracts_restart_cap(tmp_path: Path) -> None
         f"beginning (none committed yet); stopped each time by: {restartcap.OUTSIDE}: not training again")
 
 
-# --- hpcjobs.protocol.trainflags.parse_trainer_args ----------------------------------------------------------
+# --- hpcjobs.protocol.settings.trainflags.parse_trainer_args ----------------------------------------------------------
 
 @pytest.mark.parametrize("args,given,valid", [
     (["--steps", "0"], "--steps 0 is too small", "--steps N with N ≥ 1"),
@@ -408,8 +408,8 @@ def test_every_numeric_setting_has_a_range() -> None:
 
 
 def test_every_schema_key_of_a_setting_is_one_the_parser_reads() -> None:
-    """A misspelt key (`choises`) would leave a flag unchecked without a word: only hpcjobs.protocol.schema's keys
-    that the trainer's flags read are allowed, and a hint or example for every flag that takes a value."""
+    """A misspelt key (`choises`) would leave a flag unchecked without a word: only hpcjobs.protocol.settings.schema's
+    keys that the trainer's flags read are allowed, and a hint or example for every flag that takes a value."""
     known = {"choices", "multiple", "min", "max", "above", "note", "example", "hint", "shown"}
     for f in dataclasses.fields(TrainConfig):
         assert set(f.metadata) <= known, (f.name, set(f.metadata) - known)
@@ -429,7 +429,7 @@ def test_every_trainer_flag_has_its_row_in_the_reference_table() -> None:
 def test_the_docs_hold_exactly_the_trainer_flag_table() -> None:
     page = (REPO / "docs" / "reference" / "trainer-flags.md").read_text()
     assert f"\n\n{reference_table()}\n" in page, ("docs/reference/trainer-flags.md's table is stale: paste "
-                                                   "hpcjobs.protocol.trainflags.reference_table()")
+                                                   "hpcjobs.protocol.settings.trainflags.reference_table()")
 
 
 def test_trainer_flags_are_never_abbreviated_anywhere() -> None:

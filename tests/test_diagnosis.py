@@ -1,13 +1,13 @@
-"""Which rank failed first (hpcjobs.protocol.diagnosis) from the ranks' own records, srun's lines and the silent
-ranks; the real-cluster versions of these faults are in tests/cluster/test_faults_cluster.py."""
+"""Which rank failed first (hpcjobs.protocol.faultpolicy.diagnosis) from the ranks' own records, srun's lines and the
+silent ranks; the real-cluster versions of these faults are in tests/cluster/test_faults_cluster.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hpcjobs.protocol.diagnosis import NodeFault, diagnose
+from hpcjobs.protocol.faultpolicy.diagnosis import NodeFault, diagnose
+from hpcjobs.protocol.faultpolicy.srunwords import srun_failures, task_ids
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
-from hpcjobs.protocol.srunwords import srun_failures, task_ids
 
 
 def run_with(tmp_path: Path, failures: list[tuple[float, int, str]], world: int = 4) -> RunFolder:
@@ -128,7 +128,8 @@ def test_hang_records_close_together_name_no_rank_as_hung(tmp_path: Path) -> Non
     assert one is not None and one.first is not None and one.first.describe() == f"rank 0 on node1: {HUNG_WAITING}"
 
 
-# --- a node that failed (the scheduler's word, hpcjobs.backends.slurm_faults) ------------------------------------
+# --- a node that failed (the scheduler's word, hpcjobs.backends.slurm.failed_nodes)
+# ------------------------------------
 
 def test_a_failed_node_comes_before_the_healthy_peers_connection_reset(tmp_path: Path) -> None:
     """Measured: node2 killed with its link up; ranks 0 and 1 on node1 recorded `Connection reset by peer`, ranks 2

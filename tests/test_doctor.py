@@ -15,10 +15,10 @@ import pytest
 
 from conftest import REPO, hpcjobs
 from hpcjobs.backends import backend_for
-from hpcjobs.backends import slurm_doctor as d
-from hpcjobs.doctor import Check, Result, exit_code, table
-from hpcjobs.profiles import load_profile
-from hpcjobs.spec import JobSpec, Request, build_spec
+from hpcjobs.backends.slurm import preflight as d
+from hpcjobs.profiles.cluster_profile import load_profile
+from hpcjobs.request.checks import Check, Result, exit_code, table
+from hpcjobs.request.spec import JobSpec, Request, build_spec
 
 GOLDEN = REPO / "tests" / "golden"
 PARTITIONS = (GOLDEN / "testcluster-scontrol-partition.txt").read_text()  # scontrol show partition -o
@@ -193,7 +193,7 @@ def test_local_doctor() -> None:
 # --- --probe: the job's script and what its report says (tests/cluster/test_doctor_cluster.py runs it) -----------
 
 def test_the_probe_script_runs_the_setup_and_the_python_check_on_one_node(tmp_path: Path) -> None:
-    from hpcjobs.backends.slurm_probe import probe_script
+    from hpcjobs.backends.slurm.probe import probe_script
 
     s = replace(spec(), profile=replace(spec().profile, setup=("module load x",), runs_dir=str(tmp_path)))
     text = probe_script(s, tmp_path / "probe" / "r.json")
@@ -205,7 +205,7 @@ def test_the_probe_script_runs_the_setup_and_the_python_check_on_one_node(tmp_pa
 @pytest.mark.parametrize("value,ok", [("eth0", True), ("eth", True), ("=eth0", True), ("=eth", False),
                                       ("ib0", False), ("eth0,ib0", False), ("^docker,lo", True)])
 def test_interfaces_in_nccls_forms(value: str, ok: bool) -> None:
-    from hpcjobs.backends.slurm_probe import interface_problems
+    from hpcjobs.backends.slurm.probe import interface_problems
 
     assert (interface_problems({"NCCL_SOCKET_IFNAME": value}, ["eth0", "lo"]) == []) == ok
     assert interface_problems({"GLOO_SOCKET_IFNAME": "eth"}, ["eth0", "lo"]) != []  # gloo: exact names only
@@ -216,7 +216,7 @@ REPORT = {"host": "node1", "python": "/venv/bin/python3", "torch": "2.13.0", "cu
 
 
 def test_probe_rows() -> None:
-    from hpcjobs.backends.slurm_probe import probe_checks
+    from hpcjobs.backends.slurm.probe import probe_checks
 
     rows = {c.name: c for c in probe_checks(spec(), "7", "COMPLETED", REPORT, "")}
     assert {name: r.result for name, r in rows.items()} == {
@@ -290,7 +290,7 @@ def test_the_probe_checks_every_point_of_a_sweep() -> None:
 def report_step(s: JobSpec, out: Path, python: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The probe script's last command (the report) as the node runs it, from a file through bash, with `python` as
     the nodes' Python."""
-    from hpcjobs.backends.slurm_probe import probe_script
+    from hpcjobs.backends.slurm.probe import probe_script
 
     text = probe_script(s, out)
     step = out.with_name("step.sh")
@@ -341,7 +341,7 @@ def test_a_task_that_kills_the_probe_on_import_keeps_the_other_rows(tmp_path: Pa
 
 def probe_checks_of(s: JobSpec, report: dict[str, object], state: str) -> list[Check]:
     """The rows doctor --probe shows for probe job 7, ended in `state`, that wrote `report` and printed nothing."""
-    from hpcjobs.backends.slurm_probe import probe_checks
+    from hpcjobs.backends.slurm.probe import probe_checks
 
     return probe_checks(s, "7", state, report, "")
 
@@ -363,7 +363,7 @@ def test_a_sweep_larger_than_one_argument_may_hold_reaches_the_node(tmp_path: Pa
 
 def test_the_probe_hands_the_entrys_flags_to_the_nodes_python_as_given(tmp_path: Path) -> None:
     """Quotes, `;`, `$`, backquotes, spaces, a newline and non-ASCII in a flag reach the report's Python unchanged."""
-    from hpcjobs.backends.slurm_probe import probe_script
+    from hpcjobs.backends.slurm.probe import probe_script
 
     args = ("--text", "a b;c'd\"e\n$HOME `x` é", "--steps", "3")
     s = replace(spec(), entry=replace(spec().entry, args=args))

@@ -190,8 +190,8 @@ def test_a_damaged_store_row_and_hand_edited_run_records_still_answer(tmp_path: 
     import sqlite3
     import time
 
+    from hpcjobs.jobs.store import JobRecord, JobStore
     from hpcjobs.protocol.errors import RuntimeFailure
-    from hpcjobs.store import JobRecord, JobStore
 
     run, home = tmp_path / "run", tmp_path / "home"
     run.mkdir()

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from conftest import REPO, hpcjobs, newest_log
-from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainflags import ConfigError
 from trainers import checkpoint, strategy
 from trainers.checkpoint.sharded import model_weights
 from trainers.dist import DistContext, release_groups

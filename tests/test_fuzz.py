@@ -44,15 +44,15 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from hpcjobs.backends import slurm as slurm_backend
-from hpcjobs.backends import slurm_probe
-from hpcjobs.backends.local import LocalBackend, rank_envs
+from hpcjobs.backends.local.local import LocalBackend, rank_envs
+from hpcjobs.backends.slurm import probe as slurm_probe
+from hpcjobs.backends.slurm import slurm as slurm_backend
 from hpcjobs.cli import main
-from hpcjobs.profiles import GPU_REQUEST_FORMS, ClusterProfile
+from hpcjobs.jobs.store import JobStore
+from hpcjobs.profiles.cluster_profile import GPU_REQUEST_FORMS, ClusterProfile
+from hpcjobs.profiles.yamlfile import MAX_FILE_BYTES
 from hpcjobs.protocol.contract import SIGNALS
-from hpcjobs.render import launcher_argv
-from hpcjobs.store import JobStore
-from hpcjobs.yamlfile import MAX_FILE_BYTES
+from hpcjobs.request.render import launcher_argv
 
 # Hypothesis keeps caches (constants, unicode data) in ./.hypothesis even with the example database off: not in the
 # checkout. The variable is read when it first writes them, in the first test (a user's own setting wins).

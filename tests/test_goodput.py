@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from hpcjobs import goodput_advice
-from hpcjobs.backends.slurm import parse_sacct
+from hpcjobs.backends.slurm.slurm import parse_sacct
 from hpcjobs.cli import main
-from hpcjobs.goodput import BUCKETS, Allocation, JobTimes, Save, Start, compute
-from hpcjobs.goodput_report import report, text
+from hpcjobs.goodput import advice as goodput_advice
+from hpcjobs.goodput.buckets import BUCKETS, Allocation, JobTimes, Save, Start, compute
+from hpcjobs.goodput.report import report, text
+from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.protocol.states import JobState
-from hpcjobs.store import JobRecord, JobStore
 
 J = "4711"
 
@@ -249,7 +249,7 @@ def test_goodput_cli_json_and_a_bad_target(tmp_path: Path, capsys: pytest.Captur
 def test_allocation_start_is_the_first_starts_begin() -> None:
     start = Start(0, begin=15.0, marks={"launched": 15.0, "first_step": 20.0}, start_step=0, end=30.0,
                   ended="finished")
-    from hpcjobs.goodput_read import job_times
+    from hpcjobs.goodput.records import job_times
 
     job = job_times([("x", start)], "x", 1, 0.0, [Allocation(10.0, 31.0)], running=False)
     g = compute(job, [None], now=0.0)
@@ -327,7 +327,7 @@ def test_torn_or_foreign_records_are_skipped(tmp_path: Path) -> None:
 
 def test_status_has_a_goodput_line_and_compare_an_ettr_column(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from hpcjobs import compare
+    from hpcjobs.goodput import compare
 
     run = killed_and_resumed(tmp_path / "run")
     (run / "spec.json").write_text("{}")
@@ -344,7 +344,7 @@ def test_compare_plot_draws_each_runs_buckets_below_the_loss(tmp_path: Path) -> 
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from hpcjobs import compare
+    from hpcjobs.goodput import compare
 
     run = killed_and_resumed(tmp_path / "run")
     (run / "spec.json").write_text("{}")
@@ -388,7 +388,7 @@ def test_goodput_plot_draws_each_start_on_the_wall_clock(tmp_path: Path, capsys:
     """Issue 37: `goodput --plot` draws a job's timeline, one bar per start: the killed start's bar ends in a cross
     and its training after the save the next start resumed is hatched; a bad file name is one line, nothing read."""
     pytest.importorskip("matplotlib")
-    from hpcjobs import goodput_report
+    from hpcjobs.goodput import report as goodput_report
 
     run = killed_and_resumed(tmp_path / "run")
     starts = goodput_report.timeline_starts(str(run))

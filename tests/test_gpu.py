@@ -103,7 +103,7 @@ def test_data_loader_workers_pin_memory_and_stay_up(tmp_path: Path) -> None:
 
 
 def test_default_optimizer_is_fused_on_cuda() -> None:
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers.trainer import default_optimizer
 
     model = torch.nn.Linear(4, 4).cuda()

@@ -251,7 +251,7 @@ def test_metrics_carry_reserved_memory_and_allocator_retries_on_cuda(monkeypatch
     import torch
 
     from hpcjobs.protocol.runfolder import RunFolder
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers.dist import DistContext
     from trainers.meter import Meter
     from trainers.task import Task
@@ -307,8 +307,8 @@ def test_fp8_converts_the_aligned_linears_first_and_gathers_in_float8_under_fsdp
     import torch
     from torch import nn
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
-    from hpcjobs.protocol.trainflags import ConfigError
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainflags import ConfigError
     from trainers import fp8, strategy
     from trainers.dist import DistContext
 

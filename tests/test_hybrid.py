@@ -12,7 +12,7 @@ import torch
 from test_reshard import ARGS, probe
 
 from conftest import REPO, hpcjobs, newest_log
-from hpcjobs.protocol.trainflags import ConfigError, check_world, parse_trainer_args
+from hpcjobs.protocol.settings.trainflags import ConfigError, check_world, parse_trainer_args
 from trainers import checkpoint
 from trainers.checkpoint.sharded import model_weights
 

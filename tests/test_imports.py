@@ -2,7 +2,7 @@
 side (`trainers/`) meet only in `hpcjobs/protocol/`, and no module imports itself back through others.
 
 Every import statement counts, also one inside a function (a lazy import still ties two modules: the cycles
-launch ↔ run and slurm ↔ slurm_doctor hid there); only `if TYPE_CHECKING:` blocks are left out, since they never
+launch ↔ run and slurm ↔ its doctor hid there); only `if TYPE_CHECKING:` blocks are left out, since they never
 run. An import of a package's name that is a submodule counts as an import of that submodule.
 """
 
@@ -112,16 +112,49 @@ def test_no_module_imports_itself_back() -> None:
     assert cycles(graph()) == []
 
 
+ROOMS = ("hpcjobs.protocol", "hpcjobs.profiles", "hpcjobs.jobs", "hpcjobs.request", "hpcjobs.backends",
+         "hpcjobs.follow", "hpcjobs.goodput", "hpcjobs.submit", "hpcjobs.cli", "hpcjobs.__main__")
+"""The submit side's rooms, lowest first (docs/design/index.md draws them): the shared vocabulary; the profiles a user
+writes; the job store; a job request built from argv (spec, entry, checks, renderers); the schedulers' backends;
+jobs followed; what runs left behind (goodput, compare); submission's side effects; the command line. A room imports
+only rooms before it, and the package root only for its version (hpcjobs/__init__.py imports nothing)."""
+
+
+def room(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def arrows_up(g: dict[str, list[tuple[str, int]]]) -> list[str]:
+    rank = {r: i for i, r in enumerate(ROOMS)}
+    return [f"{m}:{line} imports {t}" for m, targets in sorted(g.items()) if m.startswith("hpcjobs.")
+            for t, line in targets if t != "hpcjobs" and rank[room(t)] > rank[room(m)]]
+
+
+def test_the_submit_side_is_rooms_each_importing_only_rooms_below_it() -> None:
+    g = graph()
+    assert sorted({room(m) for m in g if m.startswith("hpcjobs.")}) == sorted(ROOMS), "a new room: place it in ROOMS"
+    assert arrows_up(g) == []
+    assert graph()["hpcjobs"] == [], "the package root holds the version and imports nothing"
+
+
+def test_the_top_of_hpcjobs_holds_entry_points_only() -> None:
+    loose = sorted(p.name for p in (REPO / "hpcjobs").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "submit.py"], "put a new module in the room of what it holds"
+
+
 def test_the_checks_see_a_crossing_and_a_cycle() -> None:
     """The two checks above, on a made-up graph: a node module reaching into a backend, a function-local cycle."""
     g = {"trainers.preemption": [("hpcjobs.backends.slurm_control", 35)], "hpcjobs.backends.slurm_control": [],
          "trainers.launch": [("trainers.run", 84)], "trainers.run": [("trainers.launch", 36)],
-         "hpcjobs.spec": [("hpcjobs.protocol.trainflags", 139)], "hpcjobs.protocol.trainflags": []}
+         "hpcjobs.request.spec": [("hpcjobs.protocol.settings.trainflags", 139)],
+         "hpcjobs.protocol.settings.trainflags": []}
     assert crossings(g) == ["trainers.preemption:35 imports hpcjobs.backends.slurm_control"]
     assert cycles(g) == [["trainers.launch", "trainers.run"]]
+    assert arrows_up({"hpcjobs.request.spec": [("hpcjobs.backends.slurm.slurm", 7), ("hpcjobs.protocol.states", 8)]}) \
+        == ["hpcjobs.request.spec:7 imports hpcjobs.backends.slurm.slurm"]
 
 
 def test_lazy_and_relative_imports_are_read() -> None:
     mods = module_files()
-    lazy = imports_of("hpcjobs.backends.slurm", mods["hpcjobs.backends.slurm"], mods)
-    assert "hpcjobs.backends.slurm_doctor" in {t for t, _ in lazy}  # inside doctor(), and counted
+    lazy = imports_of("hpcjobs.backends.slurm.slurm", mods["hpcjobs.backends.slurm.slurm"], mods)
+    assert "hpcjobs.backends.slurm.preflight" in {t for t, _ in lazy}  # inside doctor(), and counted

@@ -27,8 +27,9 @@ PROTOCOL_NAMING_SLURM = {
                                      "sides: the submit side fills them from a job id (array_ids), the launcher from "
                                      "its environment (LaunchContract.started)",
     "hpcjobs/protocol/ports.py": "the rendered script's shell expression for the rendezvous port names $SLURM_JOB_ID",
-    "hpcjobs/protocol/srunwords.py": "srun's lines about the tasks it killed are read on both sides: by status from "
-                                     "the job's logs, by the recovery from its own output (it names no command)",
+    "hpcjobs/protocol/faultpolicy/srunwords.py": "srun's lines about the tasks it killed are read on both sides: by "
+                                                 "status from the job's logs, by the recovery from its own output "
+                                                 "(it names no command)",
 }
 """The shared layer's files that may still name Slurm, and why; none reads a rank's environment for a Slurm fact."""
 

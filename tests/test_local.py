@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, hpcjobs
-from hpcjobs.backends.local_ranks import rank_preexec
+from hpcjobs.backends.local.ranks import rank_preexec
 from trainers import checkpoint
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, hpcjobs
-from hpcjobs.memfit import check_fits, job_plan
-from hpcjobs.profiles import ClusterProfile, parse_profile
+from hpcjobs.profiles.cluster_profile import ClusterProfile, parse_profile
 from hpcjobs.protocol.errors import ProfileError, UsageError
-from hpcjobs.protocol.lmsizes import SIZES, size_defaults
-from hpcjobs.protocol.memplan import GIB, Setup, parse_gpu_memory, plan
-from hpcjobs.protocol.trainflags import parse_trainer_args
+from hpcjobs.protocol.planning.lmsizes import SIZES, size_defaults
+from hpcjobs.protocol.planning.memory_plan import GIB, Setup, parse_gpu_memory, plan
+from hpcjobs.protocol.settings.trainflags import parse_trainer_args
+from hpcjobs.request.gpu_fit import check_fits, job_plan
 
 RESULTS = REPO / "bench" / "results" / "memplan.json"
 H100 = str(REPO / "cluster_profiles" / "h100.yaml")
@@ -146,7 +146,7 @@ def test_doctor_shows_the_plan_as_a_row(tmp_path: Path) -> None:
 def test_the_start_line_states_the_same_plan_as_the_submit_side() -> None:
     import torch
 
-    from hpcjobs.protocol.trainconfig import TrainConfig
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
     from trainers.memory import plan_words
     from trainers.tasks.classifier import make_task as classifier
     from trainers.tasks.lm import make_task

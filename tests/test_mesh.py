@@ -14,7 +14,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from hpcjobs.protocol.ports import free_port
-from hpcjobs.protocol.trainflags import ConfigError
+from hpcjobs.protocol.settings.trainflags import ConfigError
 
 
 def _fake_node(name: str) -> None:
@@ -31,7 +31,7 @@ def _timeouts(groups: list[Any]) -> list[float]:
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from hpcjobs.protocol.trainflags import parse_trainer_args
+    from hpcjobs.protocol.settings.trainflags import parse_trainer_args
     from trainers.dist import distributed
     from trainers.strategy import device_mesh
 

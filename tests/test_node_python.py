@@ -15,10 +15,10 @@ import pytest
 
 from conftest import REPO
 from hpcjobs.backends import backend_for
-from hpcjobs.backends.slurm_render import python_lines, render_sbatch
-from hpcjobs.profiles import load_profile
+from hpcjobs.backends.slurm.sbatch import python_lines, render_sbatch
+from hpcjobs.profiles.cluster_profile import load_profile
 from hpcjobs.protocol.versions import TORCH_FLOOR
-from hpcjobs.spec import AFTER_SETUP, JobSpec, Request, build_spec
+from hpcjobs.request.spec import AFTER_SETUP, JobSpec, Request, build_spec
 from trainers.versions import TorchTooOld, require_torch
 
 

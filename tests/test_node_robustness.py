@@ -25,7 +25,7 @@ import torch
 
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from trainers import checkpoint
 from trainers.checkpoint.sharded import model_weights
 from trainers.dist import DistContext

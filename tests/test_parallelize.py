@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainflags import ConfigError
 from trainers import strategy
 from trainers.dist import DistContext, release_groups
 from trainers.distenv import DistEnv

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, hpcjobs
-from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import LaunchContract, Preemption
+from hpcjobs.protocol.faultpolicy import restartcap
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import StopOutcome
 from trainers import checkpoint, jobenv, preemption, standby

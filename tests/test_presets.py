@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import REPO, hpcjobs
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
-from hpcjobs.taskcheck import check_task_flags, check_trainer_args
+from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args
+from hpcjobs.request.taskcheck import check_task_flags, check_trainer_args
 
 ON_7B = [("--replicate-degree", "2"), ("--no-reshard-after-forward",), ("--ac-mode", "selective")]
 """What the FSDP guide recommends for 2 × 8 GPUs with the 7b preset: refused "with --strategy ddp" before."""
@@ -35,8 +35,8 @@ def test_the_7b_preset_applies_before_the_node_judges_its_flags(flags: tuple[str
 
 
 def test_a_flag_given_still_wins_over_the_preset_and_is_judged_with_it() -> None:
-    from hpcjobs.protocol.taskflags import task_defaults
-    from hpcjobs.protocol.trainflags import task_args_of
+    from hpcjobs.protocol.settings.taskflags import task_defaults
+    from hpcjobs.protocol.settings.trainflags import task_args_of
 
     args = ["--size", "7b", "--strategy", "ddp", "--replicate-degree", "2"]
     with pytest.raises(ConfigError, match=r"^--replicate-degree 2 with --strategy ddp; valid: "):

@@ -14,22 +14,22 @@ from typing import Any
 import pytest
 import yaml
 
-import hpcjobs.profiles as profiles
+import hpcjobs.profiles.cluster_profile as profiles
 import test_bad_inputs
 from conftest import REPO, hpcjobs
 from hpcjobs.backends import SCHEDULERS
-from hpcjobs.container import Container
-from hpcjobs.profile_table import reference_table
-from hpcjobs.profiles import (
+from hpcjobs.profiles.cluster_profile import (
     MAX_ITEMS,
     MAX_STRING,
     ClusterProfile,
     load_profile,
     parse_profile,
 )
+from hpcjobs.profiles.container import Container
+from hpcjobs.profiles.table import reference_table
+from hpcjobs.profiles.yamlfile import MAX_FILE_BYTES
 from hpcjobs.protocol.contract import Preemption, Recovery
 from hpcjobs.protocol.errors import ProfileError
-from hpcjobs.yamlfile import MAX_FILE_BYTES
 from test_bad_inputs import GOOD, assert_refused
 
 SOURCE = "/site/bad.yaml"

@@ -144,7 +144,7 @@ def test_a_step_whose_speaking_ranks_all_said_why_is_ended_without_waiting_out_t
                                            ((0, 1, 2, 3), True), ((2, 3), True)])
 def test_all_said_once_every_host_has_all_or_none_of_its_ranks_recorded(tmp_path: Path, said: tuple[int, ...],
                                                                        expected: bool) -> None:
-    from hpcjobs.protocol.recovery import all_said
+    from hpcjobs.protocol.faultpolicy.recoverable import all_said
     from hpcjobs.protocol.runfolder import append_jsonl
     run = RunFolder(tmp_path)
     for rank in range(4):
@@ -168,7 +168,7 @@ def test_all_said_when_every_record_waited_for_the_ranks_that_said_nothing(tmp_p
                                                                           expected: bool) -> None:
     """A hung rank never speaks while SIGSTOPped, and its node's other ranks did: only the records' words tell that
     the silent one is the one they waited for (its step went on 8.6 s past their timeouts on the test cluster)."""
-    from hpcjobs.protocol.recovery import all_said
+    from hpcjobs.protocol.faultpolicy.recoverable import all_said
     from hpcjobs.protocol.runfolder import append_jsonl
     run = RunFolder(tmp_path)
     for rank in range(4):

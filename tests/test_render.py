@@ -15,16 +15,16 @@ import pytest
 
 from conftest import REPO
 from hpcjobs.backends import backend_for
-from hpcjobs.backends.slurm_render import (
+from hpcjobs.backends.slurm.sbatch import (
     ranks_step,
     render_sbatch,
     shell_words,
     submitit_parameters,
     submitit_python,
 )
-from hpcjobs.profiles import load_profile
-from hpcjobs.render import launcher_argv, signal_guard
-from hpcjobs.spec import Request, build_spec
+from hpcjobs.profiles.cluster_profile import load_profile
+from hpcjobs.request.render import launcher_argv, signal_guard
+from hpcjobs.request.spec import Request, build_spec
 
 GOLDEN = REPO / "tests" / "golden"
 
@@ -178,11 +178,11 @@ CONTAINERS = {  # golden name: (profile, its container keys, GPUs per node)
 
 def container_spec(runtime: str, monkeypatch: pytest.MonkeyPatch, **req: object):
     """A fixed spec whose profile runs the ranks in an image (the image paths exist on the cluster, not here)."""
-    import hpcjobs.container
-    from hpcjobs.container import Container
+    import hpcjobs.profiles.container
+    from hpcjobs.profiles.container import Container
 
     profile_name, keys, gpus = CONTAINERS[runtime]
-    monkeypatch.setattr(hpcjobs.container, "_check_image", lambda *a: None)
+    monkeypatch.setattr(hpcjobs.profiles.container, "_check_image", lambda *a: None)
     profile = replace(load_profile(str(REPO / "cluster_profiles" / f"{profile_name}.yaml")),
                       source=f"cluster_profiles/{profile_name}.yaml", container=Container(**keys))  # type: ignore[arg-type]
     profile = replace(profile, runs_dir=profile.runs_dir.replace("$USER", "alice"))
@@ -294,7 +294,7 @@ def test_submitit_runs_the_same_ranks_in_the_image(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("runtime", sorted(CONTAINERS))
 def test_doctors_probe_reports_from_inside_the_image(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcjobs.backends.slurm_probe import probe_folder, probe_script
+    from hpcjobs.backends.slurm.probe import probe_folder, probe_script
 
     spec = container_spec(runtime, monkeypatch)
     folder = str(probe_folder(spec))
@@ -311,7 +311,7 @@ def test_doctors_probe_reports_from_inside_the_image(runtime: str, monkeypatch: 
 
 
 def test_the_probes_folder_is_mounted_when_the_runs_folder_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcjobs.backends.slurm_probe import probe_folder, probe_script
+    from hpcjobs.backends.slurm.probe import probe_folder, probe_script
 
     spec = container_spec("pyxis", monkeypatch, run_dir="/elsewhere/r-%j")
     folder = str(probe_folder(spec))
@@ -321,7 +321,7 @@ def test_the_probes_folder_is_mounted_when_the_runs_folder_is_not(monkeypatch: p
 def oci_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
     """An oci rank's words as srun starts them inside the bundle, run here up to a command that prints what the
     rank's Python would see: its index and the folder it starts in (the spec's working folder is `tmp_path/proj`)."""
-    from hpcjobs.backends.slurm_container import rank_argv
+    from hpcjobs.backends.slurm.runtimes import rank_argv
 
     spec = container_spec("oci", monkeypatch)
     (tmp_path / "proj").mkdir(parents=True)

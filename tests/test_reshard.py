@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from trainers.checkpoint.sharded import offline_tensors
-from hpcjobs.protocol.trainflags import parse_trainer_args
+from hpcjobs.protocol.settings.trainflags import parse_trainer_args
 from trainers.dist import distributed, release_groups
 from trainers.task import load_task
 from trainers.trainer import Training

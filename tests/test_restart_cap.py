@@ -1,7 +1,8 @@
 """The restart cap counts requeues without progress (issue 38): a job that commits a newer checkpoint between its
 stops is requeued as often as it needs, one that keeps being stopped without progress ends failed with one line
 naming the cause that repeats. The decision at a stop (trainers.preemption.finish_stop, trainers.standby.act) and
-at a start (trainers.launch), from the run folder (hpcjobs.protocol.restartcap), with scontrol stood in for."""
+at a start (trainers.launch), from the run folder (hpcjobs.protocol.faultpolicy.restartcap), with scontrol stood in
+for."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import LaunchContract, Preemption
+from hpcjobs.protocol.faultpolicy import restartcap
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import StopOutcome
 from trainers import preemption, standby

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from hpcjobs.backends.local import LocalBackend
-from hpcjobs.backends.slurm import SlurmBackend
-from hpcjobs.backends.slurm_faults import slurm_facts
-from hpcjobs.backends.slurm_render import job_comment
+from hpcjobs.backends.local.local import LocalBackend
+from hpcjobs.backends.slurm.failed_nodes import slurm_facts
+from hpcjobs.backends.slurm.sbatch import job_comment
+from hpcjobs.backends.slurm.slurm import SlurmBackend
 from hpcjobs.cli import present
-from hpcjobs.compare import folder_only_state
-from hpcjobs.jobs import status_of
+from hpcjobs.follow.status import status_of
+from hpcjobs.goodput.compare import folder_only_state
+from hpcjobs.jobs.store import JobRecord
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from hpcjobs.protocol.states import FinalState, JobState, StopReason
-from hpcjobs.store import JobRecord
 
 FAILED_AT = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 30))
 """When Slurm ended the allocation NODE_FAIL (sacct's EndTime, local time): after the start node_died() records.

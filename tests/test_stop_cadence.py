@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from hpcjobs.protocol.ports import free_port
 from trainers import preemption
-from trainers.preemption import Cadence
+from trainers.agreement import Cadence
 
 
 def test_a_fixed_cadence() -> None:

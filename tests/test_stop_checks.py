@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from conftest import REPO, hpcjobs
-from trainers import preemption
+from trainers import agreement, preemption
 from trainers.integrations import CHECK_EVERY, check_every, install, marks
 from trainers.integrations.checks import StepEndGuard
 from trainers.integrations.signals import joined
@@ -41,15 +41,15 @@ class Steps:
 @pytest.fixture
 def steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[Steps]:
     at = Steps()
-    monkeypatch.setattr(preemption.Cadence, "_now", staticmethod(lambda: at.now))
+    monkeypatch.setattr(agreement.Cadence, "_now", staticmethod(lambda: at.now))
     for how in ("any_rank", "any_rank_pipelined"):
-        real: Callable[..., bool] = getattr(preemption.Agreement, how)
+        real: Callable[..., bool] = getattr(agreement.Agreement, how)
 
-        def counted(self: preemption.Agreement, local: bool, how: str = how, real: Callable[..., bool] = real) -> bool:
+        def counted(self: agreement.Agreement, local: bool, how: str = how, real: Callable[..., bool] = real) -> bool:
             at.checks.append((at.step, how))
             return real(self, local)
 
-        monkeypatch.setattr(preemption.Agreement, how, counted)
+        monkeypatch.setattr(agreement.Agreement, how, counted)
     monkeypatch.delenv(CHECK_EVERY, raising=False)
     saved = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
     yield at
@@ -141,7 +141,7 @@ def _two_ranks(rank: int, store: str, out: str) -> None:
     # "cuda:gloo": no CPU backend on the default group, as under NCCL; the step time's reduce must use the flag's group
     dist.init_process_group("cuda:gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     clock = [0.0]
-    preemption.Cadence._now = staticmethod(lambda: clock[0])  # type: ignore[method-assign]
+    agreement.Cadence._now = staticmethod(lambda: clock[0])  # type: ignore[method-assign]
     guard, stopped = StepEndGuard(contract=LaunchContract(run_dir="")), None
     for step in range(1, 200):
         clock[0] += STEP_S * (rank + 1)  # rank 1 is the slower: 30 ms a step

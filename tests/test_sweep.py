@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, hpcjobs
+from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.points import point_of
-from hpcjobs.snapshot import MANIFEST, MAX_BYTES, PLAIN_FILE_MAX, materialize, plan
-from hpcjobs.store import JobRecord, JobStore
-from hpcjobs.sweep import build_points, read_sweep_file
+from hpcjobs.request.snapshot import MANIFEST, MAX_BYTES, PLAIN_FILE_MAX, materialize, plan
+from hpcjobs.request.sweep import build_points, read_sweep_file
 from test_bad_inputs import assert_refused, sbatch_log  # noqa: F401 - the fixture is used by name
 
 TASK = ["trainers.tasks.classifier", "--steps", "6", "--log-every", "2", "--ckpt-every", "3"]
@@ -79,7 +79,7 @@ BAD_FILES = [
     ("points: [{lr: [1, 2]}]\n", "is not a single non-empty value"),
     ("points: [{lr: 1}, {lr: 1}]\n", "point 1 (lr=1) is the same as point 0"),
     ("grid: {lr: [1, 2]\n", "is not valid YAML"),
-    # read as a profile is (hpcjobs.yamlfile): each was a traceback, or a silent pick, before
+    # read as a profile is (hpcjobs.profiles.yamlfile): each was a traceback, or a silent pick, before
     ("grid: {lr: [1]}\ngrid: {lr: [2]}\n", "key 'grid' is given twice (line 1 and line 2)"),
     ('grid: {lr: ["1\\0x"]}\n', "line 1 holds a NUL character"),
     ("grid: {lr: [" + "[" * 20000 + "]" * 20000 + "]}\n", "nests too deeply to be a sweep file"),
@@ -244,7 +244,7 @@ def test_snapshot_over_the_size_limit_is_refused(tmp_path: Path, monkeypatch: py
     project = tmp_path / "plain"
     project.mkdir()
     (project / "corpus.dat").write_bytes(b"0" * 4096)
-    monkeypatch.setattr("hpcjobs.snapshot.MAX_BYTES", 1024)
+    monkeypatch.setattr("hpcjobs.request.snapshot.MAX_BYTES", 1024)
     with pytest.raises(UsageError, match=r"largest: corpus.dat") as refused:
         plan(project, tmp_path / "runs")
     assert "--no-snapshot" in refused.value.one_line()
@@ -297,9 +297,9 @@ def test_the_submit_folder_reaches_a_scripts_ranks_only_with_a_snapshot() -> Non
     from types import SimpleNamespace
     from typing import Any
 
-    from hpcjobs.profiles import load_profile
-    from hpcjobs.render import launch_contract
-    from hpcjobs.snapshot import Snapshot
+    from hpcjobs.profiles.cluster_profile import load_profile
+    from hpcjobs.request.render import launch_contract
+    from hpcjobs.request.snapshot import Snapshot
 
     snap = Snapshot(source="/home/u/proj", files=(), digest="d", folder="/runs/.snapshots/d")
 

@@ -1,6 +1,7 @@
 """A bundled task's flags, a sweep's keys and the trackers' packages are checked before anything is queued or
 created (issue 26, item 4): each case exits 2 with one line naming what is valid, sbatch is never called and no run
-folder or job record is made. The parsers are the ones the tasks run on their ranks (hpcjobs.protocol.taskflags)."""
+folder or job record is made. The parsers are the ones the tasks run on their ranks
+(hpcjobs.protocol.settings.taskflags)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, hpcjobs, sbatch_shim
-from hpcjobs.protocol.taskargs import Number, TaskArgError
-from hpcjobs.protocol.taskflags import BUNDLED
+from hpcjobs.protocol.settings.taskargs import Number, TaskArgError
+from hpcjobs.protocol.settings.taskflags import BUNDLED
 
 CASES = [
     (["trainers.tasks.lm", "--size", "huge"], "--size: invalid choice: 'huge'; valid: --size 1b|7b|large|medium|"
@@ -74,7 +75,7 @@ def test_a_tracker_whose_package_the_ranks_lack_is_refused_before_the_queue(tmp_
 
 
 def test_a_users_own_task_and_the_help_pass_to_the_ranks() -> None:
-    from hpcjobs.taskcheck import check_task_flags
+    from hpcjobs.request.taskcheck import check_task_flags
 
     check_task_flags("mypkg.mytask", ("--whatever", "3"), sys.executable)  # declared in the user's module
     check_task_flags("trainers.tasks.lm", ("--size", "huge", "--help"), sys.executable)  # the entry's help

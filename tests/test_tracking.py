@@ -20,8 +20,8 @@ import pytest
 
 from conftest import REPO, hpcjobs
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.trainconfig import PIP_NAMES, TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
+from hpcjobs.protocol.settings.trainconfig import PIP_NAMES, TrainConfig
+from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args
 from trainers import tracking
 from trainers.tracking import mlflow_run, wandb_run
 

@@ -17,16 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hpcjobs.jobs.store import JobRecord, JobStore
+from hpcjobs.profiles.slurmtime import format_time, parse_mem_mb, parse_time
 from hpcjobs.protocol.contract import LaunchContract, Preemption
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.folderlock import read_holder
 from hpcjobs.protocol.ports import free_port
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args
 from hpcjobs.protocol.states import StopReason
-from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args
-from hpcjobs.slurmtime import format_time, parse_mem_mb, parse_time
-from hpcjobs.store import JobRecord, JobStore
 from trainers import checkpoint, preemption
+from trainers.agreement import Agreement
 
 
 def save(root: Path, step: int, keep: int = 2) -> Path:
@@ -286,7 +287,7 @@ def _agree(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    agreement = preemption.Agreement()
+    agreement = Agreement()
     answers = [agreement.any_rank_pipelined(rank == 1 and call >= 3) for call in range(6)]
     answers.append(agreement.close())
     answers.append(agreement.any_rank(rank == 0))
@@ -345,6 +346,6 @@ def test_memory() -> None:
     ("def broken(:\n", None),
 ])
 def test_a_task_modules_names_are_read_without_running_it(source: str, names: set[str] | None) -> None:
-    from hpcjobs.entry import _top_level_names
+    from hpcjobs.request.entry import _top_level_names
 
     assert _top_level_names(source) == names

@@ -19,7 +19,7 @@ import yaml
 
 from conftest import REPO, hpcjobs
 from hpcjobs.protocol.contract import LaunchContract, Recovery
-from hpcjobs.protocol.faults import HANG_EXIT, HUNG, FaultKind, kind_of
+from hpcjobs.protocol.faultpolicy.kinds import HANG_EXIT, HUNG, FaultKind, kind_of
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from trainers import watchdog
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from hpcjobs.protocol.helpflags import asks_help
+from hpcjobs.protocol.settings.helpflags import asks_help
 from trainers.launch import main as launch
 
 RUN_DIR = "--run-dir"

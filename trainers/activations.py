@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
 
 
 @functools.cache

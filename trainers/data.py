@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from trainers.checkpoint.state import Position
 from trainers.dist import DistContext
 

@@ -1,6 +1,6 @@
 """A rank's failure, recorded once: `RUN/failures.jsonl` (each failing rank's record) and `final.json`'s reason,
 where the first failure of a start wins. The launcher and trainers.run (which records while the process group still
-stands) both call these; hpcjobs.protocol.diagnosis reads what they write. Torch-free."""
+stands) both call these; hpcjobs.protocol.faultpolicy.diagnosis reads what they write. Torch-free."""
 
 from __future__ import annotations
 

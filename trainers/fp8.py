@@ -15,7 +15,7 @@ import importlib.util
 import torch
 from torch import nn
 
-from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
 
 MIN_CAPABILITY = (8, 9)
 """The first compute capability with float8 tensor cores (Ada); Hopper is 9.0, Blackwell 10.0."""

@@ -28,15 +28,16 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 
-from hpcjobs.protocol import access, restartcap, userstop
+from hpcjobs.protocol import access, userstop
 from hpcjobs.protocol.contract import ContractError, LaunchContract
+from hpcjobs.protocol.faultpolicy import restartcap
+from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT
 from hpcjobs.protocol.points import Point, as_args
-from hpcjobs.protocol.recovery import REFUSED_EXIT
 from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
+from hpcjobs.protocol.settings.taskargs import TaskArgError
+from hpcjobs.protocol.settings.trainflags import ConfigError
 from hpcjobs.protocol.states import FinalState
-from hpcjobs.protocol.taskargs import TaskArgError
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from hpcjobs.protocol.trainflags import ConfigError
 from trainers import integrations, preemption, runlock, standby, startup
 from trainers.distenv import DistEnv, DistEnvError, from_environ, setting_seconds
 from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure

@@ -1,12 +1,13 @@
-"""The start line's memory plan: the task's own estimate (Task.memory_plan, hpcjobs.protocol.memplan) under this
-run's settings, so a log shows what the peak should be beside what the GPU measures (metrics.jsonl's peak_mem_gib)."""
+"""The start line's memory plan: the task's own estimate (Task.memory_plan, hpcjobs.protocol.planning.memory_plan) under
+this run's settings, so a log shows what the peak should be beside what the GPU measures (metrics.jsonl's
+peak_mem_gib)."""
 
 from __future__ import annotations
 
 import torch
 
-from hpcjobs.protocol.memplan import GIB, Setup
-from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.planning.memory_plan import GIB, Setup
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from trainers.task import Task
 
 

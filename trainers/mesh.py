@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError, check_world
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainflags import ConfigError, check_world
 from trainers.dist import DistContext
 
 

@@ -7,7 +7,7 @@ import time
 import torch
 
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
-from hpcjobs.protocol.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from trainers import allocator, tracking, watchdog
 from trainers.dist import DistContext
 from trainers.progress import Bar, Terminal

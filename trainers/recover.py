@@ -1,7 +1,7 @@
 """Recovery inside the allocation: the batch script runs the ranks' srun step through this module, on the job's
-first node, outside srun. When a step ends badly and it was nobody's bug (hpcjobs.protocol.faults: a rank killed by
-a signal, a peer lost, a hang, a node that failed, a device error), the ranks start again as a new step of the same
-job, from the newest finished checkpoint, without going back to the queue: a requeue waits for the scheduler and,
+first node, outside srun. When a step ends badly and it was nobody's bug (hpcjobs.protocol.faultpolicy.kinds: a rank
+killed by a signal, a peer lost, a hang, a node that failed, a device error), the ranks start again as a new step of the
+same job, from the newest finished checkpoint, without going back to the queue: a requeue waits for the scheduler and,
 on Slurm's defaults, holds the job 121 s before it may start (cred_expire), where a new step starts at once. A node
 that Slurm says is down, draining or not responding is left out; with spare nodes (`--spare-nodes K`, the
 allocation is K nodes larger than the ranks need, and `--no-kill` keeps it when a node fails) one stands in. When
@@ -29,10 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from hpcjobs.protocol.contract import ContractError, LaunchContract
-from hpcjobs.protocol.diagnosis import Failure
-from hpcjobs.protocol.recovery import REFUSED_EXIT, Decision, all_said, judge, record
+from hpcjobs.protocol.faultpolicy.diagnosis import Failure
+from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT, Decision, all_said, judge, record
+from hpcjobs.protocol.faultpolicy.srunwords import srun_failures
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.srunwords import srun_failures
 from hpcjobs.protocol.states import FinalState
 from trainers.jobenv.base import Runner
 from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, stated_end_env, step_again, unhealthy_nodes

@@ -8,9 +8,9 @@ import io
 import sys
 
 from hpcjobs.protocol.contract import LaunchContract
-from hpcjobs.protocol.helpflags import HELP_FLAGS
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.trainflags import ConfigError, parse_trainer_args, task_args_of, trainer_help
+from hpcjobs.protocol.settings.helpflags import HELP_FLAGS
+from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args, task_args_of, trainer_help
 from trainers import watchdog
 from trainers.dist import distributed
 from trainers.failures import one_line, record_rank_failure

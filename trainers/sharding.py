@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcjobs.protocol.trainflags import ConfigError
+from hpcjobs.protocol.settings.trainflags import ConfigError
 
 
 def compile_in_place(root: nn.Module, module: nn.Module) -> nn.Module:

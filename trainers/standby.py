@@ -5,9 +5,10 @@ a flag-only handler swallowed every signal (Ctrl-C printed "every rank commits a
 meaning, and the profile's signal, which only hpcjobs asked Slurm to send, does what the job needs:
 
   SIGTERM   its default: the kernel ends the rank at once, even inside a collective (the rank started with it
-            ignored, see `hpcjobs.render.signal_guard`; a scancel, `hpcjobs cancel`, the launcher's death).
+            ignored, see `hpcjobs.request.render.signal_guard`; a scancel, `hpcjobs cancel`, the launcher's death).
   SIGINT    Python's (KeyboardInterrupt), untouched.
-  profile's under Slurm rank 0 requeues the job (the restart cap as the protocol has it, hpcjobs.protocol.restartcap:
+  profile's under Slurm rank 0 requeues the job (the restart cap as the protocol has it,
+  hpcjobs.protocol.faultpolicy.restartcap:
             a script that saves only on its own shows it no progress, so each requeue counts) and Slurm's SIGTERM
             then stops every rank: a script that saves on its own goes on from its save instead of ending TIMEOUT.
             Without Slurm (the local launcher passes Ctrl-C and cancel on as this signal) a KeyboardInterrupt,
@@ -30,8 +31,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hpcjobs.protocol import restartcap
 from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.faultpolicy import restartcap
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import StopOutcome, StopReason
 from trainers import jobenv, preemption

@@ -26,9 +26,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hpcjobs.protocol.memplan import Plan, Setup
-from hpcjobs.protocol.taskargs import TaskArgError as TaskArgError  # a task's own flags: re-exported for task modules
-from hpcjobs.protocol.taskargs import TaskArgParser as TaskArgParser
+from hpcjobs.protocol.planning.memory_plan import Plan, Setup
+from hpcjobs.protocol.settings.taskargs import (
+    TaskArgError as TaskArgError,  # a task's own flags: re-exported for task modules
+)
+from hpcjobs.protocol.settings.taskargs import TaskArgParser as TaskArgParser
 
 
 @dataclass
@@ -67,8 +69,9 @@ class Task:
     """False: checkpoints and `hpcjobs export` hold only the parameters that train (requires_grad) and the buffers,
     e.g. a LoRA task's adapters; model() must then rebuild the frozen ones identically on every start."""
     memory_plan: Callable[[Setup], Plan] | None = None
-    """memory_plan(setup): this task's peak bytes per rank under the run's settings (hpcjobs.protocol.memplan), shown
-    on the start line beside what the GPU will measure (metrics.jsonl's peak_mem_gib). None: not shown."""
+    """memory_plan(setup): this task's peak bytes per rank under the run's settings
+    (hpcjobs.protocol.planning.memory_plan), shown on the start line beside what the GPU will measure (metrics.jsonl's
+    peak_mem_gib). None: not shown."""
 
 
 def load_task(ref: str, args: list[str]) -> Task:

@@ -18,10 +18,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainflags import ConfigError
 from hpcjobs.protocol.states import FinalState, StopOutcome
-from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ConfigError
 from trainers import activations, allocator, checkpoint, faults, memory, perf, preemption, startup, strategy, watchdog
+from trainers.agreement import Agreement, Cadence
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import Checkpointer
@@ -231,8 +232,8 @@ class Training:
             raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name}'s val_data gave no dataset")
         self.best = checkpoint.read_best(self.folder.checkpoints) if cfg.keep_best else None
         self.net = self.strategy.net
-        self.agreement = preemption.Agreement(ctx.control_group)
-        self.cadence = preemption.Cadence(cfg.stop_check_every, self.pos.step, ctx.control_group)
+        self.agreement = Agreement(ctx.control_group)
+        self.cadence = Cadence(cfg.stop_check_every, self.pos.step, ctx.control_group)
         dataset = task.train_data()
         self.data = micro_batches(dataset, ctx, cfg, self.micro, self.pos)
         low = self.precision in ("bf16", "fp16") and not self.strategy.mixed_precision  # FSDP2 casts by itself

@@ -1,6 +1,7 @@
 """The hang watchdog: a rank whose step progress stops for longer than its bound dumps every thread's Python stack
-into RUN/stacks/restart-N/rank-R.txt, records one failure that begins with `hung:` (hpcjobs.protocol.faults.HUNG) and
-exits with HANG_EXIT (124); the job's recovery (trainers/recover.py) takes it from there. Torch-free.
+into RUN/stacks/restart-N/rank-R.txt, records one failure that begins with `hung:`
+(hpcjobs.protocol.faultpolicy.kinds.HUNG) and exits with HANG_EXIT (124); the job's recovery (trainers/recover.py) takes
+it from there. Torch-free.
 
 Armed on the ranks that report their steps: the shared trainer (trainers/run.py arms it, trainers/meter.py's `tick`
 marks each step) and a user's `transformers.Trainer` or Lightning `Trainer` for the length of `train()`/`fit()`
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from typing import IO, Protocol
 
 from hpcjobs.protocol.contract import LaunchContract
-from hpcjobs.protocol.faults import HANG_EXIT, HUNG
+from hpcjobs.protocol.faultpolicy.kinds import HANG_EXIT, HUNG
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.timeouts import INIT_TIMEOUT
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, DistEnvError, from_environ, setting_seconds

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
-    from hpcjobs.doctor import Check
-    from hpcjobs.protocol.diagnosis import Failure, NodeFault
+    from hpcjobs.jobs.store import JobRecord
+    from hpcjobs.protocol.faultpolicy.diagnosis import Failure, NodeFault
     from hpcjobs.protocol.states import JobState
-    from hpcjobs.spec import JobSpec
-    from hpcjobs.store import JobRecord
+    from hpcjobs.request.checks import Check
+    from hpcjobs.request.spec import JobSpec
 
 from hpcjobs.protocol.schedulers import SCHEDULERS as SCHEDULERS  # re-exported: the profile's choices, the lookups
 
@@ -81,7 +81,8 @@ class SchedulerFacts:
     restarts: int | None = None
     """How often the scheduler started the job again (Slurm's `Restarts=`); None where it does not say."""
     node_faults: tuple[NodeFault, ...] = ()
-    """Nodes of the job that failed, oldest first (hpcjobs.protocol.diagnosis prefers them to any rank's record)."""
+    """Nodes of the job that failed, oldest first (hpcjobs.protocol.faultpolicy.diagnosis prefers them to any rank's
+    record)."""
 
 
 class Backend(Protocol):
@@ -106,7 +107,8 @@ class Backend(Protocol):
     def cancel(self, rec: JobRecord) -> str: ...
     def logs(self, rec: JobRecord, rank: int = 0, restart: int | None = None) -> Path: ...
     def reported_failures(self, rec: JobRecord) -> list[Failure]: ...
-    """What the scheduler said about ranks that ended badly (Slurm: srun's lines), for hpcjobs.protocol.diagnosis."""
+    """What the scheduler said about ranks that ended badly (Slurm: srun's lines), for
+    hpcjobs.protocol.faultpolicy.diagnosis."""
     def scheduler_facts(self, rec: JobRecord) -> SchedulerFacts: ...
     """Its restart count and the nodes of the job that failed (Slurm: scontrol, sacct; none for local jobs)."""
     def allocations(self, rec: JobRecord, run: Any = None) -> list[Times]: ...
@@ -123,5 +125,5 @@ def backend_for(scheduler: str) -> Backend:
     if scheduler not in SCHEDULERS:
         raise UsageError(f"scheduler {scheduler!r} is not known; valid: {', '.join(SCHEDULERS)}.",
                          "set `scheduler:` in the profile to one of those.")
-    backend: Backend = importlib.import_module(f"hpcjobs.backends.{scheduler}").BACKEND
+    backend: Backend = importlib.import_module(f"hpcjobs.backends.{scheduler}.{scheduler}").BACKEND
     return backend

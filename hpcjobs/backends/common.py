@@ -9,14 +9,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpcjobs.backends import SchedulerFacts
-from hpcjobs.credentials import group_id
+from hpcjobs.jobs.store import JobRecord
 from hpcjobs.protocol.access import restrict_made
-from hpcjobs.protocol.diagnosis import Failure
 from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.faultpolicy.diagnosis import Failure
 from hpcjobs.protocol.paths import RUN_DIR_HINT, existing_ancestor, run_folder_place
 from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
-from hpcjobs.spec import JobSpec
-from hpcjobs.store import JobRecord
+from hpcjobs.request.credentials import group_id
+from hpcjobs.request.spec import JobSpec
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
 

@@ -1,5 +1,5 @@
-"""`hpcjobs submit --chain FILE`: every step of a chain file (hpcjobs.chainfile) checked as `submit` checks a job,
-then queued upstream first, each with `--after` the job ids of the steps it waits for. On Slurm the whole chain is
+"""`hpcjobs submit --chain FILE`: every step of a chain file (hpcjobs.request.chainfile) checked as `submit` checks a
+job, then queued upstream first, each with `--after` the job ids of the steps it waits for. On Slurm the whole chain is
 queued at once and Slurm starts each step when its upstream ends; on the local profile the steps run one after the
 other in the foreground, and a step whose upstream ended the wrong way is not started."""
 
@@ -18,8 +18,8 @@ from hpcjobs.protocol.errors import HpcjobsError, UsageError
 
 if TYPE_CHECKING:
     from hpcjobs.backends import Backend
-    from hpcjobs.chainfile import Step
-    from hpcjobs.spec import JobSpec
+    from hpcjobs.request.chainfile import Step
+    from hpcjobs.request.spec import JobSpec
 
 
 def asks_chain(argv: Sequence[str]) -> bool:
@@ -45,7 +45,7 @@ def chain_parser() -> Parser:
 
 def run_chain(argv: Sequence[str], parser: Callable[[], argparse.ArgumentParser]) -> int:
     """`parser` makes the whole command line's parser (hpcjobs.cli.build_parser), which reads each step."""
-    from hpcjobs.chainfile import read_chain
+    from hpcjobs.request.chainfile import read_chain
 
     ns = chain_parser().parse_args(list(argv)[1:])
     steps = read_chain(Path(ns.chain))
@@ -59,7 +59,7 @@ def run_chain(argv: Sequence[str], parser: Callable[[], argparse.ArgumentParser]
                  [f"{up}:{cond}" for up, cond in s.after]) for s in steps]
         present.chain_planned(rows, ns.json)
         return 0
-    from hpcjobs.credentials import refuse_missing
+    from hpcjobs.request.credentials import refuse_missing
 
     for spec, _ in specs.values():
         refuse_missing(spec.secrets)  # before any step is queued: every rank of that step would start without it
@@ -92,8 +92,8 @@ def submit_steps(steps: list[Step], specs: dict[str, tuple[JobSpec, Backend]],
                  as_json: bool = False) -> dict[str, str | None]:
     """Queue (or, locally, run) each step upstream first; a step's job id, or None when it was not started. With
     `as_json` a foreground job's own output goes to stderr (stdout is for the record alone)."""
-    from hpcjobs.after import After
     from hpcjobs.cli.submit import wait_for
+    from hpcjobs.request.after import After
     from hpcjobs.submit import submit
 
     ids: dict[str, str | None] = {}

@@ -28,7 +28,7 @@ def add_doctor(sub: Subparsers, common: Parser) -> None:
 
 
 def run_doctor(ns: argparse.Namespace) -> int:
-    from hpcjobs.doctor import exit_code
+    from hpcjobs.request.checks import exit_code
 
     if ns.probe and not 10 <= ns.probe_wait <= 86400:
         raise UsageError(f"--probe-wait {ns.probe_wait}: valid: 10 to 86400 seconds.", "e.g. --probe-wait 600")
@@ -38,12 +38,12 @@ def run_doctor(ns: argparse.Namespace) -> int:
     spec, backend = checked_spec(ns, snapshot=False)
     refuse_array_patterns(spec, "doctor")
     checks = backend.doctor(spec, ns.probe_wait if ns.probe else None)
-    from hpcjobs.credentials import doctor_checks
-    from hpcjobs.spec import snapshot_root
+    from hpcjobs.request.credentials import doctor_checks
+    from hpcjobs.request.spec import snapshot_root
 
     checks += doctor_checks(spec.secrets, snapshot_root(spec.run_dir))
     if spec.entry.kind == "task" and named:  # a memory plan for a task the user never named would mislead
-        from hpcjobs.memfit import doctor_check
+        from hpcjobs.request.gpu_fit import doctor_check
 
         checks.append(doctor_check(spec.profile, spec.entry.target, tasks_args(spec), spec.ranks))
     present.doctor(spec, checks, ns.json)
@@ -58,7 +58,7 @@ def add_profiles(sub: Subparsers, common: Parser) -> None:
 
 
 def run_profiles(ns: argparse.Namespace) -> int:
-    from hpcjobs.profiles import available_profiles, load_profile, profile_as_dict
+    from hpcjobs.profiles.cluster_profile import available_profiles, load_profile, profile_as_dict
 
     if ns.action == "show":
         if not ns.name:

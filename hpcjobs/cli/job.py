@@ -9,19 +9,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcjobs.protocol.errors import UsageError
-from hpcjobs.protocol.helpflags import asks_help
+from hpcjobs.protocol.settings.helpflags import asks_help
 
 if TYPE_CHECKING:
     from hpcjobs.backends import Backend
-    from hpcjobs.spec import JobSpec
+    from hpcjobs.request.spec import JobSpec
 
 
 def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
                  snapshot: bool = True) -> tuple[JobSpec, Backend]:
     """The spec the flags ask for, checked by the profile's backend too, and that backend."""
     from hpcjobs.backends import backend_for
-    from hpcjobs.profiles import load_profile
-    from hpcjobs.spec import Request, build_spec
+    from hpcjobs.profiles.cluster_profile import load_profile
+    from hpcjobs.request.spec import Request, build_spec
 
     refuse_empty(ns)
     profile = load_profile(ns.profile)
@@ -35,7 +35,7 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
                   allow_secret_values=ns.allow_secret_values)
     spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
     backend.check(spec)
-    from hpcjobs.resumecheck import check_resume
+    from hpcjobs.request.resumecheck import check_resume
 
     check_resume(spec)  # a resume the checkpoint's settings contradict: refused here, not by the started ranks
     return spec, backend
@@ -44,8 +44,8 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
 def private(group: str | None) -> None:
     """What this command makes (run folders, snapshots, the store, the ranks' files) is the owner's alone, or also
     the profile's group's, whatever the umask (hpcjobs.protocol.access)."""
-    from hpcjobs.credentials import group_id
     from hpcjobs.protocol.access import tighten, umask_for
+    from hpcjobs.request.credentials import group_id
 
     group_id(group)  # a group this machine lacks: one line before anything is made
     tighten(umask_for(group))
@@ -102,6 +102,6 @@ def entry_help(spec: JobSpec) -> int | None:
 
 def tasks_args(spec: JobSpec) -> list[tuple[str, ...]]:
     """A task's arguments at each point of the job (one for a job that is not a sweep); [] for a script or module."""
-    from hpcjobs.sweep import tasks_args
+    from hpcjobs.request.sweep import tasks_args
 
     return tasks_args(spec.entry.args, spec.points) if spec.entry.kind == "task" else []

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from hpcjobs.protocol.errors import UsageError
-from hpcjobs.protocol.helpflags import HELP_FLAGS
+from hpcjobs.protocol.settings.helpflags import HELP_FLAGS
 
 if TYPE_CHECKING:
     from typing import TypeAlias

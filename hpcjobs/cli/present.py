@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hpcjobs.credentials import states
+from hpcjobs.request.credentials import states
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from hpcjobs.after import After
     from hpcjobs.backends import SubmitRequest, Submitted
-    from hpcjobs.compare import Row
-    from hpcjobs.doctor import Check
-    from hpcjobs.goodput import Goodput
-    from hpcjobs.jobs import JobStatus
+    from hpcjobs.follow.status import JobStatus
+    from hpcjobs.goodput.buckets import Goodput
+    from hpcjobs.goodput.compare import Row
     from hpcjobs.protocol.states import JobState
-    from hpcjobs.spec import JobSpec
+    from hpcjobs.request.after import After
+    from hpcjobs.request.checks import Check
+    from hpcjobs.request.spec import JobSpec
 
 
 def print_json(obj: object) -> None:
@@ -58,8 +58,8 @@ def table(header: list[str], rows: Sequence[tuple[object, ...]]) -> None:
 # --- submit / render ----------------------------------------------------------------------------------------------
 
 def memory_text(spec: JobSpec, tasks_args: list[tuple[str, ...]]) -> str:
-    """The memory plan's line for each task of the job (hpcjobs.memfit), for the dry run."""
-    from hpcjobs.memfit import plan_line
+    """The memory plan's line for each task of the job (hpcjobs.request.gpu_fit), for the dry run."""
+    from hpcjobs.request.gpu_fit import plan_line
 
     lines = [plan_line(spec.profile, spec.entry.target, args, spec.ranks) for args in tasks_args]
     known = f"# memory plan: none: a {spec.entry.kind}'s model is known on the node only"
@@ -68,7 +68,7 @@ def memory_text(spec: JobSpec, tasks_args: list[tuple[str, ...]]) -> str:
 
 def memory_plans(spec: JobSpec, tasks_args: list[tuple[str, ...]]) -> list[dict[str, object] | None]:
     """The memory plan of each task of the job in bytes (None: not known on this side), for `--dry-run --json`."""
-    from hpcjobs.memfit import job_plan
+    from hpcjobs.request.gpu_fit import job_plan
 
     found = [job_plan(spec.entry.target, args, spec.ranks) for args in tasks_args]
     return [None if f is None else {"what": f.what(), **f.plan.as_dict()} for f in found]
@@ -115,7 +115,7 @@ def dry_run(spec: JobSpec, request: SubmitRequest, tasks_args: list[tuple[str, .
 def ended_line(sub: Submitted) -> str:
     """How a foreground (local) job ended, in one line: its run folder's final word when it failed, if this job
     wrote it (a refused resume ends with an earlier job's final.json in place)."""
-    from hpcjobs.jobs import folder_state
+    from hpcjobs.follow.status import folder_state
     from hpcjobs.protocol.runfolder import RunFolder
 
     _, reason = folder_state(RunFolder(sub.run_dir), sub.job_id)
@@ -184,7 +184,7 @@ def waits_for(st: JobStatus, after: Sequence[tuple[After, JobState]]) -> str:
 
 def status(st: JobStatus, goodput: Goodput | None, after: Sequence[tuple[After, JobState]] = ()) -> None:
     """One job's status, a row per fact."""
-    from hpcjobs.goodput_report import status_line
+    from hpcjobs.goodput.report import status_line
 
     rows: list[tuple[str, object]] = [
         ("job", f"{st.job_id} ({st.name}, profile {st.profile}, {st.nodes}×{st.gpus_per_node})"),
@@ -247,8 +247,8 @@ def jobs(statuses: list[JobStatus]) -> None:
 
 def doctor(spec: JobSpec, checks: list[Check], as_json: bool) -> None:
     """The doctor's checks: a header naming the request, then one row per check (or JSON)."""
-    from hpcjobs.doctor import exit_code
-    from hpcjobs.doctor import table as checks_table
+    from hpcjobs.request.checks import exit_code
+    from hpcjobs.request.checks import table as checks_table
 
     if as_json:
         print_json({"world": spec.world(), "profile": spec.profile.name, "checks": [c.as_dict() for c in checks],
@@ -264,7 +264,7 @@ def plotted(path: Path, runs: int) -> None:
 
 def compared(rows: list[Row], as_json: bool) -> None:
     """`hpcjobs compare`'s rows, side by side or as JSON."""
-    from hpcjobs import compare
+    from hpcjobs.goodput import compare
 
     if as_json:
         print_json([r.as_dict() for r in rows])

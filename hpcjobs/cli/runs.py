@@ -16,7 +16,7 @@ from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
     from hpcjobs.cli.parser import Subparsers
-    from hpcjobs.store import JobRecord, JobStore
+    from hpcjobs.jobs.store import JobRecord, JobStore
 
 
 def add_compare(sub: Subparsers, common: Parser) -> None:
@@ -40,7 +40,7 @@ def compare_targets(args: Sequence[str], store: JobStore) -> list[str | JobRecor
             targets.append(arg)
             continue
         try:
-            from hpcjobs.jobs import records_for
+            from hpcjobs.follow.status import records_for
 
             targets += records_for(arg, store)
         except UsageError as e:
@@ -51,8 +51,8 @@ def compare_targets(args: Sequence[str], store: JobStore) -> list[str | JobRecor
 
 
 def run_compare(ns: argparse.Namespace) -> int:
-    from hpcjobs import compare
-    from hpcjobs.store import JobStore
+    from hpcjobs.goodput import compare
+    from hpcjobs.jobs.store import JobStore
 
     if ns.plot:
         compare.plot_format(ns.plot, ns.force)
@@ -78,8 +78,8 @@ def add_goodput(sub: Subparsers, common: Parser) -> None:
 
 
 def run_goodput(ns: argparse.Namespace) -> int:
-    from hpcjobs import compare
-    from hpcjobs.goodput_report import run, timeline
+    from hpcjobs.goodput import compare
+    from hpcjobs.goodput.report import run, timeline
 
     fmt = compare.plot_format(ns.plot, ns.force) if ns.plot else ""  # before any reading: a wrong name costs nothing
     if ns.plot:

@@ -11,10 +11,10 @@ from hpcjobs.cli.parser import Parser, command_parser, job_state, limit
 from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
-    from hpcjobs.after import After
     from hpcjobs.cli.parser import Subparsers
+    from hpcjobs.jobs.store import JobRecord, JobStore
     from hpcjobs.protocol.states import JobState
-    from hpcjobs.store import JobRecord, JobStore
+    from hpcjobs.request.after import After
 
 
 def add_status(sub: Subparsers, common: Parser) -> None:
@@ -26,10 +26,10 @@ def add_status(sub: Subparsers, common: Parser) -> None:
 
 
 def run_status(ns: argparse.Namespace) -> int:
-    from hpcjobs.goodput_report import job_goodput
-    from hpcjobs.jobs import records_for, status_of
+    from hpcjobs.follow.status import records_for, status_of
+    from hpcjobs.goodput.report import job_goodput
+    from hpcjobs.jobs.store import JobStore
     from hpcjobs.protocol.runfolder import split_task_id
-    from hpcjobs.store import JobStore
 
     store = JobStore()
     if ns.job is None:
@@ -57,9 +57,9 @@ def run_status(ns: argparse.Namespace) -> int:
 
 def upstream_states(rec: JobRecord, store: JobStore) -> list[tuple[After, JobState]]:
     """The jobs `rec` waits for (--after, recorded in its spec), each with its state now (UNKNOWN: not found)."""
-    from hpcjobs.after import parse_after
-    from hpcjobs.jobs import job_state
+    from hpcjobs.follow.status import job_state
     from hpcjobs.protocol.states import JobState
+    from hpcjobs.request.after import parse_after
 
     found = []
     for text in rec.spec.get("after") or []:
@@ -82,8 +82,8 @@ def add_list(sub: Subparsers, common: Parser) -> None:
 
 
 def run_list(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import status_of
-    from hpcjobs.store import JobStore
+    from hpcjobs.follow.status import status_of
+    from hpcjobs.jobs.store import JobStore
 
     statuses = [status_of(r) for r in JobStore().recent(ns.limit, ns.profile)]
     if ns.state:
@@ -105,7 +105,7 @@ def add_logs(sub: Subparsers, common: Parser) -> None:
 
 
 def run_logs(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import follow, log_path, status_of
+    from hpcjobs.follow.status import follow, log_path, status_of
 
     rec = one_record(ns.job, "logs")
     path = log_path(rec, ns.rank, ns.restart)
@@ -122,8 +122,8 @@ def run_logs(ns: argparse.Namespace) -> int:
 
 def one_record(job_id: str, command: str) -> JobRecord:
     """The record of a job or one array task; an array's id is refused, naming its tasks."""
-    from hpcjobs.jobs import records_for
-    from hpcjobs.store import JobStore
+    from hpcjobs.follow.status import records_for
+    from hpcjobs.jobs.store import JobStore
 
     records = records_for(job_id, JobStore())
     if len(records) > 1:
@@ -139,8 +139,8 @@ def add_cancel(sub: Subparsers, common: Parser) -> None:
 
 
 def run_cancel(ns: argparse.Namespace) -> int:
-    from hpcjobs.jobs import cancel, records_for
-    from hpcjobs.store import JobStore
+    from hpcjobs.follow.status import cancel, records_for
+    from hpcjobs.jobs.store import JobStore
 
     store = JobStore()
     records = [r for j in ns.jobs for r in records_for(j, store)]  # every id checked before anything is cancelled

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 from hpcjobs.cli import present
 from hpcjobs.cli.job import checked_spec, entry_help, refuse_array_patterns, tasks_args
 from hpcjobs.cli.parser import Parser, command_parser, option_strings
-from hpcjobs.protocol.helpflags import asks_help
+from hpcjobs.protocol.settings.helpflags import asks_help
 
 if TYPE_CHECKING:
     from hpcjobs.cli.parser import Subparsers
-    from hpcjobs.spec import JobSpec
+    from hpcjobs.request.spec import JobSpec
 
 
 def add_submit(sub: Subparsers, common: Parser) -> None:
@@ -37,7 +37,7 @@ def run_submit(ns: argparse.Namespace) -> int:
         present.dry_run(spec, request, tasks_args(spec), ns.json)
         warn_short_chunks(spec, backend.queued, "submit")
         return 0
-    from hpcjobs.credentials import refuse_missing
+    from hpcjobs.request.credentials import refuse_missing
     from hpcjobs.submit import submit
 
     refuse_missing(spec.secrets)  # every rank would start without it
@@ -53,13 +53,13 @@ def run_submit(ns: argparse.Namespace) -> int:
 
 
 def wait_for(spec: JobSpec, queued: bool) -> None:
-    """The jobs --after names, checked before anything is queued (hpcjobs.after); a foreground (local) job then
+    """The jobs --after names, checked before anything is queued (hpcjobs.request.after); a foreground (local) job then
     waits here for them to end, as Slurm holds a queued one."""
     import sys
 
-    from hpcjobs.after import check_upstream, wait_for_upstream
-    from hpcjobs.jobs import job_state
-    from hpcjobs.store import JobStore
+    from hpcjobs.follow.status import job_state
+    from hpcjobs.jobs.store import JobStore
+    from hpcjobs.request.after import check_upstream, wait_for_upstream
 
     store = JobStore()
     check_upstream(spec.after, spec.profile.scheduler, lambda job: job_state(job, store))
@@ -69,12 +69,12 @@ def wait_for(spec: JobSpec, queued: bool) -> None:
 
 
 def warn_short_chunks(spec: JobSpec, queued: bool, command: str) -> None:
-    """One line on stderr when the time limit leaves little of each chunk for training (hpcjobs.chunks): a queued
-    job requeues at its limit and goes on; a local one does not. Said once the command did its work, so that a
+    """One line on stderr when the time limit leaves little of each chunk for training (hpcjobs.request.chunks): a
+    queued job requeues at its limit and goes on; a local one does not. Said once the command did its work, so that a
     refusal stays the one line said."""
     import sys
 
-    from hpcjobs.chunks import chunk_warning
+    from hpcjobs.request.chunks import chunk_warning
 
     line = chunk_warning(spec) if queued else None
     if line:

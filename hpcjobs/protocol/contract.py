@@ -28,7 +28,7 @@ ENV_VAR = "HPCJOBS_CONTRACT"
 REQUEUE_FILE_VAR = "HPCJOBS_REQUEUE_FILE"
 """Set by a batch script whose ranks run inside a container image (no Slurm client there): the file rank 0 writes
 `requeue` into instead of running scontrol; the script, outside the image, requeues once srun returned
-(hpcjobs/backends/slurm_container.py)."""
+(hpcjobs/backends/slurm/runtimes.py)."""
 RUN_DIR_VAR = "HPCJOBS_RUN_DIR"
 """The rank's run folder, resolved (%j and the like filled in), for a user's script to read: a place for its own
 outputs that a requeue finds again. Written beside the contract, never read by hpcjobs (the contract holds it)."""
@@ -41,7 +41,7 @@ class ContractError(ValueError):
 @dataclass(frozen=True)
 class Preemption:
     """What happens when Slurm is about to stop the job (preemption or the time limit). The field metadata are the
-    profile's constraints on the `preemption:` keys (see hpcjobs.profiles)."""
+    profile's constraints on the `preemption:` keys (see hpcjobs.profiles.cluster_profile)."""
 
     signal: str = field(default=DEFAULT_SIGNAL, metadata={"choices": SIGNALS})
     """The signal Slurm sends before stopping the job (`--signal`); the trainer also always handles SIGTERM."""
@@ -56,9 +56,10 @@ class Preemption:
 
 @dataclass(frozen=True)
 class Recovery:
-    """What the job does by itself when a rank or node fails and it is nobody's bug (hpcjobs.protocol.faults): its
-    ranks start again, as a new step of the same allocation, from the newest finished checkpoint (trainers/recover.py).
-    The field metadata are the profile's constraints on the `recovery:` keys."""
+    """What the job does by itself when a rank or node fails and it is nobody's bug
+    (hpcjobs.protocol.faultpolicy.kinds): its ranks start again, as a new step of the same allocation, from the newest
+    finished checkpoint (trainers/recover.py). The field metadata are the profile's constraints on the `recovery:`
+    keys."""
 
     max_recoveries: int = field(default=3, metadata={"min": 0, "max": 1000})
     """How many recoveries in a row, with no new checkpoint between them, a job may have before it ends failed (one
@@ -86,7 +87,7 @@ class LaunchContract:
     start_time: float = 0.0
     """When this start of the job began on the rank (epoch seconds; set by the launcher)."""
     points: tuple[Point, ...] = ()
-    """A sweep's points, one per array task (hpcjobs.sweep); each task adds its own to the entry's arguments."""
+    """A sweep's points, one per array task (hpcjobs.request.sweep); each task adds its own to the entry's arguments."""
     submit_dir: str = ""
     """The folder a user's script or module was submitted from, when its code runs from a snapshot (empty
     otherwise): the script runs there, so a relative path it is given (an --output_dir, its data) means what it

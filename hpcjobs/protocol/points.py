@@ -1,5 +1,5 @@
-"""Sweep points as both sides see them: the submit side builds them (hpcjobs.sweep), the node picks its own by the
-array task's index and adds it to the entry's flags. Pure; torch-free."""
+"""Sweep points as both sides see them: the submit side builds them (hpcjobs.request.sweep), the node picks its own by
+the array task's index and adds it to the entry's flags. Pure; torch-free."""
 
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ RUN/restarts.jsonl        one line per (re)start: when, restart count, why the p
 RUN/startup.jsonl         one line per rank and start: launched, torch imported, group joined, first step done
 RUN/final.json            finished | failed, with the reason
 RUN/requeues.json         the job's requeues in a row that brought no newer checkpoint: what the restart cap counts
-                          (hpcjobs.protocol.restartcap)
-RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error (hpcjobs.protocol.diagnosis)
+                          (hpcjobs.protocol.faultpolicy.restartcap)
+RUN/failures.jsonl        one line per rank that failed: when, restart, rank, host, error
+                          (hpcjobs.protocol.faultpolicy.diagnosis)
 RUN/saves.jsonl           rank 0, one line per checkpoint save: job, restart, step, when it began, how long the
-                          training loop waited for it (hpcjobs.goodput's checkpoint cost)
+                          training loop waited for it (hpcjobs.goodput.buckets's checkpoint cost)
 RUN/allocations.jsonl     the local backend, one line per job it ran: when its ranks were started and the last ended
 RUN/local-process.json    a local job's launching process (pid, host), so status and cancel can reach it
 RUN/tracker.json          rank 0: the experiment trackers' run ids (wandb, mlflow), so a requeued or resumed start
@@ -111,7 +112,7 @@ class RunFolder:
     metrics = property(lambda self: self.path / "metrics.jsonl")
     heartbeat = property(lambda self: self.path / "heartbeat.json")
     restarts = property(lambda self: self.path / "restarts.jsonl")
-    requeue_row = property(lambda self: self.path / "requeues.json")  # hpcjobs.protocol.restartcap
+    requeue_row = property(lambda self: self.path / "requeues.json")  # hpcjobs.protocol.faultpolicy.restartcap
     startup = property(lambda self: self.path / "startup.jsonl")
     final = property(lambda self: self.path / "final.json")
     failures = property(lambda self: self.path / "failures.jsonl")
@@ -251,3 +252,18 @@ def read_jsonl(path: Path, fields: Mapping[str, tuple[type, ...]] | None = None)
         if _fits(record, fields or {}):
             out.append(record)
     return out
+
+
+def lines_of(history: list[dict[str, Any]], job_id: str) -> list[dict[str, Any]]:
+    """The job's own lines of a run folder's restarts.jsonl: its start lines, each with the stop lines after it (a
+    stop line names no job: it is the start's before it). Another job on the same folder has its own. A folder with
+    no start line at all (written before starts were recorded) is taken as the job's."""
+    if all("stopped" in r for r in history):
+        return list(history)
+    mine, own = [], False
+    for r in history:
+        if "stopped" not in r:
+            own = str(r.get("job_id")) == job_id
+        if own:
+            mine.append(r)
+    return mine

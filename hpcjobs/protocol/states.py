@@ -29,8 +29,8 @@ class StopReason(_Str):
     Ctrl-C, nor a preemption or the time limit. The trainer still stops at a checkpoint and requeues, as it did
     for it before it had its own word; restarts.jsonl's `signal` names which."""
     FAULT = "fault"
-    """A rank or node failed and it was nobody's bug (hpcjobs.protocol.faults): the job recovers by itself, its
-    ranks started again from the newest finished checkpoint (the line's `recovery` says how)."""
+    """A rank or node failed and it was nobody's bug (hpcjobs.protocol.faultpolicy.kinds): the job recovers by itself,
+    its ranks started again from the newest finished checkpoint (the line's `recovery` says how)."""
 
 
 class StopOutcome(_Str):

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from hpcjobs.protocol.trainconfig import PIP_NAMES, TRACKERS
-from hpcjobs.protocol.trainflags import ConfigError
+from hpcjobs.protocol.settings.trainconfig import PIP_NAMES, TRACKERS
+from hpcjobs.protocol.settings.trainflags import ConfigError
 
 ASK_TIMEOUT_S = 20.0
 """How long the submit side waits for another Python to say what it has (it starts in ~30 ms; a cold shared

@@ -1,7 +1,7 @@
 """A stop the user asked for on the local profile, in the user's words, on both sides.
 
 The launching process sees what the user did (Ctrl-C, SIGTERM, `hpcjobs cancel`, which sends it SIGTERM); a user's
-script gets the profile's signal in its place (hpcjobs/backends/local_ranks.Stopper). The ranks' lines named that
+script gets the profile's signal in its place (hpcjobs.backends.local.ranks.Stopper). The ranks' lines named that
 internal signal ("stopped by SIGUSR2") and the launcher's first line described both kinds of script at once, the one
 that commits a checkpoint and the one stopped with nothing saved, whichever was running (issue 37). So:
 

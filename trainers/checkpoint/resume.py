@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.trainconfig import TrainConfig
-from hpcjobs.protocol.trainflags import ResumeError
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
+from hpcjobs.protocol.settings.trainflags import ResumeError
 from trainers import checkpoint
 from trainers.checkpoint import CheckpointRef, CorruptCheckpoint
 from trainers.dist import DistContext

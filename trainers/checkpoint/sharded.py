@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from hpcjobs.protocol.trainflags import ResumeError
+from hpcjobs.protocol.settings.trainflags import ResumeError
 from trainers import checkpoint
 from trainers.checkpoint import saves
 from trainers.checkpoint.errors import corrupt

@@ -4,7 +4,7 @@ accelerate_loop, whose step ends all call `StepEndGuard.step_ended()`.
 Checking at every step end cost a pipelined all-reduce a step (0.4-0.8 ms at 2 CPU ranks: bench/stop_agreement.py);
 the shared trainer checks about once a second. With these checks, an unchanged Hugging Face Trainer script's ~13 ms
 steps under `hpcjobs submit` take 1.016x torchrun's, torchrun against itself 1.018x (bench/README.md).
-Every rank calls `step_ended()` at every step end; the ranks agree only at the steps trainers.preemption.Cadence
+Every rank calls `step_ended()` at every step end; the ranks agree only at the steps trainers.agreement.Cadence
 names, the same on every rank: every step end over this start's first 12 (while the slowest rank's step time is
 measured), then about once a second of training (or every HPCJOBS_STOP_CHECK_EVERY step ends). A check's reduce
 runs in the background during the next step and its answer is read at that step's end (the trainer's instead reads
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainers.preemption import Cadence, StopGuard
+from trainers.agreement import Cadence
+from trainers.preemption import StopGuard
 
 
 @dataclass

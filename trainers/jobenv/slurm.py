@@ -151,7 +151,7 @@ GPU_ALLOCATION_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS"
 
 CLIENT_SETTINGS = ("SLURM_CONF",)
 """Slurm variables that configure its commands, not a job: a local run on a host that sets them is no Slurm job
-(the local backend keeps them too, hpcjobs.backends.environment)."""
+(the local backend keeps them too, hpcjobs.backends.start_env)."""
 
 
 def applies(env: Mapping[str, str]) -> bool:

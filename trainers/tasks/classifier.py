@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from hpcjobs.protocol.taskflags import BUNDLED
+from hpcjobs.protocol.settings.taskflags import BUNDLED
 from trainers.task import Task
 
 

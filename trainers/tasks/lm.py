@@ -4,7 +4,7 @@
     ... trainers.tasks.lm --size small --text data/shakespeare.txt --seq-len 256
     ... --nodes 2 --gpus 8 trainers.tasks.lm --size 7b      (7b needs GPUs: it is refused without CUDA)
 
-1b and 7b start from presets that fit 80 GB GPUs (hpcjobs.protocol.lmsizes.PRESETS: 7b is FSDP with activation
+1b and 7b start from presets that fit 80 GB GPUs (hpcjobs.protocol.planning.lmsizes.PRESETS: 7b is FSDP with activation
 checkpointing) and an LR and warmup for their size; `hpcjobs submit --dry-run` shows the memory plan.
 
 trainers.tasks.lora fine-tunes this model with low-rank adapters and imports its pieces.
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hpcjobs.protocol.lmsizes import (  # re-exported: trainers.tasks.lora and users' scripts import them from here
+# re-exported: trainers.tasks.lora and users' scripts import them from here
+from hpcjobs.protocol.planning.lmsizes import (
     CUDA_ONLY,
     SIZES,
     VOCAB,
@@ -33,8 +34,8 @@ from hpcjobs.protocol.lmsizes import (  # re-exported: trainers.tasks.lora and u
     size_defaults,
     train_flops_per_token,
 )
-from hpcjobs.protocol.memplan import plan
-from hpcjobs.protocol.taskflags import BUNDLED
+from hpcjobs.protocol.planning.memory_plan import plan
+from hpcjobs.protocol.settings.taskflags import BUNDLED
 from trainers.task import Task, TaskArgError
 
 PROG = "trainers.tasks.lm"

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpcjobs.protocol.taskflags import BUNDLED, LORA_TARGETS
+from hpcjobs.protocol.settings.taskflags import BUNDLED, LORA_TARGETS
 from trainers.task import Task, TaskArgError
 from trainers.tasks.lm import (
     GPT,

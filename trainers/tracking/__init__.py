@@ -56,7 +56,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from hpcjobs.protocol.runfolder import RunFolder
-from hpcjobs.protocol.trainconfig import TRACKERS
+from hpcjobs.protocol.settings.trainconfig import TRACKERS
 from trainers.tracking.common import Guarded, Job, TrackerFile, TrackerUnavailable, reason_of, require, say
 
 __all__ = ["Guarded", "Tracker", "TrackerFile", "TrackerUnavailable", "open_trackers", "require"]

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hpcjobs.protocol.runfolder import RunFolder, read_json, write_json_atomic
+from hpcjobs.protocol.settings.trainconfig import TRACKERS
 from hpcjobs.protocol.trackerpkgs import TrackerUnavailable as TrackerUnavailable  # re-exported
 from hpcjobs.protocol.trackerpkgs import require as require
 from hpcjobs.protocol.trackerpkgs import unavailable
-from hpcjobs.protocol.trainconfig import TRACKERS
 
 
 def say(message: str) -> None:

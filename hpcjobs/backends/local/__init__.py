@@ -1,0 +1,1 @@
+"""The local backend: every rank a process on this machine, without Slurm."""

@@ -1,0 +1,315 @@
+"""The local backend: every rank a process on this machine, in the foreground (CPU + gloo without GPUs).
+
+Ctrl-C (or SIGTERM, `hpcjobs cancel`) is passed on to the ranks: to the shared trainer's as it came, so they stop at a
+step boundary after a checkpoint and restarts.jsonl says which it was; to a user's script as the profile's signal,
+so a script with a StopGuard stops after its checkpoint too and any other script at once (KeyboardInterrupt, see
+trainers.standby), as Ctrl-C stops it anywhere. The job then exits as an interrupted command does (130 for Ctrl-C,
+143 for SIGTERM). Running the same command with the same --run-dir resumes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
+from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
+from hpcjobs.backends.local.ranks import Stopper, device_slice, group_code, rank_preexec, recovered
+from hpcjobs.backends.start_env import clean
+from hpcjobs.jobs.store import JobRecord
+from hpcjobs.protocol import userstop
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.folderlock import in_use
+from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
+from hpcjobs.protocol.ports import free_port
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids, lines_of, resolve_run_dir, write_json_atomic
+from hpcjobs.protocol.states import JobState, StopReason
+from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
+from hpcjobs.protocol.versions import FLOOR_TEXT
+from hpcjobs.request.checks import Check, Result
+from hpcjobs.request.credentials import states
+from hpcjobs.request.render import launcher_argv
+from hpcjobs.request.spec import JobSpec
+
+JOB_ID_PLACEHOLDER = "local-<id>"
+"""How a dry run names the job id that only a real run gets."""
+
+
+_ids = itertools.count()
+
+
+def local_job_id() -> str:
+    """The time, the submitting process and its count of jobs: one process submits several in the same second (a
+    chain's steps), and each must be a job of its own in the store."""
+    n = next(_ids)
+    return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}" + (f"-{n}" if n else "")
+
+
+def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str], restart: int = 0,
+              ) -> list[dict[str, str]]:
+    """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
+    ids = {f"HPCJOBS_{k.removeprefix('SLURM_')}": v for k, v in array_ids(job_id).items() if "ARRAY" in k}
+    common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id,
+              "HPCJOBS_RESTART": str(restart), **ids}
+    return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
+
+
+def time_limit(spec: JobSpec) -> int | None:
+    """The seconds a local job may run: its --time, enforced as Slurm does (the profile's signal `seconds_before`
+    the end, so the time-limit path can be rehearsed here; killed at the end). A profile's default_time is not:
+    a local run goes on for as long as it trains."""
+    return spec.time_seconds if spec.time_from == "--time" else None
+
+
+def ranks_argv(spec: JobSpec) -> list[str]:
+    """What each rank runs; its contract has no time limit unless one is enforced (time_limit)."""
+    return launcher_argv(spec if time_limit(spec) else replace(spec, time_seconds=0))
+
+
+def ignored(spec: JobSpec) -> list[str]:
+    """What of the profile the local backend does not do, said at the start rather than silently skipped."""
+    if spec.profile.setup:
+        return [f"profile {spec.profile.name}'s setup lines are for Slurm jobs and are not run here: the ranks get "
+                "this shell's environment"]
+    return []
+
+
+def check_python(spec: JobSpec) -> None:
+    """A profile's `python:` that cannot start the ranks (no torch at the floor, no hpcjobs) is one line before
+    anything is written, as the Slurm job script says it (hpcjobs.backends.slurm.sbatch.python_lines); each rank would
+    otherwise print its own ModuleNotFoundError traceback. The Python hpcjobs runs from is not asked: it imported
+    hpcjobs."""
+    if spec.python == sys.executable:
+        return
+    try:
+        out = subprocess.run([spec.python, "-c", f"{TORCH_CHECK}; import {LAUNCHER_MODULE}"], cwd=spec.workdir,
+                             env=clean(dict(os.environ)), capture_output=True, text=True, timeout=60)
+        said = [ln.strip() for ln in (out.stderr + out.stdout).splitlines() if ln.strip()]
+        why = None if out.returncode == 0 else said[-1] if said else f"exit code {out.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        raise UsageError(f"profile {spec.profile.name}'s python {spec.python} cannot start the ranks ({why}); valid: "
+                         f"a Python with torch >= {FLOOR_TEXT} and hpcjobs installed.",
+                         "set python: in the profile to such a Python, or leave it out to use this one.")
+
+
+def describe(spec: JobSpec, job_id: str) -> str:
+    """The request as text: what each rank would run, with the variables hpcjobs sets for it."""
+    argv = " ".join(shlex.quote(w) for w in ranks_argv(spec))
+    lines = [f"# local: {spec.world()} on this machine, from {spec.workdir}", *(f"# {x}" for x in ignored(spec))]
+    lines += [f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())]
+    lines += [f"# {k}: {s}, from this shell (its value is never written)" for k, s in states(spec.secrets).items()]
+    for r in range(spec.ranks):
+        lines.append(f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={spec.ranks} MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> "
+                     f"HPCJOBS_JOB_ID={job_id} {argv}")
+    return "\n".join(lines) + "\n"
+
+
+class LocalBackend(RunFolderLogs):
+    name = "local"
+    multi_node = False
+    queued = False
+    requests_gpus = False
+    runs_setup = False
+
+    def allocations(self, rec: JobRecord, run: Any = None) -> list[Times]:
+        return []  # a local job's are the run folder's own record (RUN/allocations.jsonl)
+
+    def lookup(self, job_id: str) -> JobRecord | None:
+        return None  # a local job is known only to the job store of the shell that ran it
+
+    def check(self, spec: JobSpec) -> None:
+        if spec.container is not None:  # a choice: hpcjobs starts local ranks itself, in this machine's Python
+            raise UsageError(f"container runtime {spec.container.runtime} with profile {spec.profile.name} (local): "
+                             "valid: no container (local ranks run in this machine's Python).", "run it on Slurm "
+                             "(a profile with scheduler: slurm), or start the image yourself and run hpcjobs in it.")
+        if spec.nodes != 1:
+            raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",
+                             "use a Slurm profile for more than one node.")
+        slots = spec.profile.gpus_per_node
+        if spec.max_parallel and spec.max_parallel * spec.ranks > slots:
+            raise UsageError(f"--max-parallel {spec.max_parallel} × {spec.ranks} ranks with profile "
+                             f"{spec.profile.name} (local): valid: at most {slots} ranks at once (its "
+                             "gpus_per_node).", f"e.g. --max-parallel {max(1, slots // spec.ranks)}")
+
+    def check_site(self, spec: JobSpec) -> None:
+        """Nothing to ask: the profile's facts are this machine's."""
+
+    def doctor(self, spec: JobSpec, probe_wait_s: float | None = None) -> list[Check]:
+        """Nothing queues here: the request was checked when the spec was built; what is left is the run folder."""
+        checks = [Check("scheduler", Result.SKIP, f"profile {spec.profile.name} is local: nothing to ask a scheduler")]
+        try:
+            check_run_folder(spec.run_dir)
+        except UsageError as e:
+            return [*checks, Check("runs folder", Result.FAIL, e.one_line(), "another --run-dir or runs_dir")]
+        return [*checks, Check("runs folder", Result.PASS, f"{spec.run_dir} can be made")]
+
+    def script(self, spec: JobSpec) -> Script:
+        raise UsageError(f"profile {spec.profile.name} is local: there is no sbatch script to render.",
+                         "use a Slurm profile, or `hpcjobs submit` to run locally.")
+
+    def dry_run(self, spec: JobSpec) -> SubmitRequest:
+        return SubmitRequest(spec, describe(spec, JOB_ID_PLACEHOLDER))
+
+    def submit(self, request: SubmitRequest, on_id: Callable[[Submitted], None]) -> Submitted:
+        """Run every rank here and wait (recorded first, so status/list see the job while it runs). A sweep's
+        points run one after another, or `max_parallel` at once, each a job `ID_N` with its own run folder."""
+        spec = request.spec
+        check_python(spec)
+        job_id = local_job_id()
+        tasks = [(f"{job_id}_{i}", i) for i in range(len(spec.points))] if spec.array else [(job_id, None)]
+        run_dirs = [resolve_run_dir(spec.run_dir, array_ids(task_id)) for task_id, _ in tasks]
+        for run_dir in run_dirs:  # a start its rank 0 would refuse writes nothing, here either
+            if (busy := in_use(RunFolder(run_dir))) is not None:
+                message, _, hint = busy.partition(" HINT: ")
+                raise UsageError(message, hint or None)
+        subs = []
+        for (task_id, index), run_dir in zip(tasks, run_dirs, strict=True):
+            prepare_run_folder(spec, run_dir, index)
+            run = RunFolder(run_dir)
+            write_json_atomic(run.local_process, {"pid": os.getpid(), "host": socket.gethostname(),
+                                                  "job_id": task_id})
+            subs.append(Submitted(task_id, run_dir, {"ranks": str(run.logs)}, task=index))
+            on_id(subs[-1])
+        codes = self._run(spec, subs, bool(request.params.get("stdout_to_stderr")))
+        done = [replace(sub, returncode=code) for sub, code in zip(subs, codes, strict=True)]
+        if not spec.array:
+            return done[0]
+        return Submitted(job_id, spec.run_dir, returncode=max(codes, key=abs), tasks=tuple(done))
+
+    def _run(self, spec: JobSpec, subs: list[Submitted], stdout_to_stderr: bool) -> list[int]:
+        """Each job's ranks, at most `max_parallel` jobs at once; their exit codes. Ctrl-C stops the running ones
+        at a checkpoint and starts no more (those are left with code 130, never started)."""
+        width = spec.max_parallel or 1
+        codes: list[int | None] = [None] * len(subs)
+        started: dict[int, float] = {}
+        restarts: dict[int, int] = {}  # task -> the number of its running start
+        running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
+        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind,
+                          lambda: [(RunFolder(subs[i].run_dir), subs[i].job_id, restarts[i]) for i in running])
+        old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        for said in ignored(spec):
+            print(f"hpcjobs: {said}", file=sys.stderr, flush=True)
+        limit, began, warned = time_limit(spec), {}, set()  # began: monotonic, for the time limit
+        warn_signal = getattr(signal, f"SIG{spec.profile.preemption.signal}")
+        try:
+            pending = list(range(len(subs)))
+            while pending or running:
+                while pending and len(running) < width and not stopper.count:
+                    i = pending.pop(0)
+                    slot = min(set(range(width)) - {s for s, _ in running.values()})
+                    started[i] = time.time()
+                    restarts[i] = RunFolder(subs[i].run_dir).next_restart()
+                    running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr,
+                                                   restarts[i])
+                    stopper.procs += running[i][1]
+                    began[i] = time.monotonic()
+                if stopper.count and not running:
+                    break
+                for i, (_, procs) in list(running.items()):
+                    age = time.monotonic() - began[i]
+                    if limit is not None and age >= limit:  # as Slurm at the time limit
+                        for p in procs:
+                            if p.poll() is None:
+                                p.kill()
+                    elif limit is not None and age >= limit - spec.profile.preemption.seconds_before and \
+                            i not in warned:  # as Slurm's --signal: the ranks stop at a checkpoint
+                        warned.add(i)
+                        for p in procs:
+                            if p.poll() is None:
+                                p.send_signal(warn_signal)
+                    if (code := group_code(procs)) is not None:
+                        asked = stopper.count or (limit is not None and age >= limit)  # Ctrl-C, the time limit
+                        if code and not asked and recovered(spec, subs[i], restarts[i], code, procs):
+                            slot = running[i][0]
+                            restarts[i] = RunFolder(subs[i].run_dir).next_restart()
+                            running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None,
+                                                           stdout_to_stderr, restarts[i])
+                            stopper.procs += running[i][1]
+                            continue
+                        codes[i] = stopper.exit_code(code)
+                        del running[i]
+                        record_allocation(subs[i], started[i], code)
+                time.sleep(0.2)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        return [130 if c is None else c for c in codes]
+
+    def _start(self, spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int,
+               ) -> list[subprocess.Popen[bytes]]:
+        print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
+              file=sys.stderr, flush=True)
+        base = dict(os.environ)
+        if slot is not None:
+            base.update(device_slice(slot, spec.ranks, base))
+        envs = rank_envs(spec, sub.job_id, free_port(), base, restart)
+        # Each rank in a session of its own (rank_preexec says why not only a process group): the terminal's Ctrl-C
+        # reaches only this process, which turns it into one stop request per rank (a rank hit by the terminal's
+        # signal as well would get two).
+        return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=rank_preexec,
+                                 stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
+
+    def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
+        """No scheduler to ask: the run folder says how far it got, and its launching process whether it lives."""
+        run = RunFolder(rec.run_dir)
+        if isinstance(run.final_of(rec.job_id), dict):
+            return None  # the job's own final word decides
+        # This job's own lines: a later job on the same folder (a resume) must not make it UNKNOWN, nor lend it
+        # its ending.
+        mine = lines_of(run.read_restarts(), rec.job_id)
+        if mine and "stopped" in mine[-1] and mine[-1]["stopped"] != StopReason.FAULT:
+            return JobState.STOPPED, "run folder"  # stopped when asked (at a checkpoint, or by you): resumable
+        alive = launcher_alive(run, rec.job_id)
+        if alive is None:
+            return None
+        if alive:
+            return JobState.RUNNING, "process"
+        return JobState.FAILED, "run folder (its processes are gone, with no final word: killed?)"
+
+    def cancel(self, rec: JobRecord) -> str:
+        """Ask the launching process to stop, as Ctrl-C does (`Stopper`)."""
+        run = RunFolder(rec.run_dir)
+        if not launcher_alive(run, rec.job_id):
+            return f"job {rec.job_id} is not running here; nothing to cancel"
+        userstop.cancel(run, rec.job_id)  # the launcher names the stop `hpcjobs cancel`, not SIGTERM
+        os.kill(int(run.read("local_process")["pid"]), signal.SIGTERM)
+        kind = str((rec.spec.get("entry") or {}).get("kind", "task"))
+        joined = kind == "task" or userstop.joined(run, rec.job_id)
+        return (f"job {rec.job_id} asked to stop: {userstop.case(kind, joined)} (resume with the same command and "
+                f"--run-dir {rec.run_dir})")
+
+
+def record_allocation(sub: Submitted, started: float, code: int) -> None:
+    """RUN/allocations.jsonl: when this job's ranks were started and when the last of them ended, what sacct says
+    of a Slurm job; `hpcjobs goodput` reads it."""
+    append_jsonl(RunFolder(sub.run_dir).allocations, {"job_id": sub.job_id, "start": started, "end": time.time(),
+                                                      "code": code})
+
+
+def launcher_alive(run: RunFolder, job_id: str) -> bool | None:
+    """Whether the process that runs this local job is alive; None when that cannot be known here (another host,
+    or a run folder from before this was recorded)."""
+    proc = run.read("local_process")
+    if not isinstance(proc, dict) or proc.get("host") != socket.gethostname() or proc.get("job_id") != job_id:
+        return None
+    try:
+        cmdline = Path(f"/proc/{int(proc['pid'])}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    return b"hpcjobs" in cmdline  # the pid may have been reused by an unrelated process
+
+
+BACKEND = LocalBackend()

@@ -1,0 +1,1 @@
+"""Planning before anything is queued: the bundled model's sizes and each GPU's memory plan."""

@@ -1,0 +1,195 @@
+"""Each GPU's peak memory for the bundled language model (hpcjobs.protocol.planning.lmsizes), before anything is queued.
+
+Torch-free arithmetic over the model's shapes and the trainer's settings. What a rank holds at its peak:
+  weights      fp32 parameters: 4 bytes each, 1/ranks of them under fsdp (none on the GPU with --cpu-offload)
+  gradients    fp32: 4 bytes a parameter (1/ranks under fsdp), plus an unsharded fp32 copy under fsdp while
+               --grad-accum > 1 accumulates without --reduce-each-micro-batch
+  AdamW        two fp32 moments: 8 bytes a parameter (1/ranks under fsdp)
+  activations  what autograd saves for the backward, per block and token of the micro-batch, in units of the width d:
+               the two LayerNorm inputs in the residual stream's dtype (2·r) and 15·c in the compute dtype: the
+               LayerNorm outputs the matmuls keep (2), q, k, v (3), attention's output and its reshaped copy (2), the
+               MLP's 4d pre-activation and GELU output (8). Under ddp with bf16 autocast the residual stays fp32
+               (r = 4, c = 2: 38 bytes); under fsdp the parameters are cast, so r = c = 2 (34 bytes); fp32: 68.
+               With --activation-checkpointing each block keeps only its input (r) and one block is recomputed
+               at a time. Plus the head: ln_f's input and output and the fp32 log-softmax over the 256 bytes.
+  working      ddp with autocast: the bf16 copies of the weights autocast makes, alive until the backward used them;
+               fsdp: two gathered blocks (the last one again for its backward, the next prefetched) and the
+               root's gathered embeddings, in the compute dtype; while a block's gradients are made, also its
+               unsharded gradient and fp32 reduce-scatter input (at the end of the backward, and with activation
+               checkpointing, where the block's own recomputed activations are what is saved)
+  transient    the logits' gradient in bf16 beside the fp32 one at the start of the backward
+  headroom     on a GPU: 1.5 GiB for the CUDA context, cuBLAS workspaces and NCCL buffers, and 10% for the caching
+               allocator's fragmentation (on an H200: reserved − allocated 0–3% of the peak, 12% for 1b fsdp
+               without activation checkpointing)
+The peak is the larger of the start of the backward (everything saved, no gradient yet) and its end (every gradient,
+the first block's activations): gradients grow as saved activations are freed. bench/memplan.py measured the tensors'
+part within 5% on real CPU ranks (small and medium, ddp and fsdp, fp32 and bf16, with and without activation
+checkpointing) and on 7b's shapes under fake tensors (bench/results/memplan.json); on an H200 the tensors' part
+was 1.00–1.05 × the measured peak allocated (1b ddp, fsdp, fsdp + AC, --cpu-offload; 7b fsdp + AC: 99.1 against 98.0
+GiB) and the total 1.05–1.20 × the peak reserved (bench/results/gpu-h200-acceptance.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from hpcjobs.protocol.planning.lmsizes import VOCAB, GPTConfig, block_params, n_params
+
+GIB = 2**30
+CONTEXT_BYTES = int(1.5 * GIB)
+"""CUDA context, cuBLAS workspaces and NCCL's buffers: memory a GPU has that the caching allocator never gets."""
+FRAGMENTATION = 0.10
+"""The caching allocator's reserved-but-unallocated share at the peak (a rule of thumb for transformer training)."""
+MAX_GPU_GIB = 1024 * 1024
+"""The largest gpu_memory taken (1 PB: well past any GPU, and a finite number)."""
+_GPU_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*(G|GB|GiB|T|TB|TiB)$", re.IGNORECASE)
+
+
+def parse_gpu_memory(text: object, what: str = "gpu_memory") -> int:
+    """Bytes in a GPU's memory as its maker states it (`80GB`, `141GB`, `80G`): GPU makers' GB are GiB (an 80GB
+    H100 reports 81559 MiB). Raises ValueError saying what is valid (`what`: the profile key, for its parsers'
+    signature)."""
+    m = _GPU_MEMORY.match(str(text).strip()) if isinstance(text, (str, int, float)) else None
+    gib = float(m.group(1)) * (1 if m.group(2)[0].upper() == "G" else 1024) if m else 0.0
+    if not 0 < gib <= MAX_GPU_GIB:  # also a number too long for a float (inf)
+        raise ValueError(f"a positive size in GB or TB of at most {MAX_GPU_GIB // 1024} TB, e.g. 80GB")
+    return int(gib * GIB)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The trainer's settings that decide the memory (TrainConfig's names), resolved: a precision, a micro-batch."""
+
+    strategy: str = "ddp"
+    ranks: int = 1
+    micro_batch: int = 8
+    seq_len: int = 2048
+    precision: str = "bf16"
+    """fp32, bf16 or fp16 (auto resolved: bf16 on GPUs)."""
+    activation_checkpointing: bool = False
+    grad_accum: int = 1
+    reduce_each_micro_batch: bool = False
+    cpu_offload: bool = False
+    gpu: bool = True
+    """On a GPU: the headroom counts; on the CPU the plan is the bytes of live tensors alone."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes one rank holds at its peak, by kind; `total` includes the headroom."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    working: int
+    transient: int
+    headroom: int
+
+    @property
+    def tensors(self) -> int:
+        return self.total - self.headroom
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    def as_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+    def text(self) -> str:
+        unit, size = ("GiB", GIB) if self.total >= GIB else ("MiB", 2**20)
+
+        def g(n: int) -> str:
+            return f"{n / size:.1f}"
+
+        return (f"weights {g(self.weights)} + gradients {g(self.gradients)} + AdamW {g(self.optimizer)} + "
+                f"activations {g(self.activations)} + working copies {g(self.working)} + transient "
+                f"{g(self.transient)} + headroom {g(self.headroom)} = {g(self.total)} {unit}")
+
+
+def compute_bytes(s: Setup) -> int:
+    """Bytes of an element the matmuls take: 2 in bf16/fp16 (autocast's or FSDP2's cast), else 4."""
+    return 2 if s.precision in ("bf16", "fp16") else 4
+
+
+def block_bytes(c: GPTConfig, s: Setup) -> int:
+    """What one block saves for its backward (see the module's docstring), with its LayerNorm statistics and
+    attention's logsumexp."""
+    low = compute_bytes(s)
+    r = low if s.strategy == "fsdp" else 4  # the residual stream's bytes: fsdp casts the parameters, autocast does not
+    b, t = s.micro_batch, s.seq_len
+    return b * t * c.d_model * (2 * r + 15 * low) + b * t * 16 + b * c.n_head * t * 4
+
+
+def activation_bytes(c: GPTConfig, s: Setup) -> tuple[int, int]:
+    """(saved activations at the start of the backward, the transient gradients then) for one micro-batch."""
+    low = compute_bytes(s)
+    r = low if s.strategy == "fsdp" else 4
+    b, t = s.micro_batch, s.seq_len
+    tok = b * t * c.d_model
+    block = block_bytes(c, s)
+    blocks = c.n_layer * tok * r + block if s.activation_checkpointing else c.n_layer * block
+    head = tok * (r + low) + b * t * VOCAB * 4 + b * (t + 1) * 8  # ln_f in/out, fp32 log-softmax, the batch
+    transient = b * t * VOCAB * low if low < 4 else 0  # the logits' gradient in bf16 beside the fp32 one
+    return blocks + head, transient
+
+
+def working_bytes(c: GPTConfig, s: Setup, backward: bool = False) -> int:
+    """Weights that exist only while the step runs (see the module's docstring); `backward`: while a block's
+    gradients are made, under fsdp also its unsharded gradient and fp32 reduce-scatter input."""
+    low = compute_bytes(s)
+    if s.strategy == "ddp":
+        return low * n_params(c) if low < 4 else 0
+    block = block_params(c)
+    outer = n_params(c) - c.n_layer * block
+    # the last block gathered again for its backward, the next prefetched, the root's embeddings
+    return 2 * low * block + low * outer + (block * (low + 4) if backward else 0)
+
+
+def plan(c: GPTConfig, s: Setup) -> Plan:
+    """One rank's peak (see the module's docstring for what each part is): the larger of the backward's start and
+    its end. With activation checkpointing the start's peak is at the last block's backward: its activations
+    recomputed, its gradients being made."""
+    p = n_params(c)
+    shard = s.ranks if s.strategy == "fsdp" else 1
+    on_device = 0 if s.strategy == "fsdp" and s.cpu_offload else 1
+    weights, grads, optimizer = (on_device * k * p // shard for k in (4, 4, 8))
+    unsharded = 4 * p if s.strategy == "fsdp" and s.grad_accum > 1 and not s.reduce_each_micro_batch else 0
+    acts, transient = activation_bytes(c, s)
+    kept = grads + unsharded if s.grad_accum > 1 else unsharded  # gradients of the earlier micro-batches
+    start = Plan(weights, kept, optimizer, acts, working_bytes(c, s, s.activation_checkpointing), transient, 0)
+    # the end: every gradient, the first block's activations and, under fsdp, its gradients being reduced
+    end = Plan(weights, grads + unsharded, optimizer, block_bytes(c, s),
+               working_bytes(c, s, backward=True) if s.strategy == "fsdp" else 0, 0, 0)
+    peak = max(start, end, key=lambda x: x.total)
+    headroom = int(CONTEXT_BYTES + FRAGMENTATION * peak.total) if s.gpu else 0
+    return dataclasses.replace(peak, headroom=headroom)
+
+
+def suggestions(c: GPTConfig, s: Setup, gpu_bytes: int, gpus_per_node: int, most_nodes: int) -> list[str]:
+    """Flags that would make `s` fit `gpu_bytes`, the smallest change first: the other strategy, activation
+    checkpointing, a smaller batch, more nodes (fsdp shards over them); at most three."""
+    tries: list[tuple[str, Setup]] = []
+    fsdp = dataclasses.replace(s, strategy="fsdp")
+    if s.strategy == "ddp":
+        tries.append(("--strategy fsdp", fsdp))
+    if not s.activation_checkpointing:
+        tries.append(("--activation-checkpointing", dataclasses.replace(s, activation_checkpointing=True)))
+        if s.strategy == "ddp":
+            tries.append(("--strategy fsdp --activation-checkpointing",
+                          dataclasses.replace(fsdp, activation_checkpointing=True)))
+    batch = s.micro_batch // 2
+    while batch >= 1:
+        tries.append((f"--batch-size {batch * s.grad_accum}", dataclasses.replace(s, micro_batch=batch)))
+        batch //= 2
+    nodes = max(1, s.ranks // gpus_per_node) * 2
+    while nodes <= most_nodes:
+        ranks = nodes * gpus_per_node
+        tries.append((f"--nodes {nodes}" + (" --strategy fsdp" if s.strategy == "ddp" else ""),
+                      dataclasses.replace(fsdp, ranks=ranks)))
+        nodes *= 2
+    fits = [flags for flags, t in tries if plan(c, t).total <= gpu_bytes]
+    return list(dict.fromkeys(fits))[:3]

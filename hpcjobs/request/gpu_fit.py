@@ -1,0 +1,116 @@
+"""Will the job fit its GPUs? The memory plan (hpcjobs.protocol.planning.memory_plan) of a job of the bundled LM task,
+from its size's shapes and presets (hpcjobs.protocol.planning.lmsizes), its trainer flags and its world, against the
+profile's `gpu_memory`. `submit --dry-run` shows it; build_spec refuses, before anything is queued, a job that will not
+fit. A task whose shapes only the node knows (a user's own) gets no plan and is never refused here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hpcjobs.profiles.cluster_profile import ClusterProfile
+from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.planning.lmsizes import LM_TASK, SIZES, GPTConfig, n_params, size_defaults
+from hpcjobs.protocol.planning.memory_plan import GIB, Plan, Setup, parse_gpu_memory, plan, suggestions
+from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args, task_args_of
+from hpcjobs.request.checks import Check, Result
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A job's plan: what it is of (`what`, for a person) and its bytes per GPU."""
+
+    size: str
+    config: GPTConfig
+    setup: Setup
+    plan: Plan
+
+    def what(self) -> str:
+        s = self.setup
+        count = n_params(self.config)
+        params = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+        return (f"{LM_TASK} --size {self.size} ({params} parameters), {s.strategy} over "
+                f"{s.ranks} rank{'s' * (s.ranks != 1)}, micro-batch {s.micro_batch} × {s.seq_len} tokens, "
+                f"{s.precision}{', activation checkpointing' if s.activation_checkpointing else ''}"
+                f"{f', grad-accum {s.grad_accum}' if s.grad_accum > 1 else ''}")
+
+
+def _task_flag(args: list[str], flag: str) -> str | None:
+    """The last value of a task flag (`--size X` or `--size=X`), as the task's argparse reads it."""
+    value = None
+    for i, word in enumerate(args):
+        if word == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def job_plan(target: str, args: tuple[str, ...] | list[str], ranks: int) -> JobPlan | None:
+    """The plan for `target` with `args` over `ranks` GPUs; None where the submit side cannot know the shapes (not
+    the bundled LM task, a size or flag the node will refuse anyway, a batch it splits unevenly)."""
+    if target != LM_TASK:
+        return None
+    try:
+        rest = task_args_of(list(args))
+        size = _task_flag(rest, "--size") or "tiny"
+        seq = _task_flag(rest, "--seq-len")
+        if size not in SIZES or (seq is not None and not seq.isdigit()):
+            return None
+        cfg, _ = parse_trainer_args(list(args), size_defaults(size))
+        micro = cfg.micro_batch(ranks)
+    except (ConfigError, ValueError):
+        return None
+    c = dataclasses.replace(SIZES[size], seq_len=int(seq) if seq else SIZES[size].seq_len)
+    setup = Setup(strategy=cfg.strategy, ranks=ranks, micro_batch=micro, seq_len=c.seq_len,
+                  precision="bf16" if cfg.precision == "auto" else cfg.precision,
+                  activation_checkpointing=cfg.checkpoints_all_of_every_block(), grad_accum=cfg.grad_accum,
+                  reduce_each_micro_batch=cfg.reduce_each_micro_batch, cpu_offload=cfg.cpu_offload)
+    return JobPlan(size, c, setup, plan(c, setup))
+
+
+def plan_line(profile: ClusterProfile, target: str, args: tuple[str, ...], ranks: int) -> str:
+    """The dry run's line about memory."""
+    found = job_plan(target, args, ranks)
+    if found is None:
+        return (f"# memory plan: none: {target}'s model is known on the node only (the plan covers {LM_TASK}); "
+                "not checked")
+    head = f"# memory plan per GPU: {found.what()}: {found.plan.text()}"
+    if profile.gpu_memory is None:
+        return f"{head}; not checked: profile {profile.name} declares no gpu_memory (e.g. gpu_memory: 80GB)"
+    room = parse_gpu_memory(profile.gpu_memory)
+    verdict = "fits" if found.plan.total <= room else "does NOT fit"
+    return f"{head} of {room / GIB:.0f} GiB (gpu_memory of profile {profile.name}): {verdict}"
+
+
+def check_fits(profile: ClusterProfile, target: str, args: tuple[str, ...], nodes: int, gpus: int,
+               most_nodes: int) -> None:
+    """Refuse, in one line, a job whose plan exceeds the profile's gpu_memory, naming flags that would fit."""
+    found = job_plan(target, args, nodes * gpus)
+    if found is None or profile.gpu_memory is None:
+        return
+    room = parse_gpu_memory(profile.gpu_memory)
+    if found.plan.total <= room:
+        return
+    fixes = suggestions(found.config, found.setup, room, gpus, most_nodes)
+    hint = ("; or ".join(fixes) + " would fit" if fixes else
+            "no flag alone makes it fit: a smaller --size or --seq-len") + "; `submit --dry-run` shows the plan"
+    raise UsageError(f"{found.what()} needs about {found.plan.total / GIB:.1f} GiB a GPU ({found.plan.text()}); "
+                     f"valid: at most {room / GIB:.0f} GiB (gpu_memory of profile {profile.name}); nothing was "
+                     "submitted.", hint)
+
+
+def doctor_check(profile: ClusterProfile, target: str, tasks_args: list[tuple[str, ...]], ranks: int) -> Check:
+    """`hpcjobs doctor`'s row: the largest task's plan against gpu_memory (a job that does not fit never gets here:
+    building its spec refused it)."""
+    found = [p for p in (job_plan(target, args, ranks) for args in tasks_args) if p is not None]
+    if not found:
+        return Check("memory plan", Result.SKIP, f"{target}'s model is known on the node only (the plan covers "
+                     f"{LM_TASK})")
+    worst = max(found, key=lambda p: p.plan.total)
+    need = f"{worst.plan.total / GIB:.1f} GiB a GPU for {worst.what()}"
+    if profile.gpu_memory is None:
+        return Check("memory plan", Result.SKIP, f"{need}; not checked: profile {profile.name} declares no "
+                     "gpu_memory", "add e.g. gpu_memory: 80GB to the profile")
+    return Check("memory plan", Result.PASS,
+                 f"{need}, of {parse_gpu_memory(profile.gpu_memory) / GIB:.0f} GiB (gpu_memory)")
