@@ -11,7 +11,7 @@ import pytest
 from hpcjobs.backends.slurm.slurm import parse_sacct
 from hpcjobs.cli import main
 from hpcjobs.goodput import advice as goodput_advice
-from hpcjobs.goodput.buckets import BUCKETS, Allocation, JobTimes, Save, Start, compute
+from hpcjobs.goodput.buckets import BUCKETS, AllocationTimes, JobTimes, Save, Start, compute
 from hpcjobs.goodput.report import report, text
 from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.protocol.states import JobState
@@ -251,7 +251,7 @@ def test_allocation_start_is_the_first_starts_begin() -> None:
                   ended="finished")
     from hpcjobs.goodput.records import job_times
 
-    job = job_times([("x", start)], "x", 1, 0.0, [Allocation(10.0, 31.0)], running=False)
+    job = job_times([("x", start)], "x", 1, 0.0, [AllocationTimes(10.0, 31.0)], running=False)
     g = compute(job, [None], now=0.0)
     assert g.buckets["queue"] == 10.0 and g.startup_parts["launch"] == 5.0 and g.buckets["other"] == 1.0
 

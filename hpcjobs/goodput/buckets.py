@@ -54,7 +54,7 @@ class Save:
 
 
 @dataclass(frozen=True)
-class Allocation:
+class AllocationTimes:
     """One allocation of the job by its scheduler (a requeued Slurm job has one per start)."""
 
     start: float | None
@@ -88,7 +88,7 @@ class JobTimes:
     starts: tuple[Start, ...]
     end: float | None = None
     """When the job ended (the scheduler's or the local launcher's word); None: unknown, or still running."""
-    allocations: tuple[Allocation, ...] = ()
+    allocations: tuple[AllocationTimes, ...] = ()
     running: bool = False
     """Its last start still runs (it ends now)."""
     waiting: bool = False
@@ -233,7 +233,7 @@ def _rework_from(start: Start, saves: Sequence[Save], resumed: int | None, t_tra
     return None
 
 
-def _gap(out: Goodput, t_from: float, t_to: float, allocations: Sequence[Allocation]) -> None:
+def _gap(out: Goodput, t_from: float, t_to: float, allocations: Sequence[AllocationTimes]) -> None:
     """Between one start's last record and the next start's begin: Slurm's requeue hold and the queue, where its
     accounting says so (the later allocation's eligible and start times), the rest recovery."""
     gap = max(0.0, t_to - t_from)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from hpcjobs.goodput.buckets import MARKS, Allocation, JobTimes, Save, Start
+from hpcjobs.goodput.buckets import MARKS, AllocationTimes, JobTimes, Save, Start
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.states import StopReason
 
@@ -129,13 +129,13 @@ def resumed_after(starts: Sequence[Start], newest: int | None) -> list[int | Non
     return out[:len(starts)]
 
 
-def allocations(run: RunFolder, job_id: str) -> list[Allocation]:
+def allocations(run: RunFolder, job_id: str) -> list[AllocationTimes]:
     """The local backend's record of the job's run (start and end of its ranks)."""
-    return [Allocation(float(a["start"]), float(a["end"])) for a in read_jsonl(run.allocations, ALLOCATION_FIELDS)
+    return [AllocationTimes(float(a["start"]), float(a["end"])) for a in read_jsonl(run.allocations, ALLOCATION_FIELDS)
             if str(a.get("job_id")) == job_id]
 
 
-def _from_allocations(starts: Sequence[Start], allocs: Sequence[Allocation]) -> tuple[Start, ...]:
+def _from_allocations(starts: Sequence[Start], allocs: Sequence[AllocationTimes]) -> tuple[Start, ...]:
     """The first start of each allocation begins with it: the job script and srun before the ranks launched are
     start-up too."""
     claimed: set[int] = set()
@@ -151,7 +151,7 @@ def _from_allocations(starts: Sequence[Start], allocs: Sequence[Allocation]) -> 
 
 
 def job_times(starts: Sequence[tuple[str, Start]], job_id: str, gpus: int, submitted: float | None,
-              allocs: Sequence[Allocation], running: bool, waiting: bool = False, marks_recorded: bool = True,
+              allocs: Sequence[AllocationTimes], running: bool, waiting: bool = False, marks_recorded: bool = True,
               ) -> JobTimes:
     """The job's starts; its end is its last allocation's (None when unknown: then its last record). `running`:
     its last start runs now; `waiting`: it has not ended but none of its starts runs (requeued, pending)."""

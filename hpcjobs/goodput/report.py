@@ -15,7 +15,7 @@ from typing import Any
 
 from hpcjobs.backends import backend_for
 from hpcjobs.goodput.advice import advice, step_time
-from hpcjobs.goodput.buckets import BUCKETS, STARTUP_PARTS, Allocation, Goodput, Start, compute, total
+from hpcjobs.goodput.buckets import BUCKETS, STARTUP_PARTS, AllocationTimes, Goodput, Start, compute, total
 from hpcjobs.goodput.records import allocations, job_ids, job_times, read_starts, resumed_after
 from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.profiles.slurmtime import parse_time
@@ -84,7 +84,7 @@ def folder_report(run: RunFolder, record: JobRecord | None, store: JobStore, now
         running, waiting = state in RUNNING, state is not None and state in WAITING
         allocs = allocations(run, job)
         if rec is not None:  # what the scheduler recorded (Slurm's accounting) over the run folder's own record
-            allocs = [Allocation(start, end, eligible) for eligible, start, end in
+            allocs = [AllocationTimes(start, end, eligible) for eligible, start, end in
                       backend_for(rec.scheduler).allocations(rec, runner) if start is not None] or allocs
         times = job_times(starts, job, gpus_of(run, rec), rec.submitted if rec else None, allocs, running,
                           waiting, run.startup.exists())

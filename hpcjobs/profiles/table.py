@@ -8,14 +8,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hpcjobs.profiles.cluster_profile import ClusterProfile, _int_valid, _keys, _types
+from hpcjobs.profiles.cluster_profile import ClusterProfile
+from hpcjobs.profiles.keycheck import int_valid, keys, types_of
 from hpcjobs.protocol.settings.schema import field_docs, shown_default, table
 
 
 def _meaning(cls: type, f: dataclasses.Field[Any]) -> str:
     doc = field_docs(cls)[f.name]
     if "min" in f.metadata or "max" in f.metadata:
-        doc += f" Valid: {_int_valid(f.metadata.get('min'), f.metadata.get('max'))}."
+        doc += f" Valid: {int_valid(f.metadata.get('min'), f.metadata.get('max'))}."
     if "choices" in f.metadata:
         doc += f" Valid: one of {', '.join(f'`{c}`' for c in f.metadata['choices'])}."
     return doc
@@ -23,8 +24,8 @@ def _meaning(cls: type, f: dataclasses.Field[Any]) -> str:
 
 def _rows(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     rows = []
-    for name, f in _keys(cls).items():
-        tp = _types(cls)[name]
+    for name, f in keys(cls).items():
+        tp = types_of(cls)[name]
         if dataclasses.is_dataclass(tp):
             rows += _rows(tp, f"{prefix}{name}.")  # type: ignore[arg-type]
         else:

@@ -146,14 +146,14 @@ def check_steps(meta: dict[str, Any], cfg: TrainConfig, where: str) -> None:
                           f"extend. HINT: give --steps above {step}, or a new --run-dir.")
 
 
-Check = Callable[[dict[str, Any], str], bool]
+ResumeRule = Callable[[dict[str, Any], str], bool]
 """check(meta, where): raises ResumeError when a checkpoint's settings do not match this start's; returns whether it
 is resharded on load."""
 Load = Callable[[Resumed], None]
 """load(resumed): every rank applies the checkpoint (a collective); raises CorruptCheckpoint on every rank alike."""
 
 
-def _examine(ref: CheckpointRef, rank: int, check: Check, keys: Keys) -> tuple[int, str, Resumed | None]:
+def _examine(ref: CheckpointRef, rank: int, check: ResumeRule, keys: Keys) -> tuple[int, str, Resumed | None]:
     """This rank's verdict on a checkpoint's small files: ok (with them read), corrupt or refused (with why)."""
     try:
         meta = checkpoint.read_meta(ref)
@@ -176,7 +176,7 @@ def _everyones(ctx: DistContext, mine: Any) -> list[Any]:
     return out
 
 
-def newest_readable(run: RunFolder, ctx: DistContext, check: Check, load: Load, keys: Keys) -> Resumed | None:
+def newest_readable(run: RunFolder, ctx: DistContext, check: ResumeRule, load: Load, keys: Keys) -> Resumed | None:
     """The newest finished checkpoint that every rank read and applied, after moving aside those some rank could not
     read; None: none left (start fresh; a failed `load` may have changed the model: build it anew). Raises
     ResumeError on every rank when its settings do not match (`check`)."""

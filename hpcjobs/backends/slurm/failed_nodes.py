@@ -32,7 +32,7 @@ spaces."""
 
 
 @dataclass(frozen=True)
-class Allocation:
+class SacctLine:
     """One line of `sacct -D`: an allocation of the job (a requeued job has one per start)."""
 
     state: str
@@ -48,7 +48,7 @@ def expand(nodes: str) -> tuple[str, ...]:
         return ()
 
 
-def sacct_allocations(job_id: str, run: Runner) -> list[Allocation]:
+def sacct_allocations(job_id: str, run: Runner) -> list[SacctLine]:
     """Every allocation of the job, oldest first (`-D`: a requeued job's earlier ones too); [] without accounting."""
     out = run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State,NodeList,End"])
     if out.returncode != 0:
@@ -57,7 +57,7 @@ def sacct_allocations(job_id: str, run: Runner) -> list[Allocation]:
     for line in out.stdout.splitlines():
         parts = line.split("|")
         if len(parts) >= 3:
-            found.append(Allocation(parts[0].strip().split(" ")[0], expand(parts[1].strip()), sacct_time(parts[2])))
+            found.append(SacctLine(parts[0].strip().split(" ")[0], expand(parts[1].strip()), sacct_time(parts[2])))
     return found
 
 
