@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,9 +17,10 @@ if TYPE_CHECKING:
     from hpcjobs.request.spec import JobSpec
 
 
-def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
-                 snapshot: bool = True) -> tuple[JobSpec, Backend]:
-    """The spec the flags ask for, checked by the profile's backend too, and that backend."""
+def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False, snapshot: bool = True,
+                 same_command: Callable[[str, str], str | None] | None = None) -> tuple[JobSpec, Backend]:
+    """The spec the flags ask for, checked by the profile's backend too, and that backend. `same_command`: submit's
+    run folder of the same command (hpcjobs.request.spec.build_spec)."""
     from hpcjobs.backends import backend_for
     from hpcjobs.profiles.cluster_profile import load_profile
     from hpcjobs.request.spec import Request, build_spec
@@ -33,7 +35,7 @@ def checked_spec(ns: argparse.Namespace, job_id_in_run_dir: bool = False,
                   max_parallel=ns.max_parallel, snapshot=ns.snapshot and snapshot, after=tuple(ns.after),
                   container=ns.container, max_recoveries=ns.max_recoveries, spare_nodes=ns.spare_nodes,
                   allow_secret_values=ns.allow_secret_values)
-    spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir)
+    spec = build_spec(profile, req, backend, job_id_in_run_dir=job_id_in_run_dir, same_command=same_command)
     backend.check(spec)
     from hpcjobs.request.resumecheck import check_resume
 

@@ -4,6 +4,8 @@ a standalone script."""
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 from hpcjobs.cli import present
 from hpcjobs.cli.job import checked_spec, entry_help, refuse_array_patterns, tasks_args
 from hpcjobs.cli.parser import Parser, command_parser, option_strings
+from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.settings.helpflags import asks_help
 
 if TYPE_CHECKING:
@@ -23,17 +26,25 @@ def add_submit(sub: Subparsers, common: Parser) -> None:
                        "`local`).", parents=[common])
     p.add_argument("--dry-run", action="store_true", help="print the spec and the script; submit nothing")
     p.add_argument("--json", action="store_true", help="print a machine-readable record")
+    p.add_argument("--new", action="store_true",
+                   help="start a fresh run folder. Without it (and without --run-dir) the same command (entry, its "
+                        "arguments, profile, --nodes, --gpus, --env, --container, from the same folder) continues "
+                        "the run folder of its newest job: a stopped or failed run resumes from its newest "
+                        "checkpoint; a finished one is refused (exit 2); one still running is refused")
     p.set_defaults(run=run_submit, own_flags=option_strings(p))
 
 
 def run_submit(ns: argparse.Namespace) -> int:
-    spec, backend = checked_spec(ns, snapshot=not asks_help(ns.args))  # the entry's help runs from the working tree
+    said: list[str] = []
+    spec, backend = checked_spec(ns, snapshot=not asks_help(ns.args),  # the entry's help runs from the working tree
+                                 same_command=same_command(ns, said))
     refuse_array_patterns(spec, "submit")
     helped = entry_help(spec)
     if helped is not None:
         return helped
     request = backend.dry_run(spec)
     if ns.dry_run:
+        print(*said, sep="\n", file=sys.stderr, flush=True) if said else None
         present.dry_run(spec, request, tasks_args(spec), ns.json)
         warn_short_chunks(spec, backend.queued, "submit")
         return 0
@@ -46,10 +57,34 @@ def run_submit(ns: argparse.Namespace) -> int:
         wait_for(spec, backend.queued)
     if ns.json:  # stdout is for the record alone; a foreground job's own output goes to stderr
         request = replace(request, params={**request.params, "stdout_to_stderr": True})
+    for line in said:  # once every check passed: a refusal stays the one line said
+        print(line, file=sys.stderr, flush=True)
     sub = submit(request)
     present.submitted(spec, sub, ns.json)
     warn_short_chunks(spec, backend.queued, "submit")  # once submitted: a refusal above stays the one line said
     return sub.returncode or 0
+
+
+def same_command(ns: argparse.Namespace, said: list[str]) -> Callable[[str, str], str | None]:
+    """The run folder the same command continues (hpcjobs.follow.samecommand), its line added to `said`; none with
+    --new (a fresh run, which the next same command then continues) or for the entry's --help."""
+    if ns.new and ns.run_dir is not None:
+        raise UsageError(f"--new with --run-dir {ns.run_dir}: --new asks for a fresh run folder, --run-dir names one; "
+                         "valid: one of them.", "leave --run-dir out for a fresh run folder, or --new out to use the "
+                         "one --run-dir names.")
+
+    def continued(key: str, kind: str) -> str | None:
+        if ns.new or asks_help(ns.args):
+            return None
+        from hpcjobs.follow.samecommand import continued_run
+
+        found = continued_run(key, kind)
+        if found is None:
+            return None
+        said.append(found.line)
+        return found.run_dir
+
+    return continued
 
 
 def wait_for(spec: JobSpec, queued: bool) -> None:

@@ -157,3 +157,10 @@ class JobStore:
     def recent(self, limit: int = 50, profile: str | None = None) -> list[JobRecord]:
         where, args = ("WHERE profile=?", (profile,)) if profile else ("", ())
         return list(self._rows(f"SELECT {self._COLS} FROM jobs {where} ORDER BY id DESC LIMIT ?", (*args, limit)))
+
+    def of_command(self, key: str) -> list[JobRecord]:
+        """The jobs of one `hpcjobs submit` command (its key, hpcjobs.request.commandkey, in their spec), newest
+        first: where the same command continues."""
+        rows = self._rows(f"SELECT {self._COLS} FROM jobs WHERE spec LIKE ? ESCAPE '\\' ORDER BY id DESC",
+                          (f'%"command": "{key}"%',))
+        return [rec for rec in rows if rec.spec.get("command") == key]

@@ -6,6 +6,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +21,7 @@ from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, r
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
 from hpcjobs.request.after import After, parse_all
+from hpcjobs.request.commandkey import command_key
 from hpcjobs.request.credentials import bare_names
 from hpcjobs.request.entry import Entry, resolve_entry
 from hpcjobs.request.gpu_fit import check_fits
@@ -120,6 +122,8 @@ class JobSpec:
     trainers/recover.py."""
     secrets: tuple[str, ...] = ()
     """Variables every rank takes from the submitting shell's environment: only their names are ever written."""
+    command: str = ""
+    """The key of `hpcjobs submit`'s command (hpcjobs.request.commandkey), recorded to find its runs again; ""."""
 
     @property
     def array(self) -> bool:
@@ -160,6 +164,7 @@ class JobSpec:
             "container": self.container.as_dict() if self.container else None,
             **({"recovery": asdict(self.recovery)} if self.recovery != Recovery() else {}),
             **({"secrets": list(self.secrets)} if self.secrets else {}),  # names only, never a value
+            **({"command": self.command} if self.command else {}),
         }
 
 
@@ -338,9 +343,12 @@ def _recovery(profile: ClusterProfile, req: Request, nodes_allowed: int | None) 
 
 
 def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, workdir: Path | None = None,
-               stamp: str | None = None, job_id_in_run_dir: bool = False) -> JobSpec:
+               stamp: str | None = None, job_id_in_run_dir: bool = False,
+               same_command: Callable[[str, str], str | None] | None = None) -> JobSpec:
     """Validate the request against the profile and freeze it. `caps`: the profile's backend, whose own `check`
-    the caller runs on the spec. `stamp` makes the run folder unique."""
+    the caller runs on the spec. `stamp` makes the run folder unique. `same_command` (submit's): given the command's
+    key and the entry's kind, the run folder to continue (hpcjobs.follow.samecommand), asked when no --run-dir is
+    given; with it a job that is not a sweep records its key."""
     workdir = workdir or Path.cwd()
     gpus = _gpus_per_node(profile, req, caps)
     time_s = _time_seconds(profile, req)
@@ -350,6 +358,10 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
     secrets = secret_names(profile, req)
     env = {**env, UMASK_VAR: f"{GROUP:03o}"} if profile.group else env  # each rank's umask (protocol.access)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
+    command = command_key(profile, entry, req.nodes, gpus, workdir, req.env, req.container) \
+        if same_command and not (req.sweep or req.sweep_file) else ""
+    if command and same_command and not req.run_dir and (found := same_command(command, entry.kind)):
+        req = replace(req, run_dir=found)
     run_dir = _run_dir(profile, req, workdir, name, stamp, len(points), job_id_in_run_dir)
     snapshot = plan(workdir, snapshot_root(run_dir)) if req.snapshot else None
     if snapshot is not None and entry.kind == "script":
@@ -368,7 +380,7 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
         partition=req.partition or profile.partition, account=req.account or profile.account,
         qos=req.qos or profile.qos, env=env, points=points, max_parallel=req.max_parallel, snapshot=snapshot,
         gpu_ranks=caps.requests_gpus and profile.gpu_request != "none", after=parse_all(req.after),
-        recovery=_recovery(profile, req, most_nodes(profile, caps)), secrets=secrets,
+        recovery=_recovery(profile, req, most_nodes(profile, caps)), secrets=secrets, command=command,
     )
 
 
