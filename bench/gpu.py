@@ -140,7 +140,7 @@ def determinism(a: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
     from trainers import checkpoint
-    from trainers.checkpoint.sharded import model_weights
+    from trainers.checkpoint.dcp_files import model_weights
 
     ref = checkpoint.latest(run / "checkpoints")
     assert ref is not None

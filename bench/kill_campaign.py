@@ -109,7 +109,7 @@ def resumed_step(run: Path, restart_log: str) -> int | None:
 
 def weights(run: Path) -> dict[str, Any]:
     from trainers import checkpoint
-    from trainers.checkpoint.sharded import model_weights
+    from trainers.checkpoint.dcp_files import model_weights
 
     ref = checkpoint.latest(run / "checkpoints")
     assert ref is not None

@@ -136,7 +136,7 @@ def part_a(rounds: int, steps: int, log_every: int, strategy: str) -> dict[str, 
     import torch
 
     from trainers import checkpoint
-    from trainers.checkpoint.sharded import model_weights
+    from trainers.checkpoint.dcp_files import model_weights
 
     ratios, trainer_all, bare_all, identical = [], [], [], []
     for r in range(rounds):

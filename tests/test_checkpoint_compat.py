@@ -24,7 +24,7 @@ import torch
 
 from conftest import REPO, hpcjobs
 from trainers import checkpoint
-from trainers.checkpoint.sharded import SafeReader, model_weights, offline_tensors
+from trainers.checkpoint.dcp_files import SafeReader, model_weights, offline_tensors
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint-2942bf0" / "step-2"
 MADE_WITH = "2.13"

@@ -18,7 +18,8 @@ from torch import nn
 
 from hpcjobs.protocol.settings.trainflags import ResumeError
 from trainers import checkpoint
-from trainers.checkpoint.sharded import Checkpointer, flat, model_weights
+from trainers.checkpoint.dcp_files import flat, model_weights
+from trainers.checkpoint.sharded import Checkpointer
 from trainers.checkpoint.state import RngState
 from trainers.checkpoint.stateful import ModelState, OptimizerState, Place, Stateful, gather
 from trainers.dist import DistContext

@@ -60,7 +60,8 @@ SHARDED = r'''
 import sys, time, torch
 from pathlib import Path
 from trainers import checkpoint
-from trainers.checkpoint.sharded import Checkpointer, model_weights
+from trainers.checkpoint.sharded import Checkpointer
+from trainers.checkpoint.dcp_files import model_weights
 from trainers.checkpoint.stateful import ModelState, OptimizerState
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv

@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, hpcjobs, newest_log
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 STEPS = 12
 ARGS = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--steps", str(STEPS), "--log-every", "1",

@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, hpcjobs
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 TASK = ["trainers.tasks.classifier", "--steps", "6", "--log-every", "3", "--ckpt-every", "3", "--keep", "3"]
 

@@ -18,7 +18,7 @@ from conftest import REPO, hpcjobs, newest_log
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ConfigError
 from trainers import checkpoint, strategy
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 from trainers.dist import DistContext, release_groups
 from trainers.distenv import DistEnv
 

@@ -14,7 +14,7 @@ from test_reshard import ARGS, probe
 from conftest import REPO, hpcjobs, newest_log
 from hpcjobs.protocol.settings.trainflags import ConfigError, check_world, parse_trainer_args
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 # Synchronous saves: the run killed after step 5 must have committed its step-3 checkpoint (a background save under
 # a loaded machine was still writing when the kill came, and the resume started at step 0).

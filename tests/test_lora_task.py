@@ -196,7 +196,7 @@ def test_through_the_trainer_checkpoints_and_exports_hold_the_adapters_only_and_
     frozen base weight), a later start resumes from it (loading non-strictly), and the export is the adapters."""
     from conftest import REPO, hpcjobs, newest_log
     from trainers import checkpoint
-    from trainers.checkpoint.sharded import model_weights
+    from trainers.checkpoint.dcp_files import model_weights
 
     run = tmp_path / "run"
     args = ["trainers.tasks.lora", "--steps", "4", "--ckpt-every", "2", "--log-every", "2", "--strategy", "fsdp"]

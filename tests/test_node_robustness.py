@@ -27,7 +27,7 @@ from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 from trainers.dist import DistContext
 from trainers.distenv import DistEnv
 from trainers.task import Task

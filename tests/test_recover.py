@@ -21,7 +21,7 @@ from conftest import REPO, hpcjobs
 from hpcjobs.protocol.contract import LaunchContract, Recovery
 from hpcjobs.protocol.runfolder import RunFolder
 from trainers import checkpoint, recover
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 STEP = """
 import json, os, sys, time

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
-from trainers.checkpoint.sharded import offline_tensors
+from trainers.checkpoint.dcp_files import offline_tensors
 from hpcjobs.protocol.settings.trainflags import parse_trainer_args
 from trainers.dist import distributed, release_groups
 from trainers.task import load_task

@@ -23,7 +23,7 @@ from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.paths import refuse_output
 from hpcjobs.protocol.runfolder import RunFolder
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 FORMATS = (".pt", ".pth", ".safetensors")
 USAGE_EXIT = 2

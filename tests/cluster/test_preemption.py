@@ -24,7 +24,7 @@ import yaml
 
 from conftest import REPO, hpcjobs, slurm, wait_for_state, wait_for_step
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 pytestmark = pytest.mark.cluster
 STEPS = {"ddp": 500, "fsdp": 400}  # ~40 s and ~70 s of training here: each trigger lands well before the end

@@ -19,7 +19,7 @@ from test_preemption import CONFIG, DONE, make_profile, report, wait_for_log
 
 from conftest import REPO, hpcjobs, slurm, wait_for_state
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 pytestmark = [pytest.mark.cluster, pytest.mark.train]
 

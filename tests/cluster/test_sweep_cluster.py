@@ -21,7 +21,7 @@ import torch
 
 from conftest import REPO, hpcjobs, slurm, wait_for_state, wait_for_step
 from trainers import checkpoint
-from trainers.checkpoint.sharded import model_weights
+from trainers.checkpoint.dcp_files import model_weights
 
 pytestmark = pytest.mark.cluster
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
