@@ -19,6 +19,7 @@ from hpcjobs import __version__
 from hpcjobs.cli.chain import asks_chain, run_chain
 from hpcjobs.cli.cluster import add_doctor, add_profiles
 from hpcjobs.cli.parser import EXAMPLES, Parser, job_flags, refuse_own_flags_after_entry, unrecognized
+from hpcjobs.cli.plan import add_plan
 from hpcjobs.cli.runs import add_compare, add_export, add_goodput
 from hpcjobs.cli.status import add_cancel, add_list, add_logs, add_status
 from hpcjobs.cli.submit import add_render, add_submit
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 COMMANDS: list[Callable[[Subparsers, Parser], None]] = [
     add_submit, add_render, add_doctor, add_profiles, add_status, add_list, add_logs, add_cancel, add_compare,
-    add_goodput, add_export]
+    add_goodput, add_export, add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

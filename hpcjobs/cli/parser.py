@@ -33,6 +33,9 @@ EXAMPLES = {
     "doctor": """examples:
   hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --time 4:00:00    # ✓/✗ per check, exit 0 if none failed
   hpcjobs doctor --profile mycluster --nodes 2 --gpus 8 --json trainers.tasks.lm --size small""",
+    "plan": """examples:
+  hpcjobs plan --model config.json --profile mycluster --nodes 2 --gpus 8 --strategy fsdp --activation-checkpointing
+  hpcjobs plan --model config.json --profile mycluster --batch-size 4 --seq-len 4096 --json""",
     "render": """examples:
   hpcjobs render --profile mycluster --nodes 2 --gpus 8 -o train.sbatch trainers.tasks.lm --size small
   sbatch train.sbatch""",

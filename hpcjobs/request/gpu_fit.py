@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from hpcjobs.profiles.cluster_profile import ClusterProfile
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.planning.lmsizes import LM_TASK, SIZES, GPTConfig, n_params, size_defaults
-from hpcjobs.protocol.planning.memory_plan import GIB, Plan, Setup, parse_gpu_memory, plan, suggestions
+from hpcjobs.protocol.planning.memory_plan import GIB, Plan, Setup, Shape, parse_gpu_memory, plan, suggestions
+from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args, task_args_of
 from hpcjobs.request.checks import Check, Result
 
@@ -62,11 +63,23 @@ def job_plan(target: str, args: tuple[str, ...] | list[str], ranks: int) -> JobP
     except (ConfigError, ValueError):
         return None
     c = dataclasses.replace(SIZES[size], seq_len=int(seq) if seq else SIZES[size].seq_len)
-    setup = Setup(strategy=cfg.strategy, ranks=ranks, micro_batch=micro, seq_len=c.seq_len,
-                  precision="bf16" if cfg.precision == "auto" else cfg.precision,
-                  activation_checkpointing=cfg.checkpoints_all_of_every_block(), grad_accum=cfg.grad_accum,
-                  reduce_each_micro_batch=cfg.reduce_each_micro_batch, cpu_offload=cfg.cpu_offload)
+    setup = setup_of(cfg, ranks, micro, c.seq_len)
     return JobPlan(size, c, setup, plan(c, setup))
+
+
+def setup_of(cfg: TrainConfig, ranks: int, micro: int, seq_len: int) -> Setup:
+    """The plan's settings from the trainer's (on GPUs: auto precision is bf16)."""
+    return Setup(strategy=cfg.strategy, ranks=ranks, micro_batch=micro, seq_len=seq_len,
+                 precision="bf16" if cfg.precision == "auto" else cfg.precision,
+                 activation_checkpointing=cfg.checkpoints_all_of_every_block(), grad_accum=cfg.grad_accum,
+                 reduce_each_micro_batch=cfg.reduce_each_micro_batch, cpu_offload=cfg.cpu_offload)
+
+
+def fixes_hint(c: GPTConfig | Shape, setup: Setup, room: int, gpus: int, most_nodes: int,
+               otherwise: str = "a smaller --size or --seq-len") -> str:
+    """The flags that would make the plan fit `room` bytes a GPU, as a HINT."""
+    fixes = suggestions(c, setup, room, gpus, most_nodes)
+    return "; or ".join(fixes) + " would fit" if fixes else f"no flag alone makes it fit: {otherwise}"
 
 
 def plan_line(profile: ClusterProfile, target: str, args: tuple[str, ...], ranks: int) -> str:
@@ -92,9 +105,7 @@ def check_fits(profile: ClusterProfile, target: str, args: tuple[str, ...], node
     room = parse_gpu_memory(profile.gpu_memory)
     if found.plan.total <= room:
         return
-    fixes = suggestions(found.config, found.setup, room, gpus, most_nodes)
-    hint = ("; or ".join(fixes) + " would fit" if fixes else
-            "no flag alone makes it fit: a smaller --size or --seq-len") + "; `submit --dry-run` shows the plan"
+    hint = fixes_hint(found.config, found.setup, room, gpus, most_nodes) + "; `submit --dry-run` shows the plan"
     raise UsageError(f"{found.what()} needs about {found.plan.total / GIB:.1f} GiB a GPU ({found.plan.text()}); "
                      f"valid: at most {room / GIB:.0f} GiB (gpu_memory of profile {profile.name}); nothing was "
                      "submitted.", hint)

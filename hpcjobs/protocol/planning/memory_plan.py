@@ -1,4 +1,5 @@
-"""Each GPU's peak memory for the bundled language model (hpcjobs.protocol.planning.lmsizes), before anything is queued.
+"""Each GPU's peak memory for the bundled language model (hpcjobs.protocol.planning.lmsizes), before anything is queued,
+and for a Hugging Face decoder described by its config.json (a Shape: hpcjobs.request.hf_config).
 
 Torch-free arithmetic over the model's shapes and the trainer's settings. What a rank holds at its peak:
   weights      fp32 parameters: 4 bytes each, 1/ranks of them under fsdp (none on the GPU with --cpu-offload)
@@ -17,7 +18,8 @@ Torch-free arithmetic over the model's shapes and the trainer's settings. What a
                root's gathered embeddings, in the compute dtype; while a block's gradients are made, also its
                unsharded gradient and fp32 reduce-scatter input (at the end of the backward, and with activation
                checkpointing, where the block's own recomputed activations are what is saved)
-  transient    the logits' gradient in bf16 beside the fp32 one at the start of the backward
+  transient    the logits' gradient in bf16 beside the fp32 one at the start of the backward; a Hugging Face
+               model's step peaks at the loss's backward: the log-softmax's and the logits' fp32 gradients
   headroom     on a GPU: 1.5 GiB for the CUDA context, cuBLAS workspaces and NCCL buffers, and 10% for the caching
                allocator's fragmentation (on an H200: reserved − allocated 0–3% of the peak, 12% for 1b fsdp
                without activation checkpointing)
@@ -110,50 +112,113 @@ class Plan:
                 f"{g(self.transient)} + headroom {g(self.headroom)} = {g(self.total)} {unit}")
 
 
+@dataclass(frozen=True)
+class Saved:
+    """What a block (or the head's final norm) keeps for its backward, per token, in elements, by the dtype each is
+    kept in: `fp32` always fp32 (norm statistics, the input an RMSNorm upcasts), `stream` the residual stream's
+    (fp32 under ddp and autocast, the compute dtype under fsdp's cast), `compute` the matmuls' dtype. `outs` are the
+    norms' outputs, one copy each, except under autocast (a stream wider than the compute dtype), where every matmul
+    that reads one casts its own copy: `cast_outs` (Llama's q, k, v read one norm, gate and up the other: 5 × d)."""
+
+    fp32: int = 0
+    stream: int = 0
+    compute: int = 0
+    outs: int = 0
+    cast_outs: int = 0
+
+    def bytes_per_token(self, r: int, c: int) -> int:
+        return 4 * self.fp32 + r * self.stream + c * (self.compute + (self.cast_outs if r != c else self.outs))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's sizes as the plan reads them: the bundled GPT's (`gpt_shape`) or a Hugging Face config's
+    (hpcjobs.request.hf_config)."""
+
+    n_layer: int
+    n_head: int
+    d_model: int
+    """The residual stream's width (what a checkpointed block keeps a token)."""
+    vocab: int
+    params: int
+    """All parameters (a tied output head counted once)."""
+    block_params: int
+    """One block's parameters (fsdp gathers a block at a time)."""
+    cast_params: int
+    """Parameters autocast copies to the compute dtype for its matmuls (ddp's working copies)."""
+    block: Saved
+    head: Saved
+    """The final norm's saved tensors (the head's logits are counted from `vocab`)."""
+    logits_peak: bool = False
+    """The step peaks at the loss's backward: the log-softmax's fp32 gradient and the logits' (8 bytes a token and
+    vocabulary entry) beside every saved activation, in fp32 and bf16 alike (HF models with 1K-3K vocabularies,
+    bench/results/hf_memplan.json). The bundled GPT's 256-entry vocabulary peaks later, in the last block's backward,
+    with the logits' bf16 gradient beside the fp32 one (bench/results/memplan.json)."""
+
+
+def gpt_shape(c: GPTConfig) -> Shape:
+    """The bundled GPT as a Shape: per block 2·d LayerNorm inputs in the stream's dtype, 15·d in the compute dtype
+    (of which 2·d the LayerNorm outputs), 4 fp32 statistics; the head's ln_f input and output."""
+    d = c.d_model
+    return Shape(n_layer=c.n_layer, n_head=c.n_head, d_model=d, vocab=VOCAB, params=n_params(c),
+                 block_params=block_params(c), cast_params=n_params(c),
+                 block=Saved(fp32=4, stream=2 * d, compute=13 * d, outs=2 * d, cast_outs=2 * d),
+                 head=Saved(stream=d, outs=d, cast_outs=d))
+
+
+def shape_of(c: GPTConfig | Shape) -> Shape:
+    return c if isinstance(c, Shape) else gpt_shape(c)
+
+
 def compute_bytes(s: Setup) -> int:
     """Bytes of an element the matmuls take: 2 in bf16/fp16 (autocast's or FSDP2's cast), else 4."""
     return 2 if s.precision in ("bf16", "fp16") else 4
 
 
-def block_bytes(c: GPTConfig, s: Setup) -> int:
-    """What one block saves for its backward (see the module's docstring), with its LayerNorm statistics and
+def stream_bytes(s: Setup) -> int:
+    """The residual stream's bytes an element: fsdp casts the parameters, autocast does not."""
+    return compute_bytes(s) if s.strategy == "fsdp" else 4
+
+
+def block_bytes(c: GPTConfig | Shape, s: Setup) -> int:
+    """What one block saves for its backward (see the module's docstring), with its norms' statistics and
     attention's logsumexp."""
-    low = compute_bytes(s)
-    r = low if s.strategy == "fsdp" else 4  # the residual stream's bytes: fsdp casts the parameters, autocast does not
+    m = shape_of(c)
     b, t = s.micro_batch, s.seq_len
-    return b * t * c.d_model * (2 * r + 15 * low) + b * t * 16 + b * c.n_head * t * 4
+    return b * t * m.block.bytes_per_token(stream_bytes(s), compute_bytes(s)) + b * m.n_head * t * 4
 
 
-def activation_bytes(c: GPTConfig, s: Setup) -> tuple[int, int]:
+def activation_bytes(c: GPTConfig | Shape, s: Setup) -> tuple[int, int]:
     """(saved activations at the start of the backward, the transient gradients then) for one micro-batch."""
-    low = compute_bytes(s)
-    r = low if s.strategy == "fsdp" else 4
+    m = shape_of(c)
+    low, r = compute_bytes(s), stream_bytes(s)
     b, t = s.micro_batch, s.seq_len
-    tok = b * t * c.d_model
-    block = block_bytes(c, s)
-    blocks = c.n_layer * tok * r + block if s.activation_checkpointing else c.n_layer * block
-    head = tok * (r + low) + b * t * VOCAB * 4 + b * (t + 1) * 8  # ln_f in/out, fp32 log-softmax, the batch
-    transient = b * t * VOCAB * low if low < 4 else 0  # the logits' gradient in bf16 beside the fp32 one
+    block = block_bytes(m, s)
+    blocks = m.n_layer * b * t * m.d_model * r + block if s.activation_checkpointing else m.n_layer * block
+    head = b * t * m.head.bytes_per_token(r, low) + b * t * m.vocab * 4 + b * (t + 1) * 8  # fp32 log-softmax, batch
+    # at the loss's backward: the log-softmax's fp32 gradient and the logits' beside the saved log-probabilities
+    transient = b * t * m.vocab * (8 if m.logits_peak else low if low < 4 else 0)
     return blocks + head, transient
 
 
-def working_bytes(c: GPTConfig, s: Setup, backward: bool = False) -> int:
+def working_bytes(c: GPTConfig | Shape, s: Setup, backward: bool = False) -> int:
     """Weights that exist only while the step runs (see the module's docstring); `backward`: while a block's
     gradients are made, under fsdp also its unsharded gradient and fp32 reduce-scatter input."""
+    m = shape_of(c)
     low = compute_bytes(s)
     if s.strategy == "ddp":
-        return low * n_params(c) if low < 4 else 0
-    block = block_params(c)
-    outer = n_params(c) - c.n_layer * block
+        return low * m.cast_params if low < 4 else 0
+    block = m.block_params
+    outer = m.params - m.n_layer * block
     # the last block gathered again for its backward, the next prefetched, the root's embeddings
     return 2 * low * block + low * outer + (block * (low + 4) if backward else 0)
 
 
-def plan(c: GPTConfig, s: Setup) -> Plan:
+def plan(c: GPTConfig | Shape, s: Setup) -> Plan:
     """One rank's peak (see the module's docstring for what each part is): the larger of the backward's start and
     its end. With activation checkpointing the start's peak is at the last block's backward: its activations
     recomputed, its gradients being made."""
-    p = n_params(c)
+    p = shape_of(c).params
     shard = s.ranks if s.strategy == "fsdp" else 1
     on_device = 0 if s.strategy == "fsdp" and s.cpu_offload else 1
     weights, grads, optimizer = (on_device * k * p // shard for k in (4, 4, 8))
@@ -169,7 +234,7 @@ def plan(c: GPTConfig, s: Setup) -> Plan:
     return dataclasses.replace(peak, headroom=headroom)
 
 
-def suggestions(c: GPTConfig, s: Setup, gpu_bytes: int, gpus_per_node: int, most_nodes: int) -> list[str]:
+def suggestions(c: GPTConfig | Shape, s: Setup, gpu_bytes: int, gpus_per_node: int, most_nodes: int) -> list[str]:
     """Flags that would make `s` fit `gpu_bytes`, the smallest change first: the other strategy, activation
     checkpointing, a smaller batch, more nodes (fsdp shards over them); at most three."""
     tries: list[tuple[str, Setup]] = []
