@@ -21,7 +21,8 @@ from submitit.slurm import slurm as submitit_slurm
 
 from conftest import REPO, hpcjobs, sbatch_shim
 from hpcjobs.backends import SCHEDULERS, backend_for
-from hpcjobs.backends.local.local import LocalBackend, rank_envs
+from hpcjobs.backends.local.local import LocalBackend
+from hpcjobs.backends.local.queue import rank_envs
 from hpcjobs.backends.slurm.sbatch import (
     SUBMITIT_NATIVE,
     job_comment,

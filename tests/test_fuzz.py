@@ -44,7 +44,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from hpcjobs.backends.local.local import LocalBackend, rank_envs
+from hpcjobs.backends.local.local import LocalBackend
+from hpcjobs.backends.local.queue import rank_envs
 from hpcjobs.backends.slurm import probe as slurm_probe
 from hpcjobs.backends.slurm import slurm as slurm_backend
 from hpcjobs.cli import main

@@ -24,21 +24,19 @@ from typing import Any
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
-from hpcjobs.backends.local.ranks import Stopper, device_slice, group_code, rank_preexec, recovered
+from hpcjobs.backends.local.queue import LocalQueue, ignored, ranks_argv
 from hpcjobs.backends.start_env import clean
 from hpcjobs.jobs.store import JobRecord
 from hpcjobs.protocol import userstop
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.folderlock import in_use
 from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
-from hpcjobs.protocol.ports import free_port
-from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids, lines_of, resolve_run_dir, write_json_atomic
+from hpcjobs.protocol.runfolder import RunFolder, array_ids, lines_of, resolve_run_dir, write_json_atomic
 from hpcjobs.protocol.states import JobState, StopReason
 from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
 from hpcjobs.protocol.versions import FLOOR_TEXT
 from hpcjobs.request.checks import Check, Result
 from hpcjobs.request.credentials import states
-from hpcjobs.request.render import launcher_argv
 from hpcjobs.request.spec import JobSpec
 
 JOB_ID_PLACEHOLDER = "local-<id>"
@@ -53,36 +51,6 @@ def local_job_id() -> str:
     chain's steps), and each must be a job of its own in the store."""
     n = next(_ids)
     return f"local-{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}" + (f"-{n}" if n else "")
-
-
-def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str], restart: int = 0,
-              ) -> list[dict[str, str]]:
-    """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
-    ids = {f"HPCJOBS_{k.removeprefix('SLURM_')}": v for k, v in array_ids(job_id).items() if "ARRAY" in k}
-    common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id,
-              "HPCJOBS_RESTART": str(restart), **ids}
-    return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
-
-
-def time_limit(spec: JobSpec) -> int | None:
-    """The seconds a local job may run: its --time, enforced as Slurm does (the profile's signal `seconds_before`
-    the end, so the time-limit path can be rehearsed here; killed at the end). A profile's default_time is not:
-    a local run goes on for as long as it trains."""
-    return spec.time_seconds if spec.time_from == "--time" else None
-
-
-def ranks_argv(spec: JobSpec) -> list[str]:
-    """What each rank runs; its contract has no time limit unless one is enforced (time_limit)."""
-    return launcher_argv(spec if time_limit(spec) else replace(spec, time_seconds=0))
-
-
-def ignored(spec: JobSpec) -> list[str]:
-    """What of the profile the local backend does not do, said at the start rather than silently skipped."""
-    if spec.profile.setup:
-        return [f"profile {spec.profile.name}'s setup lines are for Slurm jobs and are not run here: the ranks get "
-                "this shell's environment"]
-    return []
 
 
 def check_python(spec: JobSpec) -> None:
@@ -183,84 +151,11 @@ class LocalBackend(RunFolderLogs):
                                                   "job_id": task_id})
             subs.append(Submitted(task_id, run_dir, {"ranks": str(run.logs)}, task=index))
             on_id(subs[-1])
-        codes = self._run(spec, subs, bool(request.params.get("stdout_to_stderr")))
+        codes = LocalQueue(spec, subs, bool(request.params.get("stdout_to_stderr"))).run()
         done = [replace(sub, returncode=code) for sub, code in zip(subs, codes, strict=True)]
         if not spec.array:
             return done[0]
         return Submitted(job_id, spec.run_dir, returncode=max(codes, key=abs), tasks=tuple(done))
-
-    def _run(self, spec: JobSpec, subs: list[Submitted], stdout_to_stderr: bool) -> list[int]:
-        """Each job's ranks, at most `max_parallel` jobs at once; their exit codes. Ctrl-C stops the running ones
-        at a checkpoint and starts no more (those are left with code 130, never started)."""
-        width = spec.max_parallel or 1
-        codes: list[int | None] = [None] * len(subs)
-        started: dict[int, float] = {}
-        restarts: dict[int, int] = {}  # task -> the number of its running start
-        running: dict[int, tuple[int, list[subprocess.Popen[bytes]]]] = {}  # task -> (slot, ranks)
-        stopper = Stopper([], getattr(signal, f"SIG{spec.profile.preemption.signal}"), spec.entry.kind,
-                          lambda: [(RunFolder(subs[i].run_dir), subs[i].job_id, restarts[i]) for i in running])
-        old = {s: signal.signal(s, stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        for said in ignored(spec):
-            print(f"hpcjobs: {said}", file=sys.stderr, flush=True)
-        limit, began, warned = time_limit(spec), {}, set()  # began: monotonic, for the time limit
-        warn_signal = getattr(signal, f"SIG{spec.profile.preemption.signal}")
-        try:
-            pending = list(range(len(subs)))
-            while pending or running:
-                while pending and len(running) < width and not stopper.count:
-                    i = pending.pop(0)
-                    slot = min(set(range(width)) - {s for s, _ in running.values()})
-                    started[i] = time.time()
-                    restarts[i] = RunFolder(subs[i].run_dir).next_restart()
-                    running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None, stdout_to_stderr,
-                                                   restarts[i])
-                    stopper.procs += running[i][1]
-                    began[i] = time.monotonic()
-                if stopper.count and not running:
-                    break
-                for i, (_, procs) in list(running.items()):
-                    age = time.monotonic() - began[i]
-                    if limit is not None and age >= limit:  # as Slurm at the time limit
-                        for p in procs:
-                            if p.poll() is None:
-                                p.kill()
-                    elif limit is not None and age >= limit - spec.profile.preemption.seconds_before and \
-                            i not in warned:  # as Slurm's --signal: the ranks stop at a checkpoint
-                        warned.add(i)
-                        for p in procs:
-                            if p.poll() is None:
-                                p.send_signal(warn_signal)
-                    if (code := group_code(procs)) is not None:
-                        asked = stopper.count or (limit is not None and age >= limit)  # Ctrl-C, the time limit
-                        if code and not asked and recovered(spec, subs[i], restarts[i], code, procs):
-                            slot = running[i][0]
-                            restarts[i] = RunFolder(subs[i].run_dir).next_restart()
-                            running[i] = slot, self._start(spec, subs[i], slot if width > 1 else None,
-                                                           stdout_to_stderr, restarts[i])
-                            stopper.procs += running[i][1]
-                            continue
-                        codes[i] = stopper.exit_code(code)
-                        del running[i]
-                        record_allocation(subs[i], started[i], code)
-                time.sleep(0.2)
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-        return [130 if c is None else c for c in codes]
-
-    def _start(self, spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int,
-               ) -> list[subprocess.Popen[bytes]]:
-        print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
-              file=sys.stderr, flush=True)
-        base = dict(os.environ)
-        if slot is not None:
-            base.update(device_slice(slot, spec.ranks, base))
-        envs = rank_envs(spec, sub.job_id, free_port(), base, restart)
-        # Each rank in a session of its own (rank_preexec says why not only a process group): the terminal's Ctrl-C
-        # reaches only this process, which turns it into one stop request per rank (a rank hit by the terminal's
-        # signal as well would get two).
-        return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=rank_preexec,
-                                 stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
 
     def state(self, rec: JobRecord) -> tuple[JobState, str] | None:
         """No scheduler to ask: the run folder says how far it got, and its launching process whether it lives."""
@@ -290,13 +185,6 @@ class LocalBackend(RunFolderLogs):
         joined = kind == "task" or userstop.joined(run, rec.job_id)
         return (f"job {rec.job_id} asked to stop: {userstop.case(kind, joined)} (resume with the same command and "
                 f"--run-dir {rec.run_dir})")
-
-
-def record_allocation(sub: Submitted, started: float, code: int) -> None:
-    """RUN/allocations.jsonl: when this job's ranks were started and when the last of them ended, what sacct says
-    of a Slurm job; `hpcjobs goodput` reads it."""
-    append_jsonl(RunFolder(sub.run_dir).allocations, {"job_id": sub.job_id, "start": started, "end": time.time(),
-                                                      "code": code})
 
 
 def launcher_alive(run: RunFolder, job_id: str) -> bool | None:

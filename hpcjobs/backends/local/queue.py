@@ -1,0 +1,149 @@
+"""The local backend's queue: which of a submission's jobs run now (`max_parallel` at once, a sweep's points in
+order), each job's ranks started as processes, watched, restarted when a fault is nobody's bug
+(hpcjobs.backends.local.ranks.recovered), warned and killed at a --time limit as Slurm would, and stopped on Ctrl-C
+at a checkpoint (hpcjobs.backends.local.ranks.Stopper). What each rank gets (its environment and command) is here too:
+the dry run shows the same (hpcjobs.backends.local.local.describe)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+from hpcjobs.backends import Submitted
+from hpcjobs.backends.local.ranks import Stopper, device_slice, group_code, rank_preexec, recovered
+from hpcjobs.backends.start_env import clean
+from hpcjobs.protocol.ports import free_port
+from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids
+from hpcjobs.request.render import launcher_argv
+from hpcjobs.request.spec import JobSpec
+
+Ranks = list[subprocess.Popen[bytes]]
+
+
+def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str], restart: int = 0,
+              ) -> list[dict[str, str]]:
+    """Each rank's environment: this shell's without any job's identity, the profile's, and the rendezvous."""
+    ids = {f"HPCJOBS_{k.removeprefix('SLURM_')}": v for k, v in array_ids(job_id).items() if "ARRAY" in k}
+    common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id,
+              "HPCJOBS_RESTART": str(restart), **ids}
+    return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
+
+
+def time_limit(spec: JobSpec) -> int | None:
+    """The seconds a local job may run: its --time, enforced as Slurm does (the profile's signal `seconds_before`
+    the end, so the time-limit path can be rehearsed here; killed at the end). A profile's default_time is not:
+    a local run goes on for as long as it trains."""
+    return spec.time_seconds if spec.time_from == "--time" else None
+
+
+def ranks_argv(spec: JobSpec) -> list[str]:
+    """What each rank runs; its contract has no time limit unless one is enforced (time_limit)."""
+    return launcher_argv(spec if time_limit(spec) else replace(spec, time_seconds=0))
+
+
+def ignored(spec: JobSpec) -> list[str]:
+    """What of the profile the local backend does not do, said at the start rather than silently skipped."""
+    if spec.profile.setup:
+        return [f"profile {spec.profile.name}'s setup lines are for Slurm jobs and are not run here: the ranks get "
+                "this shell's environment"]
+    return []
+
+
+def record_allocation(sub: Submitted, started: float, code: int) -> None:
+    """RUN/allocations.jsonl: when this job's ranks were started and when the last of them ended, what sacct says
+    of a Slurm job; `hpcjobs goodput` reads it."""
+    append_jsonl(RunFolder(sub.run_dir).allocations, {"job_id": sub.job_id, "start": started, "end": time.time(),
+                                                      "code": code})
+
+
+class LocalQueue:
+    """One submission's jobs, run here: `run()` returns their exit codes. Ctrl-C stops the running ones at a
+    checkpoint and starts no more (those are left with code 130, never started)."""
+
+    def __init__(self, spec: JobSpec, subs: list[Submitted], stdout_to_stderr: bool) -> None:
+        self.spec, self.subs, self.stdout_to_stderr = spec, subs, stdout_to_stderr
+        self.width = spec.max_parallel or 1
+        self.codes: list[int | None] = [None] * len(subs)
+        self.started: dict[int, float] = {}
+        self.restarts: dict[int, int] = {}  # task -> the number of its running start
+        self.running: dict[int, tuple[int, Ranks]] = {}  # task -> (slot, ranks)
+        self.began: dict[int, float] = {}  # monotonic, for the time limit
+        self.warned: set[int] = set()
+        self.limit = time_limit(spec)
+        self.warn_signal = getattr(signal, f"SIG{spec.profile.preemption.signal}")
+        self.stopper = Stopper([], self.warn_signal, spec.entry.kind,
+                               lambda: [(RunFolder(subs[i].run_dir), subs[i].job_id, self.restarts[i])
+                                        for i in self.running])
+
+    def run(self) -> list[int]:
+        old = {s: signal.signal(s, self.stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        for said in ignored(self.spec):
+            print(f"hpcjobs: {said}", file=sys.stderr, flush=True)
+        try:
+            pending = list(range(len(self.subs)))
+            while pending or self.running:
+                while pending and len(self.running) < self.width and not self.stopper.count:
+                    i = pending.pop(0)
+                    slot = min(set(range(self.width)) - {s for s, _ in self.running.values()})
+                    self.started[i] = time.time()
+                    self._start(i, slot)
+                if self.stopper.count and not self.running:
+                    break
+                for i in list(self.running):
+                    self._watch(i)
+                time.sleep(0.2)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        return [130 if c is None else c for c in self.codes]
+
+    def _start(self, i: int, slot: int) -> None:
+        self.restarts[i] = RunFolder(self.subs[i].run_dir).next_restart()
+        self.running[i] = slot, start_ranks(self.spec, self.subs[i], slot if self.width > 1 else None,
+                                            self.stdout_to_stderr, self.restarts[i])
+        self.stopper.procs += self.running[i][1]
+        self.began.setdefault(i, time.monotonic())
+
+    def _watch(self, i: int) -> None:
+        """One look at job i's ranks: the time limit's warning and end as Slurm's, then its end or its recovery."""
+        procs = self.running[i][1]
+        age = time.monotonic() - self.began[i]
+        limit = self.limit
+        if limit is not None and age >= limit:  # as Slurm at the time limit
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        elif limit is not None and age >= limit - self.spec.profile.preemption.seconds_before and \
+                i not in self.warned:  # as Slurm's --signal: the ranks stop at a checkpoint
+            self.warned.add(i)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(self.warn_signal)
+        if (code := group_code(procs)) is None:
+            return
+        asked = self.stopper.count or (limit is not None and age >= limit)  # Ctrl-C, the time limit
+        if code and not asked and recovered(self.spec, self.subs[i], self.restarts[i], code, procs):
+            self._start(i, self.running[i][0])
+            return
+        self.codes[i] = self.stopper.exit_code(code)
+        del self.running[i]
+        record_allocation(self.subs[i], self.started[i], code)
+
+
+def start_ranks(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int) -> Ranks:
+    print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
+          file=sys.stderr, flush=True)
+    base = dict(os.environ)
+    if slot is not None:
+        base.update(device_slice(slot, spec.ranks, base))
+    envs = rank_envs(spec, sub.job_id, free_port(), base, restart)
+    # Each rank in a session of its own (rank_preexec says why not only a process group): the terminal's Ctrl-C
+    # reaches only this process, which turns it into one stop request per rank (a rank hit by the terminal's
+    # signal as well would get two).
+    return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=rank_preexec,
+                             stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
