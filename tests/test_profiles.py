@@ -21,6 +21,7 @@ from hpcjobs.backends import SCHEDULERS
 from hpcjobs.profiles.cluster_profile import ClusterProfile, load_profile, parse_profile
 from hpcjobs.profiles.keycheck import MAX_ITEMS, MAX_STRING
 from hpcjobs.profiles.container import Container
+from hpcjobs.profiles.storage import Storage
 from hpcjobs.profiles.table import reference_table
 from hpcjobs.profiles.yamlfile import MAX_FILE_BYTES
 from hpcjobs.protocol.contract import Preemption, Recovery
@@ -76,11 +77,12 @@ def test_every_field_is_accepted_with_its_default(tmp_path: Path) -> None:
 
 def test_every_key_appears_in_the_reference_table() -> None:
     table = reference_table()
-    nested = ("source", "preemption", "recovery", "container")
+    nested = ("source", "preemption", "recovery", "container", "storage")
     keys = [f.name for f in dataclasses.fields(ClusterProfile) if f.name not in nested]
     keys += [f"preemption.{f.name}" for f in dataclasses.fields(Preemption)]
     keys += [f"recovery.{f.name}" for f in dataclasses.fields(Recovery)]
     keys += [f"container.{f.name}" for f in dataclasses.fields(Container)]
+    keys += [f"storage.{f.name}" for f in dataclasses.fields(Storage)]
     for key in keys:
         assert f"| `{key}` |" in table, key
     assert "`source`" not in table  # filled in by the loader, never read from the file

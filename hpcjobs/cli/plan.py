@@ -60,6 +60,7 @@ def planned(ns: argparse.Namespace) -> dict[str, Any]:
     from hpcjobs.profiles.cluster_profile import MAX_NODES, load_profile
     from hpcjobs.protocol.planning.memory_plan import parse_gpu_memory, plan
     from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args
+    from hpcjobs.request.ckpt_window import checkpoint_bytes, window_line
     from hpcjobs.request.gpu_fit import fixes_hint, setup_of
     from hpcjobs.request.hf_config import max_positions, model_shape
 
@@ -85,7 +86,10 @@ def planned(ns: argparse.Namespace) -> dict[str, Any]:
     most = min(profile.max_nodes or MAX_NODES, MAX_NODES) if profile else ns.nodes
     hint = (fixes_hint(shape, setup, room, gpus, most, "a smaller --seq-len, or more GPUs")
             if room is not None and not fits else None)
+    size = checkpoint_bytes(shape)
+    window = window_line(profile, size, f"{ns.model} ({cfg['model_type']})") if profile else None
     return {"model": ns.model, "model_type": cfg["model_type"], "what": describe(shape, cfg["model_type"], setup),
+            "checkpoint_bytes": size, "checkpoint_warning": window,
             "parameters": shape.params, "setup": dataclasses.asdict(setup), "plan": found.as_dict(),
             "logits": setup.micro_batch * seq * shape.vocab * 4, "gpu_memory": room,
             "profile": profile.name if profile else None, "fits": fits, "hint": hint}
@@ -117,6 +121,8 @@ def text(found: dict[str, Any]) -> str:
     lines.append(f"  {'total':<26}{plan['total'] / GIB:>8.2f} GiB{judged}")
     if found["hint"]:
         lines.append(f"HINT: {found['hint']}")
+    if found["checkpoint_warning"]:
+        lines.append(f"warning: {found['checkpoint_warning']}")
     return "\n".join(lines)
 
 

@@ -105,14 +105,17 @@ def wait_for(spec: JobSpec, queued: bool) -> None:
 
 def warn_short_chunks(spec: JobSpec, queued: bool, command: str) -> None:
     """One line on stderr when the time limit leaves little of each chunk for training (hpcjobs.request.chunks): a
-    queued job requeues at its limit and goes on; a local one does not. Said once the command did its work, so that a
-    refusal stays the one line said."""
+    queued job requeues at its limit and goes on; a local one does not. Another when the stop checkpoint cannot
+    commit within the preemption warning (hpcjobs.request.ckpt_window). Said once the command did its work, so that
+    a refusal stays the one line said."""
     import sys
 
     from hpcjobs.request.chunks import chunk_warning
+    from hpcjobs.request.ckpt_window import submit_window_line
 
-    line = chunk_warning(spec) if queued else None
-    if line:
+    lines = (chunk_warning(spec), submit_window_line(spec.profile, spec.entry.target, tasks_args(spec), spec.ranks)
+             ) if queued else ()
+    for line in filter(None, lines):
         print(f"hpcjobs {command}: warning: {line}", file=sys.stderr)
 
 

@@ -36,6 +36,7 @@ from hpcjobs.profiles.keycheck import MAX_ITEMS, parse_mapping
 from hpcjobs.profiles.secrets import secret_name
 from hpcjobs.profiles.shipped import data_dir
 from hpcjobs.profiles.slurmtime import parse_mem_mb, parse_time
+from hpcjobs.profiles.storage import Storage
 from hpcjobs.protocol.contract import Preemption, Recovery
 from hpcjobs.protocol.errors import ProfileError, shown
 from hpcjobs.protocol.paths import expanded_path
@@ -45,7 +46,7 @@ from hpcjobs.protocol.schedulers import SCHEDULERS
 GPU_REQUEST_FORMS = ("gpus-per-node", "gres", "none")
 MAX_NODES = 100_000  # the most nodes any job may ask for, whatever the profile (larger than any cluster)
 PROFILE_FILE = yamlfile.Kind("profile", "--profile", "keys, lists and one level of mappings (env, nccl, "
-                             "preemption, recovery, container)", ProfileError)
+                             "preemption, recovery, container, storage)", ProfileError)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class ClusterProfile:
     """Extra srun flags, e.g. `--cpu-bind=cores`."""
     container: Container = field(default_factory=Container)
     """The image every rank runs in (see Container and docs/how-to/containers.md)."""
+    storage: Storage = field(default_factory=Storage)
+    """How fast checkpoints are written to runs_dir (see Storage)."""
 
     def runs_path(self) -> Path:
         return expanded_path(self.runs_dir, f"runs_dir {self.runs_dir} of profile {self.name} ({self.source})")
