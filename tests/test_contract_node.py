@@ -410,7 +410,7 @@ def test_every_numeric_setting_has_a_range() -> None:
 def test_every_schema_key_of_a_setting_is_one_the_parser_reads() -> None:
     """A misspelt key (`choises`) would leave a flag unchecked without a word: only hpcjobs.protocol.settings.schema's
     keys that the trainer's flags read are allowed, and a hint or example for every flag that takes a value."""
-    known = {"choices", "multiple", "min", "max", "above", "note", "example", "hint", "shown"}
+    known = {"choices", "multiple", "min", "max", "above", "note", "example", "hint", "shown", "resume"}
     for f in dataclasses.fields(TrainConfig):
         assert set(f.metadata) <= known, (f.name, set(f.metadata) - known)
         assert f.type == "bool" or {"hint", "example"} & set(f.metadata), f.name

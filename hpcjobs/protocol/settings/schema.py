@@ -11,6 +11,7 @@ keys:
   example    a valid value, for an error's HINT (`e.g. --steps 1000`)
   hint       an error's whole HINT, where an example would say too little (what each choice does)
   shown      the default as a reference table shows it, where the value itself says little
+  resume     "same": a checkpoint written under another value is refused (it changes what training computes)
 Profiles add keys only the loader reads (parse, prefixes, max_items, key, sbatch: see hpcjobs.profiles.cluster_profile).
 The validators and the reference tables (docs/reference/profiles.md, docs/reference/trainer-flags.md) are read off the
 fields; no side table holds a setting's facts. Torch-free, standard library only."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
@@ -26,33 +26,34 @@ PIP_NAMES: dict[str, str] = {"mlflow": "mlflow-skinny"}
 class TrainConfig:
     steps: int = field(default=100, metadata={"min": 1, "example": "1000"})
     """Optimizer steps to train in all (a resumed run continues up to this number)."""
-    batch_size: int = field(default=8, metadata={"min": 1, "example": "32"})
+    batch_size: int = field(default=8, metadata={"resume": "same", "min": 1, "example": "32"})
     """Samples per rank per optimizer step (per-GPU batch). Ignored when global_batch_size is set."""
-    global_batch_size: int = field(default=0, metadata={"min": 0, "note": "0: batch size × world size",
-                                                        "example": "256"})
+    global_batch_size: int = field(default=0, metadata={"resume": "same", "min": 0,
+                                                        "note": "0: batch size × world size", "example": "256"})
     """Samples per optimizer step across all ranks (0: batch_size × world size). Must divide by the world size."""
-    grad_accum: int = field(default=1, metadata={"min": 1, "example": "4"})
+    grad_accum: int = field(default=1, metadata={"resume": "same", "min": 1, "example": "4"})
     """Micro-batches per optimizer step on each rank; gradients are only all-reduced on the last one (no_sync)."""
-    lr: float = field(default=3e-4, metadata={"min": 0, "above": True, "example": "3e-4"})
+    lr: float = field(default=3e-4, metadata={"resume": "same", "min": 0, "above": True, "example": "3e-4"})
     """Peak learning rate before scaling with the world size."""
-    lr_scaling: str = field(default="none", metadata={
+    lr_scaling: str = field(default="none", metadata={"resume": "same",
         "choices": LR_SCALING,
         "hint": "linear multiplies the LR by the world size, sqrt by its square root; none keeps it."})
     """How the LR grows with the world size: none, linear (lr × world) or sqrt (lr × √world). Logged at start."""
-    warmup_steps: int = field(default=0, metadata={"min": 0, "example": "100"})
+    warmup_steps: int = field(default=0, metadata={"resume": "same", "min": 0, "example": "100"})
     """Linear warmup steps, then cosine decay to min_lr_ratio × lr at `steps`."""
-    min_lr_ratio: float = field(default=0.1, metadata={"min": 0, "max": 1, "example": "0.1"})
+    min_lr_ratio: float = field(default=0.1, metadata={"resume": "same", "min": 0, "max": 1, "example": "0.1"})
     """Final LR as a fraction of the peak."""
-    weight_decay: float = field(default=0.1, metadata={"min": 0, "example": "0.1"})
+    weight_decay: float = field(default=0.1, metadata={"resume": "same", "min": 0, "example": "0.1"})
     """AdamW weight decay (on matrices only, not biases or norms)."""
-    grad_clip: float = field(default=1.0, metadata={"min": 0, "note": "0: no clipping", "example": "1.0"})
+    grad_clip: float = field(default=1.0, metadata={"resume": "same", "min": 0, "note": "0: no clipping",
+                                                     "example": "1.0"})
     """Clip the gradient norm to this (0: no clipping)."""
-    precision: str = field(default="auto", metadata={
+    precision: str = field(default="auto", metadata={"resume": "same",
         "choices": PRECISIONS,
         "hint": "auto picks bf16 on GPUs that have it and fp32 elsewhere; fp16 adds a GradScaler."})
     """auto (bf16 on GPUs that have it, else fp32), fp32, bf16 (autocast) or fp16 (autocast + GradScaler)."""
     # The highest seed: torch's generators take < 2**64, and the sampler adds the epoch.
-    seed: int = field(default=0, metadata={"min": 0, "max": 2**63 - 1, "example": "0"})
+    seed: int = field(default=0, metadata={"resume": "same", "min": 0, "max": 2**63 - 1, "example": "0"})
     """Seed for weights, data order and dropout; each rank's RNG states are checkpointed for exact resume."""
     log_every: int = field(default=10, metadata={"min": 1, "example": "10"})
     """Steps between log lines, metrics.jsonl records and heartbeats (the only host-device syncs)."""
@@ -184,6 +185,9 @@ class TrainConfig:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    # Settings that change what training computes: a checkpoint written under other values is refused.
-    RESUME_KEYS = ("batch_size", "global_batch_size", "grad_accum", "lr", "lr_scaling", "warmup_steps",
-                   "min_lr_ratio", "weight_decay", "grad_clip", "precision", "seed")
+    RESUME_KEYS: ClassVar[tuple[str, ...]] = ()
+    """The settings that change what training computes (metadata `resume: same`): a checkpoint written under other
+    values is refused. Filled in below from the fields."""
+
+
+TrainConfig.RESUME_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume") == "same")
