@@ -68,7 +68,8 @@ def test_a_failed_script_is_continued_by_the_same_command_in_its_run_folder(tmp_
     first = submit(tmp_path, str(flaky), "--fail-once")
     assert first.returncode != 0 and "start 1" in first.stdout + first.stderr, first.stderr
     [run] = run_folders(tmp_path)
-    again = submit(tmp_path, str(flaky), "--fail-once")
+    # --time and --name do not change what trains: still the same command.
+    again = submit(tmp_path, "--time", "0:10:00", "--name", "again", str(flaky), "--fail-once")
     assert again.returncode == 0, again.stdout + again.stderr
     assert run_folders(tmp_path) == [run]  # no second run folder
     assert (run / "starts.txt").read_text() == "2"
@@ -229,8 +230,15 @@ def test_ctrl_c_then_the_same_command_resumes_the_shared_trainer_exactly(tmp_pat
     assert finished.returncode == 2, finished.stderr
     [said] = finished.stderr.strip().splitlines()
     assert f"at step {STEPS}" in said and str(run) in said and "--extend" in said, said
-    more = [a if a != str(STEPS) else "20" for a in TASK]  # another --steps: another command, a fresh run
-    fresh = hpcjobs("submit", "--profile", "local", *more, cwd=tmp_path, timeout=300)
+    # What the line promises: more steps in that run folder, with --extend, train on from the finished step.
+    more = [a if a != str(STEPS) else str(STEPS + 30) for a in TASK]
+    extended = hpcjobs("submit", "--profile", "local", "--run-dir", str(run), *more, "--extend", cwd=tmp_path,
+                       timeout=300)
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert checkpoint.latest(run / "checkpoints").step == STEPS + 30
+    assert f"(step {STEPS}," in (run / "logs" / "restart-2" / "rank-0.log").read_text()
+    fewer = [a if a != str(STEPS) else "20" for a in TASK]  # another --steps: another command, a fresh run
+    fresh = hpcjobs("submit", "--profile", "local", *fewer, cwd=tmp_path, timeout=300)
     assert fresh.returncode == 0 and "continuing" not in fresh.stderr, fresh.stderr[-3000:]
     assert len(run_folders(tmp_path)) == 2
 
