@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpcjobs.protocol.faultpolicy.diagnosis import NodeFault, diagnose
+from hpcjobs.protocol.faultpolicy.kinds import DID_NOT_RUN
 from hpcjobs.protocol.faultpolicy.srunwords import srun_failures, task_ids
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 
@@ -126,6 +127,30 @@ def test_hang_records_close_together_name_no_rank_as_hung(tmp_path: Path) -> Non
     assert found.first.describe() == f"rank 0 on node1: {HUNG_WAITING}"
     one = diagnose(run_with(tmp_path / "b", [(1.0, 0, HUNG_WAITING)], world=1), "7", [])
     assert one is not None and one.first is not None and one.first.describe() == f"rank 0 on node1: {HUNG_WAITING}"
+
+
+def test_the_rank_whose_own_process_did_not_run_is_the_hung_one_not_the_first_to_record(tmp_path: Path) -> None:
+    """Issue 40: a SIGSTOPped rank 3, woken by Slurm's SIGCONT, records its hang seconds after its peers fired, and
+    its watchdog says its own process did not run (trainers/watchdog.py): it is named, even where the peers'
+    records are spread out (a loaded node) and it recorded before one of them."""
+    stopped = f"hung: no step progress for 19 s after step 29 ({DID_NOT_RUN} for 18 s: stopped by a signal, ...)"
+    waits = [(10.0, 0, HUNG_WAITING), (10.4, 3, stopped), (13.0, 1, HUNG_WAITING), (14.0, 2, HUNG_WAITING)]
+    found = diagnose(run_with(tmp_path, waits), "7", [])
+    assert found is not None and found.first is not None
+    assert found.first.describe() == f"rank 3 on node2: {stopped}; the other ranks waited for it", found.first
+    every = [(10.0 + 0.2 * r, r, stopped) for r in range(4)]  # the whole job suspended: no one in particular
+    found = diagnose(run_with(tmp_path / "b", every), "7", [])
+    assert found is not None and found.first is not None and found.first.rank == 0
+
+
+def test_a_rank_that_timed_out_only_once_woken_is_the_hung_one_not_rank_0(tmp_path: Path) -> None:
+    """Measured on the test cluster (1 hang run of 4, 120 s collective timeout): ranks 0-2 timed out waiting for the
+    SIGSTOPped rank 3, which recorded a timeout too once Slurm woke it; rank 0, the first record, was named."""
+    timeout = "DistBackendError: [Gloo] Timed out waiting 120000ms for recv operation to complete"
+    waits = [(120.0, 0, timeout), (120.1, 1, timeout), (120.3, 2, timeout), (126.0, 3, timeout)]
+    found = diagnose(run_with(tmp_path, waits), "7", [])
+    assert found is not None and found.first is not None
+    assert found.first.describe().startswith(f"rank 3 on node2: {timeout} (its record came last"), found.first
 
 
 # --- a node that failed (the scheduler's word, hpcjobs.backends.slurm.failed_nodes)

@@ -19,21 +19,12 @@ import yaml
 
 from conftest import REPO, hpcjobs
 from hpcjobs.protocol.contract import LaunchContract, Recovery
-from hpcjobs.protocol.faultpolicy.kinds import HANG_EXIT, HUNG, FaultKind, kind_of
+from hpcjobs.protocol.faultpolicy.kinds import DID_NOT_RUN, HANG_EXIT, HUNG, FaultKind, kind_of
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from trainers import watchdog
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv
-from trainers.watchdog import (
-    LATE_NOTE,
-    SAVE_K,
-    STEPS_MEASURED,
-    Bound,
-    K,
-    Watchdog,
-    save_allowance,
-    startup_bound,
-    step_bound,
-)
+from trainers.hangbound import SAVE_K, STEPS_MEASURED, Bound, K, save_allowance, startup_bound, step_bound
+from trainers.watchdog import LATE_NOTE, Watchdog
 
 ENV = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=1,
               job_id="7", restart=3, source="single")
@@ -164,6 +155,8 @@ def test_a_rank_stopped_past_its_bound_dumps_once_it_is_continued(tmp_path: Path
     assert stack_file.stat().st_size == 0  # stopped: nothing ran
     proc.send_signal(signal.SIGCONT)  # as Slurm does before it ends a step's tasks
     check_left(run, proc)
+    (record,) = run.read_failures()
+    assert DID_NOT_RUN in record["error"], record  # the diagnosis names it, not a peer that waited for it
 
 
 def test_armed_only_on_a_launched_rank_and_an_unfired_watchdog_leaves_no_stack_file(tmp_path: Path) -> None:

@@ -8,21 +8,18 @@ marks each step) and a user's `transformers.Trainer` or Lightning `Trainer` for 
 (trainers/integrations/). A user's own script that reports no steps is never armed: nothing could tell its long
 pause from a hang.
 
-The bound, measured from the last sign of progress (a finished step, an evaluation batch, a save's end):
-- Before STEPS_MEASURED step times are known (compilation, warm-up, loading a checkpoint, a cold node's first
-  steps): the start-up bound, max(recovery.hang_min_s, HPCJOBS_INIT_TIMEOUT): what the process group already allows
-  its collectives before the first step (trainers.dist), so a slow but healthy start-up is never called a hang. Each
-  start-up stage (trainers.startup's marks: model built and checkpoint loaded, first step) starts it again.
-- Then max(hang_min_s, K × the median of the last WINDOW step times). The median, not the mean or the last: the
-  shared trainer's slow steps (a log step's all-reduce and host sync, the data loader refilling, a garbage collection,
-  a tracker's upload) are single steps a few times the median and move it little. K = 20 leaves room for a step ten
-  times the median and still ends a real hang (which lasts forever) within 20 steps' time; the floor keeps fast steps
-  (milliseconds) from turning a short stall of the machine (swapping, a busy shared filesystem) into a recovery.
-- A checkpoint save in flight adds an allowance, max(hang_min_s, SAVE_K × the longest save measured: the run's
-  saves.jsonl `blocking_s` and this start's own saves, whole), or before any was measured the control group's
-  wait for a checkpoint barrier (CONTROL_TIMEOUT_MIN_S, 1800 s: rank 0 alone may write for minutes). A save still in
-  flight past its allowance counts as a hang too, also while the loop goes on around a background save: a save stuck
-  on a filesystem.
+The bound, measured from the last sign of progress (a finished step, an evaluation batch, a save's end), is learned
+from the rank's measured step times (trainers/hangbound.py): the start-up bound until three steps are measured, then
+max(the floor, 20 × the median recent step time), plus an allowance while a checkpoint save is in flight; the floor
+is `recovery.hang_min_s` (10 s by default), or HPCJOBS_STALL_S where the user declared a longer stall. With the old
+floor (300 s) a SIGSTOPped rank's job waited for the 120 s collective timeout and resumed 188.6 s after the fault on
+the test cluster; with the learned bound its peers' watchdogs end the step in ~11 s (figures: docs/how-to/
+self-healing.md).
+
+A rank that was itself stopped (SIGSTOP, a suspended job) or starved (a call that held the GIL) says so: its watchdog
+thread polls every POLL_S, so a poll (or a late mark) that comes PAUSED_S or more after the thread's last one means
+the whole process did not run, and the failure's text carries DID_NOT_RUN. The peers that waited for it in a
+collective ran on (their threads polled): the diagnosis names the rank that did not run, not a peer that noticed.
 
 Two timers watch the same deadline. A Python thread (POLL_S) fires: it dumps the stacks, records the failure and
 exits. Behind it, faulthandler's C-level timer (`dump_traceback_later`), re-armed from the step marks at most every
@@ -53,73 +50,31 @@ from dataclasses import dataclass
 from typing import IO, Protocol
 
 from hpcjobs.protocol.contract import LaunchContract
-from hpcjobs.protocol.faultpolicy.kinds import HANG_EXIT, HUNG
-from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
-from hpcjobs.protocol.timeouts import INIT_TIMEOUT
-from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, DistEnvError, from_environ, setting_seconds
+from hpcjobs.protocol.faultpolicy.kinds import DID_NOT_RUN, HANG_EXIT, HUNG
+from hpcjobs.protocol.runfolder import RunFolder
+from trainers.distenv import DistEnv, DistEnvError, from_environ
+from trainers.hangbound import (
+    HANG_MIN,
+    STEPS_MEASURED,
+    WINDOW,
+    Bound,
+    floor_of,
+    measured_saves,
+    save_allowance,
+    startup_bound,
+    step_bound,
+)
 
-K = 20
-"""The step-time bound is K × the median recent step time (see the module's docstring for why 20)."""
-WINDOW = 32
-"""How many recent step times the median is taken over: recent enough to follow a run that slows down."""
-STEPS_MEASURED = 3
-"""Step times needed before the start-up bound gives way to the measured one (the first step itself is start-up)."""
-SAVE_K = 4
-"""A save in flight is allowed SAVE_K × the longest save measured: a shared filesystem's writes vary that much."""
 POLL_S = 1.0
 """How often the Python thread looks: a hang is found at most this late."""
+PAUSED_S = 5.0
+"""A gap this long between the watchdog thread's polls (due every POLL_S) means the process did not run."""
 LEAVE_WORD_S = 30.0
 """How long a firing watchdog waits for its dump and record (a filesystem may be what hangs) before it exits."""
 
 LATE_NOTE = ("Found at the rank's next mark, once it ran again (stopped by SIGSTOP and continued, or its watchdog "
              "thread starved): the main thread's stack is where it went on from; the step it last finished says "
              "where it stopped.\n")
-
-
-@dataclass(frozen=True)
-class Bound:
-    seconds: float
-    how: str
-    """How it was derived, for the failure's text: `20 × 2.0 s step time`."""
-
-    def words(self) -> str:
-        return f"{self.seconds:.0f} s = {self.how}" if self.how else f"{self.seconds:.0f} s"
-
-
-def startup_bound(floor: float, environ: Mapping[str, str]) -> Bound:
-    init = setting_seconds(INIT_TIMEOUT, environ)
-    if init >= floor:
-        return Bound(init, f"start-up bound, {INIT_TIMEOUT[0]}")
-    return Bound(floor, "start-up bound, recovery.hang_min_s")
-
-
-def step_bound(floor: float, step_times: list[float], startup: Bound) -> Bound:
-    """The bound on the time from one sign of progress to the next (module docstring)."""
-    if len(step_times) < STEPS_MEASURED:
-        return startup
-    recent = sorted(step_times[-WINDOW:])
-    half = len(recent) // 2
-    median = recent[half] if len(recent) % 2 else (recent[half - 1] + recent[half]) / 2
-    if K * median <= floor:
-        return Bound(floor, f"recovery.hang_min_s; {K} × {median:.3g} s step time is less")
-    return Bound(K * median, f"{K} × {median:.3g} s step time")
-
-
-def save_allowance(floor: float, save_costs: list[float]) -> Bound:
-    """What a checkpoint save in flight adds to the bound, and how long the save itself may take."""
-    if not save_costs:
-        return Bound(max(floor, CONTROL_TIMEOUT_MIN_S), "no save measured yet: the checkpoint barrier's wait")
-    longest = max(save_costs)
-    if SAVE_K * longest <= floor:
-        return Bound(floor, "recovery.hang_min_s")
-    return Bound(SAVE_K * longest, f"{SAVE_K} × {longest:.3g} s longest save")
-
-
-def measured_saves(run: RunFolder) -> list[float]:
-    """The run's earlier foreground saves' blocking times (rank 0 writes them): the whole save. A background save's
-    is its staging only, far less than its writing, which the allowance must cover."""
-    return [float(r["blocking_s"]) for r in read_jsonl(run.saves, {"blocking_s": (int, float)})
-            if r.get("background") is False]
 
 
 class Alive(Protocol):
@@ -140,8 +95,8 @@ class Watchdog:
     undoes it. The marks (`progress`, `alive`, `saving`, `saved`) run on the training thread."""
 
     def __init__(self, run: RunFolder, env: DistEnv, floor: float, startup: Bound,
-                 save_costs: list[float] | None = None) -> None:
-        self.run, self.env, self.floor, self.startup = run, env, floor, startup
+                 save_costs: list[float] | None = None, floor_how: str = HANG_MIN) -> None:
+        self.run, self.env, self.floor, self.startup, self.floor_how = run, env, floor, startup, floor_how
         self.path = run.stack_file(env.restart, env.rank)
         self.step_times: deque[float] = deque(maxlen=WINDOW)
         self.save_costs = list(save_costs or [])
@@ -151,6 +106,8 @@ class Watchdog:
         """The last sign of progress: the bound is measured from here."""
         self.save: Save | None = None
         self.rearm_at = 0.0
+        self.polled_at = self.base
+        """When the watchdog thread last looked (monotonic): a long gap since means the process did not run."""
         self.limit = float("inf")
         self.file: IO[str] | None = None
         self._stop = threading.Event()
@@ -202,7 +159,7 @@ class Watchdog:
     # --- the deadline ---------------------------------------------------------------------------------------------
 
     def bound(self) -> Bound:
-        return step_bound(self.floor, list(self.step_times), self.startup)
+        return step_bound(self.floor, list(self.step_times), self.startup, self.floor_how)
 
     def overdue(self, now: float) -> str | None:
         """The failure's text if the rank is hung at `now`, else None."""
@@ -216,7 +173,7 @@ class Watchdog:
             if now - self.base <= bound.seconds:
                 return None
             return f"{HUNG} no step progress for {now - self.base:.0f} s {after} (bound {bound.words()})"
-        allowance = save_allowance(self.floor, self.save_costs)
+        allowance = save_allowance(self.floor, self.save_costs, self.floor_how)
         if now - save.began > allowance.seconds:
             return (f"{HUNG} the checkpoint save of step {save.step} still in flight after {now - save.began:.0f} s "
                     f"(allowance {allowance.words()}); last step progress {after}")
@@ -230,7 +187,13 @@ class Watchdog:
         and just continued, the Python thread starved): it fires now, before the mark hides the hang."""
         why = self.overdue(now)
         if why is not None:
-            self.fire(why, late=True)
+            self.fire(why + self.paused(now), late=True)
+
+    def paused(self, now: float) -> str:
+        """The words a failure gets when this process itself did not run (module docstring), else nothing."""
+        gap = now - self.polled_at
+        return f" ({DID_NOT_RUN} for {gap:.0f} s: stopped by a signal, suspended, or starved)" \
+            if gap >= PAUSED_S and self._thread is not None else ""
 
     def rearm(self, now: float) -> None:
         """Re-arm the C timer to fire between one and two `slack`s past the Python deadline; `limit` is the
@@ -239,7 +202,7 @@ class Watchdog:
             return
         bound = self.bound().seconds
         if self.save is not None:
-            bound += save_allowance(self.floor, self.save_costs).seconds
+            bound += save_allowance(self.floor, self.save_costs, self.floor_how).seconds
         slack = max(2 * POLL_S, bound / 20)
         faulthandler.dump_traceback_later(bound + 2 * slack, file=self.file)  # joins the timer it replaces
         self.rearm_at, self.limit = now + slack, bound
@@ -251,7 +214,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a")  # open until stop(): the C timer writes into it
-        self.base = time.monotonic()
+        self.base = self.polled_at = time.monotonic()
         self.rearm(self.base)
         self._thread = threading.Thread(target=self._watch, name="hpcjobs-watchdog", daemon=True)
         self._thread.start()
@@ -272,9 +235,11 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
-            why = self.overdue(time.monotonic())
+            now = time.monotonic()
+            why = self.overdue(now)
             if why is not None and not self._stop.is_set():
-                self.fire(why)
+                self.fire(why + self.paused(now))
+            self.polled_at = now
 
     def fire(self, why: str, late: bool = False) -> None:
         """Dump, record, exit (once: the thread and a late mark may both find the hang); the dump and the record
@@ -369,8 +334,12 @@ def armed(run: RunFolder | None = None, env: DistEnv | None = None, contract: La
         yield None
         return
     run = run or RunFolder(contract.run_dir)
-    floor = float(contract.recovery.hang_min_s)
-    dog = Watchdog(run, env, floor, startup_bound(floor, environ), measured_saves(run)).start()
+    try:
+        floor, how = floor_of(contract.recovery.hang_min_s, environ)
+    except DistEnvError as e:
+        print(f"hpcjobs: {e}; the hang watchdog keeps recovery.hang_min_s", file=sys.stderr, flush=True)
+        floor, how = float(contract.recovery.hang_min_s), HANG_MIN
+    dog = Watchdog(run, env, floor, startup_bound(floor, environ, how), measured_saves(run), how).start()
     _current = dog
     try:
         yield dog

@@ -66,9 +66,10 @@ class Recovery:
     line naming the cause that repeats); 0 turns recovery off. A job that checkpoints between faults goes on."""
     spare_nodes: int = field(default=0, metadata={"min": 0, "max": 64})
     """Extra nodes the job holds to stand in for one that fails (`--spare-nodes`); they run no rank until then."""
-    hang_min_s: int = field(default=300, metadata={"min": 5, "max": 86_400})
-    """The least time without step progress that counts as a hang; the bound grows with the measured step time and
-    with a checkpoint in flight (trainers/watchdog.py)."""
+    hang_min_s: int = field(default=10, metadata={"min": 5, "max": 86_400})
+    """The least time without step progress that counts as a hang, once three step times are measured; the bound
+    grows with the measured step time (20 × the median) and with a checkpoint in flight (trainers/hangbound.py).
+    10 s: a hang is found in seconds, far below the collective timeout (it was 300 s, issue 40)."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hpcjobs.protocol.faultpolicy.kinds import HUNG, PEER_LOST, TIMEOUT, waited_for_another
+from hpcjobs.protocol.faultpolicy.kinds import DID_NOT_RUN, HUNG, PEER_LOST, TIMEOUT, waited_for_another
 from hpcjobs.protocol.runfolder import RunFolder
 
 TAIL_LINES = 5
@@ -152,14 +152,20 @@ def first_failure(run: RunFolder, restart: int, world: int, recorded: list[Failu
 
 def hung_rank(run: RunFolder, restart: int, world: int, recorded: list[Failure],
               said: list[Failure]) -> Failure | None:
-    """The rank the others waited for (timed out in a collective, or their hang watchdogs fired): one that recorded
-    nothing (stuck, then killed), or only after they did (Slurm's SIGCONT + SIGTERM, when it ends the step, woke it
-    to fail on the closed connections). A rank that failed on a closed connection before any wait was recorded lost
-    a peer that waited. When every rank's watchdog recorded a hang, the hung rank's came last, well after the
-    others' (they fired together); records close together name no one (every rank stalled: a filesystem, say)."""
+    """The rank the others waited for (timed out in a collective, or their hang watchdogs fired): the one whose own
+    watchdog says its process did not run (DID_NOT_RUN: stopped, suspended or starved, while the others waited);
+    else one that recorded nothing (stuck, then killed), or only after they did (Slurm's SIGCONT + SIGTERM, when it
+    ends the step, woke it to fail on the closed connections). A rank that failed on a closed connection before any
+    wait was recorded lost a peer that waited. When every rank recorded a wait, the hung rank's came last, well after
+    the others' (they timed out or fired together; measured on the test cluster: a SIGSTOPped rank 3 recorded a
+    timeout once woken, and rank 0's, the first, was taken for the cause in 1 run of 4); records close together name
+    no one (every rank stalled: a filesystem, say)."""
     waits = [f for f in recorded if waited(f)]
     if not waits:
         return None
+    stopped = [f for f in waits if DID_NOT_RUN in f.error]
+    if stopped and len({f.rank for f in stopped}) < max(world, 2):
+        return replace(stopped[0], error=f"{stopped[0].error}; the other ranks waited for it", source="timeouts")
     woke_late = {f.rank for f in recorded if f.time > waits[0].time}
     ranks_recorded = {f.rank for f in recorded}
     quiet = [r for r in range(world) if r not in {f.rank for f in waits}
@@ -171,13 +177,22 @@ def hung_rank(run: RunFolder, restart: int, world: int, recorded: list[Failure],
         host = next((f.host for f in [*recorded, *said] if f.rank == rank), None) or host_of(run, restart, rank)
         return Failure(rank, host, f"hung: the other ranks {why} waiting for it ({waits[0].error})", "timeouts")
     hangs = [f for f in waits if f.error.startswith(HUNG)]
-    if len({f.rank for f in hangs}) < max(world, 1) or len(hangs) < 2:
-        return hangs[0] if len(hangs) == 1 == world else None
-    last, others = hangs[-1], [f for f in hangs if f.rank != hangs[-1].rank]
-    if last.time - others[-1].time <= max(1.0, others[-1].time - others[0].time):
+    if len(hangs) == 1 == world:
+        return hangs[0]
+    return came_last(waits, world)
+
+
+def came_last(waits: list[Failure], world: int) -> Failure | None:
+    """Every rank recorded a wait: the one whose record came last, well after every other rank's (they waited
+    together; only Slurm's SIGCONT woke it), else None."""
+    if len({f.rank for f in waits}) < max(world, 1) or len(waits) < 2:
         return None
-    return replace(last, error=f"{last.error} (its watchdog's record came last, after every other rank's: only "
-                               "Slurm's SIGCONT woke it)", source="timeouts")
+    last, others = waits[-1], [f for f in waits if f.rank != waits[-1].rank]
+    if not others or last.time - others[-1].time <= max(1.0, others[-1].time - others[0].time):
+        return None
+    whose = "its watchdog's record" if last.error.startswith(HUNG) else "its record"
+    return replace(last, error=f"{last.error} ({whose} came last, after every other rank's: only Slurm's SIGCONT "
+                               "woke it)", source="timeouts")
 
 
 def node_failure(run: RunFolder, restart: int, world: int, recorded: list[Failure], fault: NodeFault,

@@ -22,6 +22,9 @@ DEVICE_LOST = re.compile(r"uncorrectable ECC|ECC error|GPU is lost|fallen off th
 HUNG = "hung:"
 """How a rank's hang watchdog (trainers/watchdog.py) begins the failure it records; the diagnosis and the recovery
 know a hang by it."""
+DID_NOT_RUN = "this rank's own process did not run"
+"""What a hang watchdog adds to its `hung:` record when its own process was stopped (SIGSTOP, a suspended job) or
+starved, not waiting in a collective for another rank: the diagnosis names that rank as the hung one."""
 HANG_EXIT = 124
 """A rank's exit code when its hang watchdog ended it (after dumping its stacks into RUN/stacks/)."""
 
