@@ -146,7 +146,8 @@ def test_a_fault_is_recovered_in_the_allocation_with_the_weights_of_an_uninterru
                  cause=fault_line["cause"])
     if fault == "hung":  # found by the peers' watchdogs, not the collective timeout: stacks, the stopped rank named
         assert fault_line["cause"].startswith("rank 3 on node"), fault_line
-        assert "hung: no step progress" in (run / "stacks" / "restart-0" / "rank-0.txt").read_text()
+        stacks = [p.read_text() for p in sorted((run / "stacks" / "restart-0").glob("rank-*.txt"))]
+        assert any("hung: no step progress" in text for text in stacks), stacks  # the watchdog's dump, as before
         assert recovery_seconds(run, struck) <= 60
 
 
