@@ -5,15 +5,19 @@ the real transformers model holds in a training step on the CPU.
 Each case writes a small config.json (Llama with GQA, Qwen2 with its q/k/v biases, Mistral, GPT-2), builds the model
 from it with transformers' own class (LlamaForCausalLM(LlamaConfig(...)), ...), and trains two steps as the shared
 trainer does (bench/memplan.py's two_steps: trainers.strategy.make, AdamW, clip, zero_grad) with labels = inputs
-(HF's own shifted loss), the live tensor bytes counted by bench/memplan.py's LiveBytes dispatch mode. One rank
-(ddp over one rank is the bare model), fp32 and bf16 autocast, with and without activation checkpointing. The plan
-is `plan(model_shape(config.json), Setup(..., gpu=False))`: tensors only. Writes bench/results/hf_memplan.json; the
-target (issue 41) is the plan within ±5% of each peak.
+(HF's own shifted loss), the live tensor bytes counted by bench/memplan.py's LiveBytes dispatch mode. ddp over one
+rank (the bare model) in this process; fsdp (FSDP2, as the trainer shards: each decoder layer, then the root) as rank
+0 of 2 or 4 under torch's fake process group, alone in a child process (real tensors, collectives that move
+nothing). fp32 and bf16 (autocast under ddp, FSDP2's cast under fsdp), with and without activation checkpointing. The
+plan is `plan(model_shape(config.json), Setup(..., gpu=False))`: tensors only. Writes bench/results/hf_memplan.json;
+the target (issue 41) is the plan within ±5% of each peak.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import types
@@ -58,61 +62,97 @@ def build(name: str) -> Any:
     return model.train()
 
 
-def measure(name: str, batch: int = 2, seq_len: int = 64, precision: str = "fp32", ac: bool = False) -> dict[str, Any]:
-    """One case: the measured peak of two steps beside the plan's tensors (one rank, the CPU)."""
+def fsdp_worker(name: str, ranks: int, batch: int, seq_len: int, precision: str, ac: bool) -> None:
+    """Rank 0 of `ranks` under torch's fake process group (alone in its process: the fake group is the default)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    from memplan import two_steps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hpcjobs.protocol.settings.trainconfig import TrainConfig
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    mesh = device_mesh.init_device_mesh("cpu", (ranks,))
+    device_mesh.init_device_mesh = lambda *a, **k: mesh  # type: ignore[assignment]
+    ctx = types.SimpleNamespace(world_size=ranks, rank=0, device=torch.device("cpu"), is_main=True,
+                                adopt=lambda groups: None)
+    cfg = TrainConfig(strategy="fsdp", batch_size=batch, activation_checkpointing=ac, meta_init=False)
+    data = torch.randint(0, int(CONFIGS[name]["vocab_size"]), (batch, seq_len))
+    print("PEAK " + json.dumps(two_steps(build(name), ctx, cfg, precision, data, hf_loss)), flush=True)
+
+
+def hf_loss(net: Any, x: Any) -> Any:
+    return net(input_ids=x, labels=x).loss
+
+
+def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int, precision: str, ac: bool) -> int:
+    """Rank 0's peak live bytes over two steps: ddp here, fsdp in a child process (fsdp_worker)."""
+    if strategy == "fsdp":
+        argv = [sys.executable, __file__, "--fsdp-worker", name, *map(str, (ranks, batch, seq_len)), precision,
+                str(int(ac))]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PEAK ")), None)
+        if line is None:
+            raise SystemExit(f"{name} fsdp × {ranks} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        return int(json.loads(line.removeprefix("PEAK ")))
     import torch
     from memplan import two_steps
 
-    from hpcjobs.protocol.planning.memory_plan import Setup, plan
     from hpcjobs.protocol.settings.trainconfig import TrainConfig
-    from hpcjobs.request.hf_config import model_shape
 
-    model = build(name)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.json"
-        path.write_text(json.dumps(CONFIGS[name]))
-        shape, _ = model_shape(str(path))
-    counted = sum(p.numel() for p in model.parameters())
     ctx = types.SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"), is_main=True,
                                 adopt=lambda groups: None)
     cfg = TrainConfig(strategy="ddp", batch_size=batch, activation_checkpointing=ac)
     data = torch.randint(0, int(CONFIGS[name]["vocab_size"]), (batch, seq_len))
-    measured = two_steps(model, ctx, cfg, precision, data, lambda net, x: net(input_ids=x, labels=x).loss)
-    planned = plan(shape, Setup(strategy="ddp", ranks=1, micro_batch=batch, seq_len=seq_len, precision=precision,
-                                activation_checkpointing=ac, gpu=False))
-    return {"model": name, "batch": batch, "seq_len": seq_len, "precision": precision,
-            "activation_checkpointing": ac, "params": counted, "params_planned": shape.params,
-            "measured": measured, "planned": planned.tensors, "ratio": planned.tensors / measured,
-            "plan": planned.as_dict()}
+    return two_steps(build(name), ctx, cfg, precision, data, hf_loss)
 
 
-CASES: list[tuple[str, int, int, str, bool]] = [
-    *((name, 2, 64, precision, ac) for name in CONFIGS for precision in ("fp32", "bf16") for ac in (False, True)),
-    ("llama", 4, 128, "bf16", False), ("qwen2", 1, 256, "fp32", False),
+def measure(name: str, batch: int = 2, seq_len: int = 64, precision: str = "fp32", ac: bool = False,
+            strategy: str = "ddp", ranks: int = 1) -> dict[str, Any]:
+    """One case: the measured peak of two steps beside the plan's tensors (rank 0, the CPU)."""
+    from hpcjobs.protocol.planning.memory_plan import Setup, plan
+    from hpcjobs.request.hf_config import model_shape
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(CONFIGS[name]))
+        shape, _ = model_shape(str(path))
+    counted = sum(p.numel() for p in build(name).parameters())
+    measured = measured_peak(name, strategy, ranks, batch, seq_len, precision, ac)
+    planned = plan(shape, Setup(strategy=strategy, ranks=ranks, micro_batch=batch, seq_len=seq_len,
+                                precision=precision, activation_checkpointing=ac, gpu=False))
+    return {"model": name, "strategy": strategy, "ranks": ranks, "batch": batch, "seq_len": seq_len,
+            "precision": precision, "activation_checkpointing": ac, "params": counted,
+            "params_planned": shape.params, "measured": measured, "planned": planned.tensors,
+            "ratio": planned.tensors / measured, "plan": planned.as_dict()}
+
+
+CASES: list[tuple[str, int, int, str, bool, str, int]] = [
+    # (model, batch, seq_len, precision, activation checkpointing, strategy, ranks)
+    *((name, 2, 64, precision, ac, "ddp", 1) for name in CONFIGS for precision in ("fp32", "bf16")
+      for ac in (False, True)),
+    ("llama", 4, 128, "bf16", False, "ddp", 1), ("qwen2", 1, 256, "fp32", False, "ddp", 1),
+    *((name, 2, 64, precision, ac, "fsdp", ranks) for name, ranks, precision in
+      (("llama", 2, "bf16"), ("llama", 2, "fp32"), ("qwen2", 4, "fp32"), ("mistral", 2, "bf16"), ("gpt2", 2, "bf16"))
+      for ac in (False, True)),
 ]
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--fsdp-worker"]:
+        name, ranks, batch, seq_len, precision, ac = sys.argv[2:8]
+        fsdp_worker(name, int(ranks), int(batch), int(seq_len), precision, ac == "1")
+        return
     import torch
+    import transformers
+    from memplan import report
 
     torch.set_num_threads(1)
-    print(f"{'model':8} {'batch':>5} {'seq':>4} {'prec':>5} {'AC':>5} {'measured MiB':>12} {'planned MiB':>11} "
-          f"{'ratio':>6}", flush=True)
-    rows = []
-    for case in CASES:
-        row = measure(*case)
-        rows.append(row)
-        print(f"{row['model']:8} {row['batch']:>5} {row['seq_len']:>4} {row['precision']:>5} "
-              f"{str(row['activation_checkpointing']):>5} {row['measured'] / 2**20:>12.2f} "
-              f"{row['planned'] / 2**20:>11.2f} {row['ratio']:>6.3f}", flush=True)
-    worst = max(abs(row["ratio"] - 1) for row in rows)
-    import transformers
-
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
-                                   "tolerance": TOLERANCE, "worst": worst, "met": worst <= TOLERANCE,
-                                   "rows": rows}, indent=1) + "\n")
-    print(f"worst |plan/measured - 1| = {worst:.3f} (target ≤ {TOLERANCE}) -> {RESULTS}")
+    report(RESULTS, CASES, measure, TOLERANCE, ("model", "strategy", "ranks", "batch", "seq_len", "precision",
+                                                 "activation_checkpointing"),
+           {"torch": torch.__version__, "transformers": transformers.__version__})
 
 
 if __name__ == "__main__":

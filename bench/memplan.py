@@ -215,23 +215,29 @@ def main() -> None:
         else:
             worker(ns.sizes[0], ns.strategy, ns.batch, ns.ac, ns.precision)
         return
-    print(f"{'size':7} {'strategy':8} {'ranks':>5} {'batch':>5} {'AC':>5} {'prec':>5} {'fake':>5} "
-          f"{'measured MiB':>12} {'planned MiB':>11} {'ratio':>6}", flush=True)
-    rows = []
-    for case in CASES:
-        row = measure(*case)
-        rows.append(row)
-        print(f"{row['size']:7} {row['strategy']:8} {row['ranks']:>5} {row['batch']:>5} "
-              f"{str(row['activation_checkpointing']):>5} {row['precision']:>5} {str(row['fake']):>5} "
-              f"{row['measured'] / 2**20:>12.2f} {row['planned'] / 2**20:>11.2f} {row['ratio']:>6.3f}", flush=True)
-    worst = max(abs(row["ratio"] - 1) for row in rows)
     import torch
 
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"torch": torch.__version__, "tolerance": TOLERANCE, "worst": worst,
-                                   "met": worst <= TOLERANCE, "rows": rows}, indent=1) + "\n")
-    print(f"worst |plan/measured - 1| = {worst:.3f} (target ≤ {TOLERANCE}) -> {RESULTS}")
+    keys = ("size", "strategy", "ranks", "batch", "activation_checkpointing", "precision", "fake")
+    report(RESULTS, CASES, measure, TOLERANCE, keys, {"torch": torch.__version__})
 
+
+def report(path: Path, cases: list[Any], measure: Any, tolerance: float, keys: tuple[str, ...],
+           versions: dict[str, str]) -> None:
+    """Measure every case, print a row each (the case's `keys`, measured and planned MiB, their ratio), and write
+    `path` with the worst |plan/measured - 1| against `tolerance` (bench/hf_memplan.py reports the same way)."""
+    print(" ".join(f"{k[:8]:>8}" for k in keys) + f" {'measured MiB':>12} {'planned MiB':>11} {'ratio':>6}",
+          flush=True)
+    rows = []
+    for case in cases:
+        row = measure(*case)
+        rows.append(row)
+        print(" ".join(f"{str(row[k])[:8]:>8}" for k in keys) + f" {row['measured'] / 2**20:>12.2f} "
+              f"{row['planned'] / 2**20:>11.2f} {row['ratio']:>6.3f}", flush=True)
+    worst = max(abs(row["ratio"] - 1) for row in rows)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({**versions, "tolerance": tolerance, "worst": worst, "met": worst <= tolerance,
+                                "rows": rows}, indent=1) + "\n")
+    print(f"worst |plan/measured - 1| = {worst:.3f} (target ≤ {tolerance}) -> {path}")
 
 if __name__ == "__main__":
     main()

@@ -106,22 +106,29 @@ def test_plan_imports_no_torch() -> None:
 
 
 def test_every_recorded_measurement_without_checkpointing_is_within_5_percent() -> None:
-    """bench/hf_memplan.py's rows: four families, fp32 and bf16 autocast, the parameters counted exactly."""
+    """bench/hf_memplan.py's rows: four families, ddp and fsdp, fp32 and bf16, the parameters counted exactly. With
+    activation checkpointing the step peaks inside the first block's backward or the CPU's unfused AdamW, whose
+    temporaries the plan leaves out: within 10% there."""
     rows = json.loads(RESULTS.read_text())["rows"]
     assert {r["model"] for r in rows} >= {"llama", "qwen2", "mistral", "gpt2"}
+    assert {r["strategy"] for r in rows} == {"ddp", "fsdp"}
     assert all(r["params"] == r["params_planned"] for r in rows)
-    plain = {f"{r['model']} {r['precision']} {r['batch']}×{r['seq_len']}": round(r["ratio"], 3)
-             for r in rows if not r["activation_checkpointing"]}
-    assert len(plain) >= 8 and all(abs(v - 1) <= TOLERANCE for v in plain.values()), plain
+    off = {f"{r['model']} {r['strategy']}×{r['ranks']} {r['precision']} AC={r['activation_checkpointing']} "
+           f"{r['batch']}×{r['seq_len']}": (round(r["ratio"], 3), r["activation_checkpointing"]) for r in rows}
+    assert sum(not ac for _, ac in off.values()) >= 12
+    assert all(abs(v - 1) <= (0.10 if ac else TOLERANCE) for v, ac in off.values()), off
 
 
 @pytest.mark.train
-@pytest.mark.parametrize(("name", "precision"), [("llama", "bf16"), ("qwen2", "fp32"), ("gpt2", "bf16")])
-def test_a_live_measurement_of_the_real_model_agrees(name: str, precision: str) -> None:
-    """Measured now: transformers' own class built from the config, two training steps, peak live tensor bytes."""
+@pytest.mark.parametrize(("name", "precision", "strategy", "ranks"), [
+    ("llama", "bf16", "ddp", 1), ("qwen2", "fp32", "ddp", 1), ("gpt2", "bf16", "ddp", 1),
+    ("mistral", "bf16", "fsdp", 2)])
+def test_a_live_measurement_of_the_real_model_agrees(name: str, precision: str, strategy: str, ranks: int) -> None:
+    """Measured now: transformers' own class built from the config, two training steps, peak live tensor bytes
+    (fsdp: rank 0 of 2 under torch's fake process group, in a child process)."""
     sys.path.insert(0, str(REPO / "bench"))
     import hf_memplan as bench
 
-    row = bench.measure(name, 2, 64, precision)
+    row = bench.measure(name, 2, 64, precision, strategy=strategy, ranks=ranks)
     assert row["params"] == row["params_planned"]
     assert abs(row["ratio"] - 1) <= TOLERANCE, row

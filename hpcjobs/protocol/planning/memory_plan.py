@@ -218,18 +218,23 @@ def plan(c: GPTConfig | Shape, s: Setup) -> Plan:
     """One rank's peak (see the module's docstring for what each part is): the larger of the backward's start and
     its end. With activation checkpointing the start's peak is at the last block's backward: its activations
     recomputed, its gradients being made."""
-    p = shape_of(c).params
+    m = shape_of(c)
     shard = s.ranks if s.strategy == "fsdp" else 1
     on_device = 0 if s.strategy == "fsdp" and s.cpu_offload else 1
-    weights, grads, optimizer = (on_device * k * p // shard for k in (4, 4, 8))
-    unsharded = 4 * p if s.strategy == "fsdp" and s.grad_accum > 1 and not s.reduce_each_micro_batch else 0
-    acts, transient = activation_bytes(c, s)
+    weights, grads, optimizer = (on_device * k * m.params // shard for k in (4, 4, 8))
+    unsharded = 4 * m.params if s.strategy == "fsdp" and s.grad_accum > 1 and not s.reduce_each_micro_batch else 0
+    acts, transient = activation_bytes(m, s)
     kept = grads + unsharded if s.grad_accum > 1 else unsharded  # gradients of the earlier micro-batches
-    start = Plan(weights, kept, optimizer, acts, working_bytes(c, s, s.activation_checkpointing), transient, 0)
+    moments = [Plan(weights, kept, optimizer, acts, working_bytes(m, s, s.activation_checkpointing), transient, 0)]
+    if m.logits_peak and s.activation_checkpointing:
+        # the loss's backward (the recomputed block not yet there), then the last block's (the logits freed): apart
+        block, logits = block_bytes(m, s), s.micro_batch * s.seq_len * m.vocab * 4
+        moments = [Plan(weights, kept, optimizer, acts - block, working_bytes(m, s), transient, 0),
+                   Plan(weights, kept, optimizer, acts - logits, working_bytes(m, s, True), 0, 0)]
     # the end: every gradient, the first block's activations and, under fsdp, its gradients being reduced
-    end = Plan(weights, grads + unsharded, optimizer, block_bytes(c, s),
-               working_bytes(c, s, backward=True) if s.strategy == "fsdp" else 0, 0, 0)
-    peak = max(start, end, key=lambda x: x.total)
+    end = Plan(weights, grads + unsharded, optimizer, block_bytes(m, s),
+               working_bytes(m, s, backward=True) if s.strategy == "fsdp" else 0, 0, 0)
+    peak = max(*moments, end, key=lambda x: x.total)
     headroom = int(CONTEXT_BYTES + FRAGMENTATION * peak.total) if s.gpu else 0
     return dataclasses.replace(peak, headroom=headroom)
 
