@@ -11,12 +11,15 @@ import os
 import signal
 import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from conftest import BIN, REPO, hpcjobs
+from conftest import BIN, REPO, hpcjobs, sbatch_shim
+from hpcjobs.backends.slurm.sbatch import COMMENT_TAG
 from trainers import checkpoint
 from trainers.checkpoint.dcp_files import model_weights
 
@@ -258,3 +261,34 @@ def test_ctrl_c_then_the_same_command_resumes_a_stopguard_script(tmp_path: Path)
     assert f"continuing {run}" in line and f"from step {stop}" in line, line
     assert f"resumed from {run / 'checkpoints' / f'step-{stop}'}" in again.stdout
     assert "done at step 3000" in again.stdout and run_folders(tmp_path) == [run]
+
+
+
+def test_on_slurm_a_queued_or_untold_job_is_not_joined_and_a_forgotten_one_is_continued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """squeue says PENDING (a requeued job waits too): refused; squeue cannot reach the controller: refused, it may be
+    queued; squeue has forgotten the job and the folder holds no end: continued. --new still submits."""
+    shim = sbatch_shim(tmp_path, monkeypatch, 'echo "Submitted batch job 4711"\n')
+    answer = tmp_path / "squeue.sh"
+    (shim / "squeue").write_text(f"#!/bin/sh\n. {answer}\n")
+    (shim / "squeue").chmod(0o755)
+    prof = tmp_path / "p.yaml"
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    prof.write_text(yaml.safe_dump({**data, "runs_dir": f"{tmp_path}/r"}))
+    argv = ["submit", "--profile", str(prof), "trainers.tasks.lm", "--steps", "5"]
+    answer.write_text("echo 'Invalid job id specified' >&2; exit 1\n")
+    assert hpcjobs(*argv, cwd=tmp_path).returncode == 0
+    run, made = Path(str(jobs()[0]["run_dir"])), sorted((tmp_path / "r").iterdir())
+    for said, why in ((f"echo 'PENDING|{COMMENT_TAG}{urllib.parse.quote(str(run))}'\n", "still pending as job 4711"),
+                      ("echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1\n",
+                       "cannot tell")):
+        answer.write_text(said)
+        again = hpcjobs(*argv, cwd=tmp_path)
+        assert again.returncode == 2, again.stdout + again.stderr
+        [line] = again.stderr.strip().splitlines()
+        assert why in line and "4711" in line and "--new" in line, line
+        assert len(jobs()) == 1 and sorted((tmp_path / "r").iterdir()) == made
+    answer.write_text("echo 'Invalid job id specified' >&2; exit 1\n")
+    again = hpcjobs(*argv, cwd=tmp_path)
+    assert again.returncode == 0 and f"continuing {run} (job 4711)" in again.stderr, again.stderr
+    assert len(jobs()) == 2 and sorted((tmp_path / "r").iterdir()) == made

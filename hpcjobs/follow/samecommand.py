@@ -64,12 +64,18 @@ def continued_run(key: str, entry_kind: str, store: JobStore | None = None) -> C
 def _refuse_running(rec: JobRecord, run: RunFolder) -> JobState:
     """The newest job's state; refused while it (or any job holding the folder) is queued or running."""
     try:
-        state = status_of(rec).state
-    except HpcjobsError:
-        state = JobState.UNKNOWN  # its scheduler cannot tell: the folder's lock still can
+        status = status_of(rec)
+        state, source = status.state, status.state_source
+    except HpcjobsError as e:
+        state, source = JobState.UNKNOWN, e.message
     busy = in_use(run)
-    if busy is None and (state.finished or state == JobState.UNKNOWN):
-        return state
+    if busy is None and (state.finished or (state == JobState.UNKNOWN and source == "none")):
+        return state  # ended, or forgotten by its scheduler and never ended in the folder (killed, lost)
+    if busy is None and state == JobState.UNKNOWN:  # its scheduler did not answer: it may still be queued
+        raise UsageError(f"the same command's newest job {rec.job_id} (run folder {run.path}) may still be queued "
+                         f"or running: hpcjobs cannot tell ({source}); nothing was submitted.",
+                         f"`hpcjobs status {rec.job_id}` once the scheduler answers; --run-dir {run.path} continues "
+                         f"that run folder now, {NEW_FLAG} starts another run.")
     holder = read_holder(run) if busy else None
     job = str(holder.get("job_id") or rec.job_id) if holder else rec.job_id
     doing = "running" if busy or state == JobState.RUNNING else state.value.lower()
