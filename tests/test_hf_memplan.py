@@ -132,3 +132,25 @@ def test_a_live_measurement_of_the_real_model_agrees(name: str, precision: str, 
     row = bench.measure(name, 2, 64, precision, strategy=strategy, ranks=ranks)
     assert row["params"] == row["params_planned"]
     assert abs(row["ratio"] - 1) <= TOLERANCE, row
+
+
+def test_dry_run_and_doctor_show_the_models_plan(tmp_path: Path, h100: str) -> None:
+    """`--model config.json` on submit --dry-run and doctor: the same plan; after the entry, --model is the entry's."""
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().add_argument('--model')\n")
+    model = str(DATA / "qwen2.5-7b.json")
+    out = hpcjobs("submit", "--profile", h100, "--nodes", "2", "--gpus", "8", "--dry-run", "--no-snapshot",
+                  "--model", model, str(script), "--model", "Qwen/Qwen2.5-7B", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"# memory plan per GPU (--model {model})"))
+    assert "qwen2 (7.62B parameters" in line and "ddp over 16 ranks" in line and "does NOT fit" in line, line
+    bad = hpcjobs("submit", "--profile", h100, "--dry-run", "--no-snapshot", "--model", str(tmp_path / "x.json"),
+                  str(script), cwd=tmp_path)
+    assert bad.returncode == 2 and "--model" in bad.stderr and "no such file" in bad.stderr, bad
+    local = tmp_path / "local.yaml"
+    local.write_text("scheduler: local\ngpus_per_node: 8\ngpu_memory: 80GB\n")
+    rows = [json.loads(hpcjobs("doctor", "--profile", str(local), "--model", model, "--json", *flags,
+                               cwd=tmp_path).stdout)["checks"][-1]
+            for flags in ([], ["trainers.tasks.lm", "--strategy", "fsdp", "--activation-checkpointing"])]
+    assert [r["name"] for r in rows] == ["memory plan"] * 2 and [r["result"] for r in rows] == ["fail", "pass"], rows
+    assert "hpcjobs plan --model" in rows[0]["fix"]

@@ -42,7 +42,12 @@ def run_doctor(ns: argparse.Namespace) -> int:
     from hpcjobs.request.spec import snapshot_root
 
     checks += doctor_checks(spec.secrets, snapshot_root(spec.run_dir))
-    if spec.entry.kind == "task" and named:  # a memory plan for a task the user never named would mislead
+    if ns.model:  # the user's Hugging Face model (hpcjobs.request.hf_plan)
+        from hpcjobs.request.hf_plan import model_doctor_check
+
+        checks.append(model_doctor_check(spec.profile, ns.model, (tasks_args(spec) or [spec.entry.args])[0],
+                                         spec.ranks))
+    elif spec.entry.kind == "task" and named:  # a memory plan for a task the user never named would mislead
         from hpcjobs.request.gpu_fit import doctor_check
 
         checks.append(doctor_check(spec.profile, spec.entry.target, tasks_args(spec), spec.ranks))

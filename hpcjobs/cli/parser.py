@@ -174,6 +174,9 @@ def job_flags(entry_optional: bool = False) -> Parser:
                         "(the copy is what every restart runs, whatever is edited after)")
     p.add_argument("--container", metavar="IMAGE", help="run every rank in this image (the profile's container "
                    "runtime: pyxis, apptainer, charliecloud, oci) instead of its container.image")
+    p.add_argument("--model", metavar="CONFIG_JSON", help="a Hugging Face model's config.json: --dry-run and doctor "
+                   "show its memory plan per GPU, as `hpcjobs plan --model` does (after the entry, --model is the "
+                   "entry's)")
     p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=None,
                    help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
                         + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))
@@ -182,9 +185,13 @@ def job_flags(entry_optional: bool = False) -> Parser:
     return p
 
 
+SHARED_WITH_ENTRIES = ("--model",)
+"""Our flags that a script's own flags often share: typed after the entry they are the entry's, not refused."""
+
+
 def option_strings(p: argparse.ArgumentParser) -> frozenset[str]:
     """A subcommand's own flags, less -h/--help (after the entry, a request for the entry's help)."""
-    return frozenset(o for a in p._actions for o in a.option_strings) - set(HELP_FLAGS)
+    return frozenset(o for a in p._actions for o in a.option_strings) - set(HELP_FLAGS) - set(SHARED_WITH_ENTRIES)
 
 
 def entry_args_as_typed(argv: Sequence[str], entry: str, args: Sequence[str]) -> tuple[list[str], bool]:

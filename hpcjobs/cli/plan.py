@@ -16,13 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpcjobs.cli import present
 from hpcjobs.cli.parser import Parser, command_parser, whole_number
-from hpcjobs.protocol.errors import UsageError
 
 if TYPE_CHECKING:
     from hpcjobs.cli.parser import Subparsers
-    from hpcjobs.protocol.planning.memory_plan import Setup, Shape
 
-DEFAULT_SEQ_LEN = 2048
 TRAINER_FLAGS = ("strategy", "batch_size", "global_batch_size", "grad_accum", "precision", "ac_mode", "ac_every")
 SWITCHES = ("activation_checkpointing", "cpu_offload", "no_reduce_each_micro_batch")
 ROWS = (("parameters", "weights"), ("gradients", "gradients"), ("optimizer (AdamW)", "optimizer"),
@@ -39,7 +36,7 @@ def add_plan(sub: Subparsers, common: Parser) -> None:
     p.add_argument("--nodes", type=whole_number, default=1, help="nodes (default 1)")
     p.add_argument("--gpus", type=whole_number, default=None, help="GPUs per node (default: the profile's, or 1)")
     p.add_argument("--seq-len", type=whole_number, default=None,
-                   help=f"tokens a sample (default {DEFAULT_SEQ_LEN}, at most the model's max positions)")
+                   help="tokens a sample (default 2048, at most the model's max positions)")
     for name in TRAINER_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
                        help="as the trainer's flag (docs/reference/trainer-flags.md)")
@@ -59,50 +56,26 @@ def trainer_args(ns: argparse.Namespace) -> list[str]:
 def planned(ns: argparse.Namespace) -> dict[str, Any]:
     """The plan and its verdict as a mapping (what --json prints)."""
     from hpcjobs.profiles.cluster_profile import MAX_NODES, load_profile
-    from hpcjobs.protocol.planning.memory_plan import parse_gpu_memory, plan
-    from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args
+    from hpcjobs.protocol.planning.memory_plan import parse_gpu_memory
     from hpcjobs.request.ckpt_window import checkpoint_bytes, window_line
-    from hpcjobs.request.gpu_fit import fixes_hint, setup_of
-    from hpcjobs.request.hf_config import max_positions, model_shape
+    from hpcjobs.request.gpu_fit import fixes_hint
+    from hpcjobs.request.hf_plan import model_job_plan
 
-    shape, cfg = model_shape(ns.model)
     profile = load_profile(ns.profile) if ns.profile else None
     gpus = ns.gpus or (profile.gpus_per_node if profile else 1)
-    ranks = ns.nodes * gpus
-    longest = max_positions(cfg)
-    seq = ns.seq_len or min(DEFAULT_SEQ_LEN, longest or DEFAULT_SEQ_LEN)
-    if longest and seq > longest or seq < 1:
-        raise UsageError(f"--seq-len {seq}; valid: 1 to {longest} (max positions of {ns.model}).",
-                         f"e.g. --seq-len {min(DEFAULT_SEQ_LEN, longest or DEFAULT_SEQ_LEN)}")
-    try:
-        train, _ = parse_trainer_args(trainer_args(ns))
-        setup = setup_of(train, ranks, train.micro_batch(ranks), seq)
-    except ConfigError as e:  # its own line: given, valid, HINT
-        raise UsageError(str(e)) from None
-    except ValueError as e:  # a batch that does not split over the ranks or micro-batches
-        raise UsageError(f"{e}; valid: a batch that divides evenly.", "`hpcjobs plan --help` lists the flags") from None
-    found = plan(shape, setup)
+    found = model_job_plan(ns.model, trainer_args(ns), ns.nodes * gpus, ns.seq_len)
+    shape, setup = found.shape, found.setup
     room = parse_gpu_memory(profile.gpu_memory) if profile and profile.gpu_memory else None
-    fits = None if room is None else found.total <= room
+    fits = None if room is None else found.plan.total <= room
     most = min(profile.max_nodes or MAX_NODES, MAX_NODES) if profile else ns.nodes
     hint = (fixes_hint(shape, setup, room, gpus, most, "a smaller --seq-len, or more GPUs")
             if room is not None and not fits else None)
     size = checkpoint_bytes(shape)
-    window = window_line(profile, size, f"{ns.model} ({cfg['model_type']})") if profile else None
-    return {"model": ns.model, "model_type": cfg["model_type"], "what": describe(shape, cfg["model_type"], setup),
-            "checkpoint_bytes": size, "checkpoint_warning": window,
-            "parameters": shape.params, "setup": dataclasses.asdict(setup), "plan": found.as_dict(),
-            "logits": setup.micro_batch * seq * shape.vocab * 4, "gpu_memory": room,
-            "profile": profile.name if profile else None, "fits": fits, "hint": hint}
-
-
-def describe(shape: Shape, model_type: str, s: Setup) -> str:
-    """The model and the settings, for a person."""
-    params = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
-    return (f"{model_type} ({params} parameters, {shape.n_layer} layers, width {shape.d_model}, vocabulary "
-            f"{shape.vocab}), {s.strategy} over {s.ranks} rank{'s' * (s.ranks != 1)}, micro-batch {s.micro_batch} × "
-            f"{s.seq_len} tokens, {s.precision}{', activation checkpointing' if s.activation_checkpointing else ''}"
-            f"{f', grad-accum {s.grad_accum}' if s.grad_accum > 1 else ''}")
+    window = window_line(profile, size, f"{ns.model} ({found.model_type})") if profile else None
+    return {"model": ns.model, "model_type": found.model_type, "what": found.what(), "checkpoint_bytes": size,
+            "checkpoint_warning": window, "parameters": shape.params, "setup": dataclasses.asdict(setup),
+            "plan": found.plan.as_dict(), "logits": setup.micro_batch * setup.seq_len * shape.vocab * 4,
+            "gpu_memory": room, "profile": profile.name if profile else None, "fits": fits, "hint": hint}
 
 
 def text(found: dict[str, Any]) -> str:

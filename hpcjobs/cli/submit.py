@@ -43,9 +43,11 @@ def run_submit(ns: argparse.Namespace) -> int:
     if helped is not None:
         return helped
     request = backend.dry_run(spec)
+    model_line = model_plan_line(spec, ns.model) if ns.model else None  # a bad --model: one line, nothing queued
     if ns.dry_run:
         print(*said, sep="\n", file=sys.stderr, flush=True) if said else None
         present.dry_run(spec, request, tasks_args(spec), ns.json)
+        print(model_line) if model_line and not ns.json else None
         warn_short_chunks(spec, backend.queued, "submit")
         return 0
     from hpcjobs.request.credentials import refuse_missing
@@ -101,6 +103,13 @@ def wait_for(spec: JobSpec, queued: bool) -> None:
     if not queued:
         wait_for_upstream(spec.after, lambda job: job_state(job, store),
                           lambda line: print(f"hpcjobs: {line}", file=sys.stderr, flush=True))
+
+
+def model_plan_line(spec: JobSpec, model: str) -> str:
+    """`--model config.json`'s memory line (hpcjobs.request.hf_plan), with the entry's first point's arguments."""
+    from hpcjobs.request.hf_plan import model_plan_line
+
+    return model_plan_line(spec.profile, model, (tasks_args(spec) or [spec.entry.args])[0], spec.ranks)
 
 
 def warn_short_chunks(spec: JobSpec, queued: bool, command: str) -> None:

@@ -36,7 +36,7 @@ class JobPlan:
                 f"{f', grad-accum {s.grad_accum}' if s.grad_accum > 1 else ''}")
 
 
-def _task_flag(args: list[str], flag: str) -> str | None:
+def task_flag(args: list[str], flag: str) -> str | None:
     """The last value of a task flag (`--size X` or `--size=X`), as the task's argparse reads it."""
     value = None
     for i, word in enumerate(args):
@@ -54,8 +54,8 @@ def job_plan(target: str, args: tuple[str, ...] | list[str], ranks: int) -> JobP
         return None
     try:
         rest = task_args_of(list(args))
-        size = _task_flag(rest, "--size") or "tiny"
-        seq = _task_flag(rest, "--seq-len")
+        size = task_flag(rest, "--size") or "tiny"
+        seq = task_flag(rest, "--seq-len")
         if size not in SIZES or (seq is not None and not seq.isdigit()):
             return None
         cfg, _ = parse_trainer_args(list(args), size_defaults(size))
