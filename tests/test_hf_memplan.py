@@ -154,3 +154,8 @@ def test_dry_run_and_doctor_show_the_models_plan(tmp_path: Path, h100: str) -> N
             for flags in ([], ["trainers.tasks.lm", "--strategy", "fsdp", "--activation-checkpointing"])]
     assert [r["name"] for r in rows] == ["memory plan"] * 2 and [r["result"] for r in rows] == ["fail", "pass"], rows
     assert "hpcjobs plan --model" in rows[0]["fix"]
+
+
+def test_plan_help_has_examples() -> None:
+    out = hpcjobs("plan", "--help")
+    assert out.returncode == 0 and "examples:" in out.stdout and "hpcjobs plan --model config.json" in out.stdout

@@ -28,7 +28,9 @@ the first block's activations): gradients grow as saved activations are freed. b
 part within 5% on real CPU ranks (small and medium, ddp and fsdp, fp32 and bf16, with and without activation
 checkpointing) and on 7b's shapes under fake tensors (bench/results/memplan.json); on an H200 the tensors' part
 was 1.00–1.05 × the measured peak allocated (1b ddp, fsdp, fsdp + AC, --cpu-offload; 7b fsdp + AC: 99.1 against 98.0
-GiB) and the total 1.05–1.20 × the peak reserved (bench/results/gpu-h200-acceptance.json).
+GiB) and the total 1.05–1.20 × the peak reserved (bench/results/gpu-h200-acceptance.json). A Hugging Face model's
+plan (its Shape) against transformers' own models on the CPU (bench/results/hf_memplan.json): 0.999–1.000 × the
+measured peak under ddp, 1.02–1.04 under fsdp, 0.92–1.08 with activation checkpointing.
 """
 
 from __future__ import annotations
