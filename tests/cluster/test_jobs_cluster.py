@@ -54,8 +54,8 @@ def jobs(accounting: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                      "raise SystemExit('deliberate failure')\n")
 
     def submit(*entry: str, nodes: str = "1", gpus: str = "1") -> str:
-        out = hpcjobs("submit", "--profile", str(profile), "--nodes", nodes, "--gpus", gpus, "--json", *entry,
-                      cwd=REPO, env={"HPCJOBS_HOME": str(home)})
+        out = hpcjobs("submit", "--profile", str(profile), "--nodes", nodes, "--gpus", gpus, "--new", "--json", *entry,
+                      cwd=REPO, env={"HPCJOBS_HOME": str(home)})  # --new: "running" and "cancelled" are one command
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["job_id"]
 
@@ -186,8 +186,8 @@ def test_two_shells_submitting_at_once_lose_no_record(shared_tmp: Path, cluster_
     def shell(n: int) -> list[str]:
         ids = []
         for _ in range(n):
-            out = hpcjobs("submit", "--profile", str(cluster_profile), "--gpus", "1", "--json", str(script),
-                          cwd=shared_tmp, env=home)
+            out = hpcjobs("submit", "--profile", str(cluster_profile), "--gpus", "1", "--new", "--json", str(script),
+                          cwd=shared_tmp, env=home)  # --new: each a job of its own, not the same command continued
             assert out.returncode == 0, out.stderr
             ids.append(json.loads(out.stdout)["job_id"])
         return ids
