@@ -292,3 +292,26 @@ def test_on_slurm_a_queued_or_untold_job_is_not_joined_and_a_forgotten_one_is_co
     again = hpcjobs(*argv, cwd=tmp_path)
     assert again.returncode == 0 and f"continuing {run} (job 4711)" in again.stderr, again.stderr
     assert len(jobs()) == 2 and sorted((tmp_path / "r").iterdir()) == made
+
+
+LIGHTNING = REPO / "tests" / "scripts" / "lightning_script.py"
+
+
+@pytest.mark.train
+def test_ctrl_c_then_the_same_command_resumes_an_unchanged_lightning_script(tmp_path: Path) -> None:
+    """The integrations' checkpoints are told of by the run folder's script-checkpoint.json: the line names its step,
+    and the script resumes there (exactness itself: tests/test_lightning.py, on the same mechanism)."""
+    import ctrl_c_runs
+    from test_lightning import STEPS, losses
+
+    argv = ["submit", "--profile", "local", "--gpus", "2", *ctrl_c_runs.CHECKS, str(LIGHTNING), "--out",
+            str(tmp_path / "out"), "--sample_seconds", "0.01"]
+    first = ctrl_c_runs.interrupt(argv, tmp_path, losses, after=12)
+    [run] = run_folders(tmp_path)
+    stop = max(losses(first))
+    assert 12 <= stop < STEPS, first[-3000:]
+    again = hpcjobs(*argv, cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    [line] = [x for x in again.stderr.splitlines() if "continuing" in x]
+    assert f"continuing {run}" in line and f"from step {stop}" in line, line
+    assert sorted(losses(again.stdout)) == list(range(stop + 1, STEPS + 1)) and run_folders(tmp_path) == [run]
