@@ -44,9 +44,10 @@ CUDA_ONLY = ("7b",)
 BASE_DEFAULTS: dict[str, Any] = {"lr": 1e-3}
 """Every size's trainer settings unless PRESETS says otherwise (flags given win over both)."""
 PRESETS: dict[str, dict[str, Any]] = {
-    # Per-GPU peak under hpcjobs.protocol.planning.memory_plan at batch 8 × 2048 in bf16 under DDP: 13.5 GiB of fp32
-    # weights and AdamW state + 28.7 GiB of activations (38 bytes per token and width a block) + 2.3 GiB of autocast's
-    # weight copies: 44.6 GiB of tensors, 50.5 GiB with the headroom, of 80. The LR of GPT-3's 1.3B (2e-4) raised a
+    # Per-GPU peak under hpcjobs.protocol.planning.memory_plan at batch 8 × 2048 in bf16 under DDP on 8 GPUs: 13.5 GiB
+    # of fp32 weights and AdamW state + 4.5 GiB of DDP's gradient buckets + 28.7 GiB of activations (38 bytes per
+    # token and width a block) + 2.3 GiB of autocast's weight copies: 49.1 GiB of tensors, 55.5 GiB with the
+    # headroom, of 80. The LR of GPT-3's 1.3B (2e-4) raised a
     # little for this smaller model, with a warmup: 1e-3 without one spikes the loss at this size.
     "1b": {"lr": 3e-4, "warmup_steps": 100},
     # 103 GB of state does not fit one GPU: FSDP shards it (6.4 GB a rank on 2×8 GPUs, 12.9 on 8). Without
