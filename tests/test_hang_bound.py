@@ -195,3 +195,34 @@ def test_with_the_default_settings_a_stopped_rank_is_found_named_and_resumed_wit
     assert line["cause"].startswith("rank 1 on ") and "hung:" in line["cause"], line
     assert "hung: no step progress" in run.stack_file(0, 0).read_text()  # the peer's stacks, waiting for rank 1
     assert seconds <= 60, seconds
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_scripts_own_loop_gets_the_watchdog_only_where_its_longest_pause_is_declared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, declared: bool) -> None:
+    """The accelerate `resumable` loop's step ends (trainers/integrations/account.py): its body is the script's own
+    and may hold an unmarked evaluation, so only a declared HPCJOBS_STALL_S arms the watchdog; unset, as before."""
+    from trainers.integrations.account import Account
+
+    contract = LaunchContract(run_dir=str(tmp_path / "run"))
+    for name, value in {"HPCJOBS_CONTRACT": contract.to_json(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    if declared:
+        monkeypatch.setenv("HPCJOBS_STALL_S", "300")
+    else:
+        monkeypatch.delenv("HPCJOBS_STALL_S", raising=False)
+    account = Account()
+    account.begin(0)
+    dog = watchdog.current()
+    try:
+        assert (dog is not None) == declared
+        account.step_done(1)
+        account.save_began(tmp_path / "checkpoint-1")
+        if dog is not None:
+            assert dog.step == 1 and dog.floor == 300 and dog.save is not None
+        account.save_done(tmp_path / "checkpoint-1", 1)
+        assert dog is None or dog.save is None
+    finally:
+        account.end()
+    assert watchdog.current() is None and getattr(account, "dog", None) is None

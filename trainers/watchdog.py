@@ -5,8 +5,9 @@ it from there. Torch-free.
 
 Armed on the ranks that report their steps: the shared trainer (trainers/run.py arms it, trainers/meter.py's `tick`
 marks each step) and a user's `transformers.Trainer` or Lightning `Trainer` for the length of `train()`/`fit()`
-(trainers/integrations/). A user's own script that reports no steps is never armed: nothing could tell its long
-pause from a hang.
+(trainers/integrations/), and an accelerate `resumable` loop where the user declared its longest unmarked pause
+(HPCJOBS_STALL_S; trainers/integrations/account.py). A user's own script that reports no steps is never armed:
+nothing could tell its long pause from a hang.
 
 The bound, measured from the last sign of progress (a finished step, an evaluation batch, a save's end), is learned
 from the rank's measured step times (trainers/hangbound.py): the start-up bound until three steps are measured, then

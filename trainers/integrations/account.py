@@ -13,6 +13,12 @@ first-step mark) with 0 s productive. Now, per start:
 - saves.jsonl (rank 0): each checkpoint the integrations mark, from its pending mark to its completion mark: how
   long the training loop waited for it (integrations/marks.py calls `save_began` and `save_done`).
 
+The hang watchdog (trainers/watchdog.py): the HF and Lightning integrations arm it themselves (their evaluation
+batches are marked). A script's own loop (the accelerate `resumable` loop) gets it from here only when the user
+declared the longest pause its loop makes without a mark (HPCJOBS_STALL_S, hpcjobs.protocol.timeouts): its body is
+the script's own code and may hold an evaluation no mark shows, which a bound of seconds (issue 40) would take for a
+hang. Then each step end marks progress and each marked save is allowed for.
+
 The `imported` and `joined` marks stay the shared trainer's: a script's imports and rendezvous are its own code; the
 time from the launch to `ready` is start-up as a whole. What it costs a step: a time.time() and a comparison (the
 heartbeat's file write once a second, on rank 0).
@@ -28,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.timeouts import STALL
 
 if TYPE_CHECKING:
     from trainers.distenv import DistEnv
@@ -47,6 +54,8 @@ class Account:
         self.first_done = False
         self.beat = 0.0
         self.saves: dict[Path, float] = {}
+        self.dog: contextlib.ExitStack | None = None
+        """The hang watchdog this account armed (module docstring), until `end`."""
 
     def begin(self, step: int) -> None:
         """Training begins at `step` (0 fresh, else the step resumed from); outside a launched rank nothing is
@@ -61,10 +70,25 @@ class Account:
             self.env = from_environ(os.environ)
         except DistEnvError:
             self.run = None
+        self.arm()
+
+    def arm(self) -> None:
+        """The hang watchdog for a script's own loop, where the user declared its longest unmarked pause."""
+        from trainers import watchdog
+        if self.dog is not None or self.run is None or watchdog.current() is not None or not os.environ.get(STALL[0]):
+            return
+        stack = contextlib.ExitStack()
+        if stack.enter_context(watchdog.armed()) is None:
+            stack.close()
+            return
+        self.dog = stack
 
     def step_done(self, step: int) -> None:
         """A step ended (every rank)."""
         self.step = step
+        if self.dog is not None:
+            from trainers import watchdog
+            watchdog.progress(step)
         if self.run is None or self.env is None:
             return
         if not self.first_done:
@@ -88,16 +112,25 @@ class Account:
                                                 "restart": self.env.restart})
 
     def end(self) -> None:
-        """Training ended (its last step, or a stop): the heartbeat says where."""
+        """Training ended (its last step, or a stop): the heartbeat says where; a watchdog this account armed ends."""
+        if self.dog is not None:
+            self.dog.close()
+            self.dog = None
         if self.run is not None and self.env is not None and self.env.rank == 0 and self.step is not None:
             with contextlib.suppress(OSError):
                 self.run.write_heartbeat(self.step, restart=self.env.restart)
 
     def save_began(self, folder: Path) -> None:
         self.saves[folder] = time.time()
+        if self.dog is not None:
+            from trainers import watchdog
+            watchdog.saving(self.step or 0)
 
     def save_done(self, folder: Path, step: int) -> None:
-        """Rank 0, once the save's completion mark is written: saves.jsonl's line."""
+        """Every rank, once the save's completion mark is written: rank 0 writes saves.jsonl's line."""
+        if self.dog is not None:
+            from trainers import watchdog
+            watchdog.saved()
         began = self.saves.pop(folder, None)
         if began is None or self.run is None or self.env is None or self.env.rank != 0:
             return
