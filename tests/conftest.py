@@ -51,6 +51,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config._cluster_problem = problem  # type: ignore[attr-defined]
 
 
+FAST_TIER_LIMIT_S = float(os.environ.get("HPCJOBS_FAST_LIMIT_S", "5"))
+"""The fast tier (tests/fast.sh sets HPCJOBS_FAST_TIER=1) fails on a test that ran longer than this and is marked
+neither `train` nor `slow`: the tier stays the few minutes docs/testing.md says. On a machine busier than its cores
+(the load average over the CPU count, above 1) the limit stretches by that ratio: with four sessions' tests on this
+2-core machine (load ~8) a 2 s test took 8-12 s."""
+_slow_in_fast_tier: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("HPCJOBS_FAST_TIER") != "1" or report.when != "call":
+        return
+    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    if report.duration > FAST_TIER_LIMIT_S * busy:
+        _slow_in_fast_tier.append(f"{report.nodeid}: {report.duration:.1f} s (limit {FAST_TIER_LIMIT_S * busy:.0f} s)")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _slow_in_fast_tier:
+        print(f"\nslower than the fast tier's {FAST_TIER_LIMIT_S:g} s and not marked `train` (or `slow`): "
+              + "; ".join(_slow_in_fast_tier) + ". HINT: mark it @pytest.mark.train, or make it faster.")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture
 def _cluster_missing_in_ci(request: pytest.FixtureRequest) -> None:
     pytest.fail(f"CI=true and the Slurm test cluster is missing: {request.config._cluster_problem}")  # type: ignore

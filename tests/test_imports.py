@@ -9,6 +9,7 @@ run. An import of a package's name that is a submodule counts as an import of th
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,6 +50,7 @@ def imports_of(name: str, path: Path, mods: dict[str, Path]) -> list[tuple[str, 
     return [(target, line) for target, line in found if target.split(".")[0] in PACKAGES]
 
 
+@functools.cache  # read once: three tests walk it
 def graph() -> dict[str, list[tuple[str, int]]]:
     mods = module_files()
     return {name: imports_of(name, path, mods) for name, path in mods.items()}
