@@ -30,19 +30,19 @@ from collections.abc import Mapping, Sequence
 
 from hpcjobs.protocol import access, userstop
 from hpcjobs.protocol.contract import ContractError, LaunchContract
+from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.faultpolicy import restartcap
 from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT
 from hpcjobs.protocol.points import Point, as_args
 from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.protocol.settings.taskargs import TaskArgError
-from hpcjobs.protocol.settings.trainflags import ConfigError
 from hpcjobs.protocol.states import FinalState
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from trainers import integrations, preemption, runlock, standby, startup
-from trainers.distenv import DistEnv, DistEnvError, from_environ, setting_seconds
+from trainers.distenv import DistEnv, from_environ, setting_seconds
 from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure
 from trainers.logtee import Tee
-from trainers.versions import TorchTooOld, require_torch
+from trainers.versions import require_torch
 
 KINDS = ("task", "script", "module")
 BAD_CONTRACT_EXIT = REFUSED_EXIT
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         contract = start_contract(read_contract(ns), env, os.environ, startup.launched_at())
         point = contract.point(os.environ)
         ns.args = [*ns.args, *as_args(point or ())]  # a sweep's task: its point's flags after the entry's own
-    except (ContractError, DistEnvError, TorchTooOld) as e:
+    except StartRefused as e:
         print(f"hpcjobs: {one_line(e)}", file=sys.stderr, flush=True)
         return REFUSED_EXIT
     os.environ.update(env.as_env())
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tee = Tee(run.rank_log(env.restart, env.rank))
     try:
         return run_rank(ns, env, run, contract, point)
-    except ConfigError as e:  # a refused start (a flag, a resume that would not continue the run): not a run's end
+    except StartRefused as e:  # a refused start (a flag, a resume that would not continue the run): not a run's end
         say(env, tee, f"hpcjobs: {one_line(e)}")
         return REFUSED_EXIT
     except KeyboardInterrupt as e:

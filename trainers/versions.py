@@ -11,11 +11,12 @@ import importlib.util
 import re
 from importlib import metadata
 
+from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.versions import FLOOR_TEXT, TORCH_FLOOR
 
 
-class TorchTooOld(RuntimeError):
-    pass
+class TorchTooOld(StartRefused, RuntimeError):
+    """The node's torch is below the floor (hpcjobs.protocol.versions): the start is refused."""
 
 
 def parse(version: str) -> tuple[int, int]:

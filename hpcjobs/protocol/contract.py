@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.points import Point, point_of
 from hpcjobs.protocol.runfolder import resolve_run_dir
 
@@ -34,7 +35,7 @@ RUN_DIR_VAR = "HPCJOBS_RUN_DIR"
 outputs that a requeue finds again. Written beside the contract, never read by hpcjobs (the contract holds it)."""
 
 
-class ContractError(ValueError):
+class ContractError(StartRefused, ValueError):
     """A contract that cannot be read: the submit and node sides disagree (e.g. different hpcjobs versions)."""
 
 

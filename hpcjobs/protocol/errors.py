@@ -30,6 +30,14 @@ class ProfileError(UsageError):
     """A cluster profile that cannot be found or does not validate."""
 
 
+class StartRefused(Exception):
+    """Base of every refusal of a rank's start (a node-side usage error): a contract or job environment that cannot
+    be read, a torch below the floor, a trainer or task flag that cannot be used, a resume under other settings. The
+    launcher (trainers.launch) says it in one line and exits REFUSED_EXIT (2, hpcjobs.protocol.faultpolicy.recoverable):
+    never recovered, nothing recorded as the run's end. Each keeps its own standard base (ValueError, RuntimeError)
+    beside this one, so code that caught those still does."""
+
+
 class RuntimeFailure(HpcjobsError):
     """Something outside hpcjobs refused: sbatch, scancel, the filesystem."""
 

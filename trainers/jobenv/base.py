@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcjobs.protocol.contract import LaunchContract
+from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.ports import port_for_job
 
 Runner = Callable[..., Any]
@@ -20,7 +21,7 @@ LOOPBACK = "127.0.0.1"
 """The rendezvous host where nothing names one: all ranks on this host."""
 
 
-class JobEnvError(ValueError):
+class JobEnvError(StartRefused, ValueError):
     """The environment describes an impossible rank layout."""
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.settings.schema import field_docs, shown_default, table
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 
@@ -109,7 +110,7 @@ def _bounds(name: str) -> Bounds | None:
     return Bounds(meta["min"], meta.get("above", False), meta.get("max"), meta.get("note", ""))
 
 
-class ConfigError(ValueError):
+class ConfigError(StartRefused, ValueError):
     """A trainer flag that cannot be used, as one line: what was given; valid: what would be. HINT: what to do.
     The launcher refuses the start with it (exit 2, one line) and records nothing in final.json."""
 
