@@ -8,7 +8,8 @@ the example LM there takes well under a second, so 20 × its step time is under 
 
 - Before STEPS_MEASURED step times are known (compilation, warm-up, loading a checkpoint, a cold node's first
   steps): the start-up bound, max(the floor, HPCJOBS_INIT_TIMEOUT): what the process group already allows its
-  collectives before the first step (trainers.dist), so a slow but healthy start-up is never called a hang.
+  collectives before the first step (trainers.dist), so a slow but healthy start-up is never called a hang. Each
+  start-up stage (trainers.startup's marks: model built and checkpoint loaded, first step) starts it again.
 - Then max(the floor, K × the median of the last WINDOW step times). The median, not the mean or the last: slow
   single steps (a log step's all-reduce and host sync, the data loader refilling, a garbage collection, a tracker's
   upload) a few times the median move it little. K = 20 leaves room for a step ten times the median and still ends
@@ -20,7 +21,9 @@ the example LM there takes well under a second, so 20 × its step time is under 
   not see).
 - A checkpoint save in flight adds an allowance, max(the floor, SAVE_K × the longest save measured: the run's
   saves.jsonl `blocking_s` and this start's own saves, whole), or before any was measured the control group's wait
-  for a checkpoint barrier (CONTROL_TIMEOUT_MIN_S, 1800 s: rank 0 alone may write for minutes).
+  for a checkpoint barrier (CONTROL_TIMEOUT_MIN_S, 1800 s: rank 0 alone may write for minutes). A save still in
+  flight past its allowance counts as a hang too, also while the loop goes on around a background save: a save stuck
+  on a filesystem.
 """
 
 from __future__ import annotations
