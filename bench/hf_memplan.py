@@ -58,11 +58,13 @@ def build(name: str) -> Any:
     config_class, model_class = (getattr(transformers, n) for n in CLASSES[name])
     keys = {k: v for k, v in CONFIGS[name].items() if k not in ("model_type", "architectures")}
     torch.manual_seed(0)
-    model = model_class(config_class(**keys, **NO_DROPOUT.get(name, {})))
+    # no KV cache in training (HF's Trainer turns it off under gradient checkpointing): with one, a checkpointed
+    # layer's recompute appends to the cache its forward filled (--ac-mode selective then fails in the backward)
+    model = model_class(config_class(**keys, **NO_DROPOUT.get(name, {}), use_cache=False))
     return model.train()
 
 
-def fsdp_worker(name: str, ranks: int, batch: int, seq_len: int, precision: str, ac: bool) -> None:
+def fsdp_worker(name: str, ranks: int, batch: int, seq_len: int, precision: str, ac: str) -> None:
     """Rank 0 of `ranks` under torch's fake process group (alone in its process: the fake group is the default)."""
     import torch
     import torch.distributed as dist
@@ -77,7 +79,8 @@ def fsdp_worker(name: str, ranks: int, batch: int, seq_len: int, precision: str,
     device_mesh.init_device_mesh = lambda *a, **k: mesh  # type: ignore[assignment]
     ctx = types.SimpleNamespace(world_size=ranks, rank=0, device=torch.device("cpu"), is_main=True,
                                 adopt=lambda groups: None)
-    cfg = TrainConfig(strategy="fsdp", batch_size=batch, activation_checkpointing=ac, meta_init=False)
+    cfg = TrainConfig(strategy="fsdp", batch_size=batch, activation_checkpointing=bool(ac), ac_mode=ac or "full",
+                      meta_init=False)
     data = torch.randint(0, int(CONFIGS[name]["vocab_size"]), (batch, seq_len))
     print("PEAK " + json.dumps(two_steps(build(name), ctx, cfg, precision, data, hf_loss)), flush=True)
 
@@ -86,11 +89,11 @@ def hf_loss(net: Any, x: Any) -> Any:
     return net(input_ids=x, labels=x).loss
 
 
-def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int, precision: str, ac: bool) -> int:
+def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int, precision: str, ac: str) -> int:
     """Rank 0's peak live bytes over two steps: ddp here, fsdp in a child process (fsdp_worker)."""
     if strategy == "fsdp":
         argv = [sys.executable, __file__, "--fsdp-worker", name, *map(str, (ranks, batch, seq_len)), precision,
-                str(int(ac))]
+                ac or "none"]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PEAK ")), None)
@@ -104,14 +107,15 @@ def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int
 
     ctx = types.SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"), is_main=True,
                                 adopt=lambda groups: None)
-    cfg = TrainConfig(strategy="ddp", batch_size=batch, activation_checkpointing=ac)
+    cfg = TrainConfig(strategy="ddp", batch_size=batch, activation_checkpointing=bool(ac), ac_mode=ac or "full")
     data = torch.randint(0, int(CONFIGS[name]["vocab_size"]), (batch, seq_len))
     return two_steps(build(name), ctx, cfg, precision, data, hf_loss)
 
 
-def measure(name: str, batch: int = 2, seq_len: int = 64, precision: str = "fp32", ac: bool = False,
+def measure(name: str, batch: int = 2, seq_len: int = 64, precision: str = "fp32", ac: str = "",
             strategy: str = "ddp", ranks: int = 1) -> dict[str, Any]:
-    """One case: the measured peak of two steps beside the plan's tensors (rank 0, the CPU)."""
+    """One case: the measured peak of two steps beside the plan's tensors (rank 0, the CPU); `ac`: "" (none),
+    "full" or "selective" activation checkpointing of every block."""
     from hpcjobs.protocol.planning.memory_plan import Setup, plan
     from hpcjobs.request.hf_config import model_shape
 
@@ -122,28 +126,29 @@ def measure(name: str, batch: int = 2, seq_len: int = 64, precision: str = "fp32
     counted = sum(p.numel() for p in build(name).parameters())
     measured = measured_peak(name, strategy, ranks, batch, seq_len, precision, ac)
     planned = plan(shape, Setup(strategy=strategy, ranks=ranks, micro_batch=batch, seq_len=seq_len,
-                                precision=precision, activation_checkpointing=ac, gpu=False))
+                                precision=precision, activation_checkpointing=bool(ac), ac_mode=ac or "full",
+                                gpu=False))
     return {"model": name, "strategy": strategy, "ranks": ranks, "batch": batch, "seq_len": seq_len,
-            "precision": precision, "activation_checkpointing": ac, "params": counted,
+            "precision": precision, "activation_checkpointing": bool(ac), "ac_mode": ac or None, "params": counted,
             "params_planned": shape.params, "measured": measured, "planned": planned.tensors,
             "ratio": planned.tensors / measured, "plan": planned.as_dict()}
 
 
-CASES: list[tuple[str, int, int, str, bool, str, int]] = [
+CASES: list[tuple[str, int, int, str, str, str, int]] = [
     # (model, batch, seq_len, precision, activation checkpointing, strategy, ranks)
     *((name, 2, 64, precision, ac, "ddp", 1) for name in CONFIGS for precision in ("fp32", "bf16")
-      for ac in (False, True)),
-    ("llama", 4, 128, "bf16", False, "ddp", 1), ("qwen2", 1, 256, "fp32", False, "ddp", 1),
+      for ac in ("", "full", "selective")),
+    ("llama", 4, 128, "bf16", "", "ddp", 1), ("qwen2", 1, 256, "fp32", "", "ddp", 1),
     *((name, 2, 64, precision, ac, "fsdp", ranks) for name, ranks, precision in
       (("llama", 2, "bf16"), ("llama", 2, "fp32"), ("qwen2", 4, "fp32"), ("mistral", 2, "bf16"), ("gpt2", 2, "bf16"))
-      for ac in (False, True)),
+      for ac in ("", "full", "selective")),
 ]
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--fsdp-worker"]:
         name, ranks, batch, seq_len, precision, ac = sys.argv[2:8]
-        fsdp_worker(name, int(ranks), int(batch), int(seq_len), precision, ac == "1")
+        fsdp_worker(name, int(ranks), int(batch), int(seq_len), precision, "" if ac == "none" else ac)
         return
     import torch
     import transformers
@@ -151,7 +156,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     report(RESULTS, CASES, measure, TOLERANCE, ("model", "strategy", "ranks", "batch", "seq_len", "precision",
-                                                 "activation_checkpointing"),
+                                                 "ac_mode"),
            {"torch": torch.__version__, "transformers": transformers.__version__})
 
 

@@ -107,8 +107,8 @@ def test_plan_imports_no_torch() -> None:
 
 def test_every_recorded_measurement_without_checkpointing_is_within_5_percent() -> None:
     """bench/hf_memplan.py's rows: four families, ddp and fsdp, fp32 and bf16, the parameters counted exactly. With
-    activation checkpointing the step peaks inside the first block's backward or the CPU's unfused AdamW, whose
-    temporaries the plan leaves out: within 10% there."""
+    activation checkpointing (full or selective) the step peaks inside the first block's backward or the CPU's
+    unfused AdamW, whose temporaries the plan leaves out: within 7% there."""
     rows = json.loads(RESULTS.read_text())["rows"]
     assert {r["model"] for r in rows} >= {"llama", "qwen2", "mistral", "gpt2"}
     assert {r["strategy"] for r in rows} == {"ddp", "fsdp"}
@@ -116,7 +116,8 @@ def test_every_recorded_measurement_without_checkpointing_is_within_5_percent() 
     off = {f"{r['model']} {r['strategy']}×{r['ranks']} {r['precision']} AC={r['activation_checkpointing']} "
            f"{r['batch']}×{r['seq_len']}": (round(r["ratio"], 3), r["activation_checkpointing"]) for r in rows}
     assert sum(not ac for _, ac in off.values()) >= 12
-    assert all(abs(v - 1) <= (0.10 if ac else TOLERANCE) for v, ac in off.values()), off
+    assert all(abs(v - 1) <= (0.07 if ac else TOLERANCE) for v, ac in off.values()), off
+    assert {r["ac_mode"] for r in rows} == {None, "full", "selective"}
 
 
 @pytest.mark.train
@@ -159,3 +160,17 @@ def test_dry_run_and_doctor_show_the_models_plan(tmp_path: Path, h100: str) -> N
 def test_plan_help_has_examples() -> None:
     out = hpcjobs("plan", "--help")
     assert out.returncode == 0 and "examples:" in out.stdout and "hpcjobs plan --model config.json" in out.stdout
+
+
+def test_selective_checkpointing_is_planned_between_full_and_none() -> None:
+    """Each block keeps its input and its matmuls' and attention's outputs (issue 41: selective was planned as no
+    checkpointing; the bundled 7b on 2 × 8 GPUs then needed ~87 GiB, refused, where it fits)."""
+    from hpcjobs.request.gpu_fit import job_plan
+
+    shape, _ = model_shape(str(DATA / "llama-3-8b.json"))
+    full, selective, none = (plan(shape, Setup(strategy="fsdp", ranks=16, micro_batch=2, seq_len=4096,
+                                              activation_checkpointing=ac, ac_mode=mode)).total
+                             for ac, mode in ((True, "full"), (True, "selective"), (False, "full")))
+    assert full < selective < none
+    seven = job_plan("trainers.tasks.lm", ["--size", "7b", "--ac-mode", "selective"], 16)
+    assert seven is not None and seven.setup.ac_mode == "selective" and seven.plan.total <= 80 * GIB

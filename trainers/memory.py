@@ -17,7 +17,8 @@ def plan_words(task: Task, cfg: TrainConfig, world: int, micro: int, precision: 
     if task.memory_plan is None:
         return ""
     setup = Setup(strategy=cfg.strategy, ranks=world, micro_batch=micro, precision=precision,
-                  activation_checkpointing=cfg.checkpoints_all_of_every_block(), grad_accum=cfg.grad_accum,
+                  activation_checkpointing=cfg.checkpoints_every_block(), ac_mode=cfg.ac_mode,
+                  grad_accum=cfg.grad_accum,
                   reduce_each_micro_batch=cfg.reduce_each_micro_batch, cpu_offload=cfg.cpu_offload,
                   gpu=device.type == "cuda")
     total = task.memory_plan(setup).total

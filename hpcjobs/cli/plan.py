@@ -6,7 +6,7 @@ not, and the flags that would fit (hpcjobs.request.gpu_fit's suggestions). Witho
 is a few hundred bytes, the weights tens of GB. Exit 0 when it fits (or nothing to judge against), 1 when not, 2 on
 bad input. Measured against the peak live tensor bytes of transformers' own models in a CPU training step
 (bench/results/hf_memplan.json): without activation checkpointing 0.999-1.000 × under ddp, 1.02-1.04 × under fsdp;
-with it 0.92-1.08 ×."""
+with it 0.94-1.06 ×."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class JobPlan:
         params = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
         return (f"{LM_TASK} --size {self.size} ({params} parameters), {s.strategy} over "
                 f"{s.ranks} rank{'s' * (s.ranks != 1)}, micro-batch {s.micro_batch} × {s.seq_len} tokens, "
-                f"{s.precision}{', activation checkpointing' if s.activation_checkpointing else ''}"
+                f"{s.precision}{f', activation checkpointing ({s.ac_mode})' if s.activation_checkpointing else ''}"
                 f"{f', grad-accum {s.grad_accum}' if s.grad_accum > 1 else ''}")
 
 
@@ -71,7 +71,8 @@ def setup_of(cfg: TrainConfig, ranks: int, micro: int, seq_len: int) -> Setup:
     """The plan's settings from the trainer's (on GPUs: auto precision is bf16)."""
     return Setup(strategy=cfg.strategy, ranks=ranks, micro_batch=micro, seq_len=seq_len,
                  precision="bf16" if cfg.precision == "auto" else cfg.precision,
-                 activation_checkpointing=cfg.checkpoints_all_of_every_block(), grad_accum=cfg.grad_accum,
+                 activation_checkpointing=cfg.checkpoints_every_block(), ac_mode=cfg.ac_mode,
+                 grad_accum=cfg.grad_accum,
                  reduce_each_micro_batch=cfg.reduce_each_micro_batch, cpu_offload=cfg.cpu_offload)
 
 

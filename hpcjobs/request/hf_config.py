@@ -3,15 +3,16 @@ torch-free: the users' own models (Llama, Mistral, Qwen2 and GPT-2 families) get
 the same arithmetic over other counts.
 
 What differs from the bundled GPT, counted from what transformers 5.24's model classes save for their backward
-(listed with saved_tensors_hooks, one block at a time, fp32, bf16 autocast and bf16 parameters):
+(listed with saved_tensors_hooks, one block at a time, fp32, bf16 autocast and bf16 parameters; no KV cache,
+use_cache false, as training runs: with one GPT-2 keeps 2·d more a block):
   Llama, Mistral, Qwen2  RMSNorm upcasts its input to fp32 and keeps it with 1/rms (fp32) and the normalized input
            (the stream's dtype); its output is one copy, or under autocast one bf16 cast per matmul that reads it
            (q, k, v after the first norm, gate and up after the second: 5·d). Attention keeps q and its output
            (heads·head_dim each) and k, v (kv_heads·head_dim each: GQA; SDPA takes them without repeat_kv), o_proj
            reads attention's output itself; the SwiGLU MLP keeps gate, up, silu(gate) and their product (4·i).
            Parameters: q, k, v (Qwen2: with biases), o, gate, up, down, two norms; the output head unless tied.
-  GPT-2    LayerNorm keeps its input (the stream's dtype) and 2 fp32 statistics; attention keeps 6·d (the fused
-           qkv output, q's copy, a second d-sized copy and its output); gelu_new's composite tanh keeps 4·i besides
+  GPT-2    LayerNorm keeps its input (the stream's dtype) and 2 fp32 statistics; attention keeps 4·d (the fused
+           qkv output its q, k, v are views of, and its output); gelu_new's composite tanh keeps 4·i besides
            c_proj's input (5·i; an exact or tanh GELU keeps 2·i). Learned positions: n_positions·d parameters.
   The head: the final norm (as a block's), the logits' fp32 log-softmax (HF's loss upcasts them) over the
            vocabulary: 32K–152K entries a token, the usual out-of-memory cause at long sequences.
@@ -97,6 +98,7 @@ def swiglu_shape(cfg: dict[str, Any], path: str) -> Shape:
     return Shape(n_layer=layers, n_head=heads, d_model=d, vocab=vocab, params=params, block_params=block,
                  cast_params=cast, block=Saved(fp32=2 * d + 2, stream=2 * d, compute=2 * q + 2 * kv + 4 * inner,
                                                outs=2 * d, cast_outs=5 * d),
+                 kept_selective=2 * q + 2 * kv + 2 * d + 2 * inner,  # q k v o gate up down, attention's output
                  head=Saved(fp32=d + 1, stream=d, outs=d, cast_outs=d), logits_peak=True)
 
 
@@ -115,8 +117,9 @@ def gpt2_shape(cfg: dict[str, Any], path: str) -> Shape:
     params = vocab * d + positions * d + layers * block + 2 * d
     cast = params - positions * d - 2 * d - layers * 4 * d  # positions and LayerNorms are not cast
     return Shape(n_layer=layers, n_head=heads, d_model=d, vocab=vocab, params=params, block_params=block,
-                 cast_params=cast, block=Saved(fp32=4, stream=2 * d, compute=6 * d + GELU_SAVES[act] * inner,
+                 cast_params=cast, block=Saved(fp32=4, stream=2 * d, compute=4 * d + GELU_SAVES[act] * inner,
                                                outs=2 * d, cast_outs=2 * d),
+                 kept_selective=6 * d + inner,  # c_attn, attn c_proj, c_fc, mlp c_proj, attention's output
                  head=Saved(fp32=2, stream=d, outs=d, cast_outs=d), logits_peak=True)
 
 

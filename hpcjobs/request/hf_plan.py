@@ -34,7 +34,7 @@ class ModelPlan:
         return (f"{self.model_type} ({params} parameters, {m.n_layer} layers, width {m.d_model}, vocabulary "
                 f"{m.vocab}), {s.strategy} over {s.ranks} rank{'s' * (s.ranks != 1)}, micro-batch {s.micro_batch} "
                 f"× {s.seq_len} tokens, {s.precision}"
-                f"{', activation checkpointing' if s.activation_checkpointing else ''}"
+                f"{f', activation checkpointing ({s.ac_mode})' if s.activation_checkpointing else ''}"
                 f"{f', grad-accum {s.grad_accum}' if s.grad_accum > 1 else ''}")
 
 

@@ -12,7 +12,8 @@ Torch-free arithmetic over the model's shapes and the trainer's settings. What a
                LayerNorm outputs the matmuls keep (2), q, k, v (3), attention's output and its reshaped copy (2), the
                MLP's 4d pre-activation and GELU output (8). Under ddp with bf16 autocast the residual stays fp32
                (r = 4, c = 2: 38 bytes); under fsdp the parameters are cast, so r = c = 2 (34 bytes); fp32: 68.
-               With --activation-checkpointing each block keeps only its input (r) and one block is recomputed
+               With --activation-checkpointing each block keeps only its input (r; --ac-mode selective: also its
+               matmuls' and attention's outputs, in the compute dtype) and one block is recomputed
                at a time. Plus the head: ln_f's input and output and the fp32 log-softmax over the 256 bytes.
   working      ddp with autocast: the bf16 copies of the weights autocast makes, alive until the backward used them;
                fsdp: two gathered blocks (the last one again for its backward, the next prefetched) and the
@@ -31,7 +32,7 @@ checkpointing) and on 7b's shapes under fake tensors (bench/results/memplan.json
 was 1.00–1.05 × the measured peak allocated (1b ddp, fsdp, fsdp + AC, --cpu-offload; 7b fsdp + AC: 99.1 against 98.0
 GiB) and the total 1.05–1.20 × the peak reserved (bench/results/gpu-h200-acceptance.json). A Hugging Face model's
 plan (its Shape) against transformers' own models on the CPU (bench/results/hf_memplan.json): 0.999–1.000 × the
-measured peak under ddp, 1.02–1.04 under fsdp, 0.92–1.08 with activation checkpointing.
+measured peak under ddp, 1.02–1.04 under fsdp, 0.94–1.06 with full or selective activation checkpointing.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Setup:
     precision: str = "bf16"
     """fp32, bf16 or fp16 (auto resolved: bf16 on GPUs)."""
     activation_checkpointing: bool = False
+    ac_mode: str = "full"
+    """With activation_checkpointing: full (each block keeps its input) or selective (also its matmuls' and
+    attention's outputs, trainers/activations.py)."""
     grad_accum: int = 1
     reduce_each_micro_batch: bool = False
     cpu_offload: bool = False
@@ -150,6 +154,10 @@ class Shape:
     cast_params: int
     """Parameters autocast copies to the compute dtype for its matmuls (ddp's working copies)."""
     block: Saved
+    kept_selective: int
+    """Elements a token a block keeps under selective checkpointing besides its input: the outputs of its matrix
+    multiplications and attention's, in the compute dtype (the bundled GPT's qkv, proj, fc, out and attention:
+    10·d)."""
     head: Saved
     """The final norm's saved tensors (the head's logits are counted from `vocab`)."""
     logits_peak: bool = False
@@ -165,7 +173,7 @@ def gpt_shape(c: GPTConfig) -> Shape:
     d = c.d_model
     return Shape(n_layer=c.n_layer, n_head=c.n_head, d_model=d, vocab=VOCAB, params=n_params(c),
                  block_params=block_params(c), cast_params=n_params(c),
-                 block=Saved(fp32=4, stream=2 * d, compute=13 * d, outs=2 * d, cast_outs=2 * d),
+                 block=Saved(fp32=4, stream=2 * d, compute=13 * d, outs=2 * d, cast_outs=2 * d), kept_selective=10 * d,
                  head=Saved(stream=d, outs=d, cast_outs=d))
 
 
@@ -197,16 +205,19 @@ def activation_bytes(c: GPTConfig | Shape, s: Setup) -> tuple[int, int]:
     low, r = compute_bytes(s), stream_bytes(s)
     b, t = s.micro_batch, s.seq_len
     block = block_bytes(m, s)
-    blocks = m.n_layer * b * t * m.d_model * r + block if s.activation_checkpointing else m.n_layer * block
+    kept = b * t * m.d_model * r  # a checkpointed block's input; selective: its matmuls' and attention's outputs too
+    kept += b * t * m.kept_selective * low + b * m.n_head * t * 4 if s.ac_mode == "selective" else 0
+    blocks = m.n_layer * kept + block if s.activation_checkpointing else m.n_layer * block
     head = b * t * m.head.bytes_per_token(r, low) + b * t * m.vocab * 4 + b * (t + 1) * 8  # fp32 log-softmax, batch
     # at the loss's backward: the log-softmax's fp32 gradient and the logits' beside the saved log-probabilities
     transient = b * t * m.vocab * (8 if m.logits_peak else low if low < 4 else 0)
     return blocks + head, transient
 
 
-def working_bytes(c: GPTConfig | Shape, s: Setup, backward: bool = False) -> int:
+def working_bytes(c: GPTConfig | Shape, s: Setup, backward: bool = False, root: bool = True) -> int:
     """Weights that exist only while the step runs (see the module's docstring); `backward`: while a block's
-    gradients are made, under fsdp also its unsharded gradient and fp32 reduce-scatter input."""
+    gradients are made, under fsdp also its unsharded gradient and fp32 reduce-scatter input; `root`: the root's
+    gathered embeddings too (not by the first block's backward: measured, HF models with 1K-3K vocabularies)."""
     m = shape_of(c)
     low = compute_bytes(s)
     if s.strategy == "ddp":
@@ -214,7 +225,7 @@ def working_bytes(c: GPTConfig | Shape, s: Setup, backward: bool = False) -> int
     block = m.block_params
     outer = m.params - m.n_layer * block
     # the last block gathered again for its backward, the next prefetched, the root's embeddings
-    return 2 * low * block + low * outer + (block * (low + 4) if backward else 0)
+    return 2 * low * block + low * outer * root + (block * (low + 4) if backward else 0)
 
 
 def plan(c: GPTConfig | Shape, s: Setup) -> Plan:
@@ -238,7 +249,7 @@ def plan(c: GPTConfig | Shape, s: Setup) -> Plan:
                    Plan(weights, kept, optimizer, acts - logits, working_bytes(m, s, True), 0, 0)]
     # the end: every gradient, the first block's activations and, under fsdp, its gradients being reduced
     end = Plan(weights, grads + unsharded, optimizer, block_bytes(m, s),
-               working_bytes(m, s, backward=True) if s.strategy == "fsdp" else 0, 0, 0)
+               working_bytes(m, s, backward=True, root=False) if s.strategy == "fsdp" else 0, 0, 0)
     peak = max(*moments, end, key=lambda x: x.total)
     headroom = int(CONTEXT_BYTES + FRAGMENTATION * peak.total) if s.gpu else 0
     return dataclasses.replace(peak, headroom=headroom)
@@ -251,6 +262,8 @@ def suggestions(c: GPTConfig | Shape, s: Setup, gpu_bytes: int, gpus_per_node: i
     fsdp = dataclasses.replace(s, strategy="fsdp")
     if s.strategy == "ddp":
         tries.append(("--strategy fsdp", fsdp))
+    if s.activation_checkpointing and s.ac_mode == "selective":
+        tries.append(("--ac-mode full", dataclasses.replace(s, ac_mode="full")))
     if not s.activation_checkpointing:
         tries.append(("--activation-checkpointing", dataclasses.replace(s, activation_checkpointing=True)))
         if s.strategy == "ddp":

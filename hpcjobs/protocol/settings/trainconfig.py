@@ -159,10 +159,10 @@ class TrainConfig:
         """--tracker's names in the order given, each once; jsonl among them or not (it is always written)."""
         return tuple(dict.fromkeys(name.strip() for name in self.tracker.split(",") if name.strip()))
 
-    def checkpoints_all_of_every_block(self) -> bool:
-        """Whether every block's activations are recomputed whole: what the memory plan models as checkpointing
-        (a selective or every-N-th checkpointing is planned as none, an upper bound)."""
-        return self.activation_checkpointing and self.ac_mode == "full" and self.ac_every == 1
+    def checkpoints_every_block(self) -> bool:
+        """Whether every block is checkpointed (fully or selectively): what the memory plan models as checkpointing
+        (an every-N-th checkpointing is planned as none, an upper bound)."""
+        return self.activation_checkpointing and self.ac_every == 1
 
     def lr_factor(self, world_size: int) -> float:
         return {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}[self.lr_scaling]
