@@ -221,3 +221,14 @@ def test_the_host_buffers_are_allocated_before_the_first_background_save(tmp_pat
     assert all(ckpt.buffers[k] is reserved[k] for k in reserved)  # the save filled them, allocated none
     ref = checkpoint.latest(tmp_path)
     assert ref is not None and same(model_weights(ref), want)
+
+
+def test_the_manager_owns_the_periodic_interval(tmp_path: Path) -> None:
+    """Issue 36 item 6: the checkpoint interval is the manager's (torchtitan's should_save): every `every` steps,
+    never at the last step (the end's own save), none with every=0."""
+    model, opt = trained()
+    ckpt = Checkpointer(tmp_path / "ck", context(), keep=2, states=states(model, opt), every=5, last_step=12)
+    assert [s for s in range(1, 13) if ckpt.should_save(s)] == [5, 10]
+    assert not any(Checkpointer(tmp_path / "c2", context(), 2, states(model, opt)).should_save(s) for s in range(9))
+    assert [s for s in range(1, 11) if Checkpointer(tmp_path / "c3", context(), 2, states(model, opt), every=5,
+                                                    last_step=10).should_save(s)] == [5]

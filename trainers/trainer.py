@@ -173,7 +173,8 @@ class Training:
         # The plan from step 0; a resume gives it the saved run's anchor (LambdaLR saves no closure: it stays).
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.dirty = False
-        self.checkpointer = Checkpointer(self.folder.checkpoints, ctx, cfg.keep, self.states())
+        self.checkpointer = Checkpointer(self.folder.checkpoints, ctx, cfg.keep, self.states(), every=cfg.ckpt_every,
+                                         last_step=cfg.steps)
 
     def states(self) -> dict[str, Stateful]:
         """What a checkpoint holds, by name (the names are the keys in its files: trainers.checkpoint.stateful)."""
@@ -319,7 +320,7 @@ class Training:
         """Start-up is over (compilation, loading, a cold node): a hung rank should now end the job quickly."""
         startup.mark("first_step")
         startup.record(self.folder, self.ctx.env, self.first_step)
-        if self.cfg.async_save and self.cfg.ckpt_every:
+        if self.cfg.async_save and self.checkpointer.every:
             self.checkpointer.reserve_in_background()
         seconds = self.ctx.training_timeout()
         if seconds is not None:
@@ -336,7 +337,7 @@ class Training:
         self.meter.tick(step)
         if self.val_set is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             self.evaluate()
-        if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
+        if self.checkpointer.should_save(step):
             self.save(background=cfg.async_save)
 
     def evaluate(self) -> None:

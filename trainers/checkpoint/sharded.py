@@ -54,8 +54,11 @@ class Checkpointer:
     """The one checkpoint manager of a trainer: handed its named parts once (trainers.checkpoint.stateful), it saves
     and loads them by name, and knows nothing else of the trainer."""
 
-    def __init__(self, root: Path, ctx: DistContext, keep: int, states: Mapping[str, Stateful]) -> None:
+    def __init__(self, root: Path, ctx: DistContext, keep: int, states: Mapping[str, Stateful], every: int = 0,
+                 last_step: int = 0) -> None:
         self.root, self.ctx, self.keep, self.states = root, ctx, keep, dict(states)
+        self.every, self.last_step = every, last_step
+        """The periodic interval (--ckpt-every; 0: none) and the run's last step, whose save is the end's own."""
         self.buffers: dict[str, torch.Tensor] = {}
         self.pending: threading.Thread | None = None
         self.staged: threading.Event | None = None
@@ -65,6 +68,11 @@ class Checkpointer:
         self.previous: tuple[int, float] | None = None  # the last save's step and when it began (time.monotonic)
         self.advised = False
         self.reserving: threading.Thread | None = None  # reserve_in_background's
+
+    def should_save(self, step: int) -> bool:
+        """Whether the step just finished is a periodic save (torchtitan's should_save): the interval is the
+        manager's; a stop's and the end's saves are asked for by the trainer."""
+        return bool(self.every) and step % self.every == 0 and step < self.last_step
 
     def names(self, place: Place) -> tuple[str, ...]:
         """The keys a step folder's small file must hold for a load (shared.pt: SHARED; rank-R.pt: OWN)."""
