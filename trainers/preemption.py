@@ -27,7 +27,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpcjobs.protocol import userstop
@@ -39,17 +39,30 @@ from trainers import jobenv
 from trainers.agreement import Agreement
 from trainers.jobenv.base import JobEnv
 
-_requested: list[tuple[int, float]] = []  # (signal, when): a list append is the whole handler
-DEADLINE = 0  # stands for a signal in `_requested`: the time limit is near and the profile's signal never came
-_joined: list[bool] = []  # non-empty once install() ran: the entry takes part in the protocol
-_deadline: list[tuple[float, JobEnv, int]] = []  # install(): (when to stop if no signal came, the job, its warning)
+DEADLINE = 0  # stands for a signal in `STATE.requested`: the time limit is near and the profile's signal never came
+
+
+@dataclass
+class StopState:
+    """This rank's side of the stop protocol: one object, not module-global cells. A signal handler only appends
+    to `requested` (a list append is the whole handler: nothing else may run inside one)."""
+
+    requested: list[tuple[int, float]] = field(default_factory=list)
+    """(signal, when) of every stop request, in order."""
+    joined: bool = False
+    """install() ran: the entry takes part in the protocol."""
+    deadline: tuple[float, JobEnv, int] | None = None
+    """install(): when to stop if no signal came, the job, its warning."""
+
+
+STATE = StopState()
 NO_RUN_FOLDER = ""
 """The run folder of a contract made outside a launched rank (a user's script under plain torchrun): a stop is then
 recorded nowhere, since no hpcjobs command will look for it, and nothing is written into the working directory."""
 
 
 def _handler(signum: int, frame: Any) -> None:
-    _requested.append((signum, time.time()))
+    STATE.requested.append((signum, time.time()))
 
 
 def signal_number(name: str) -> int:
@@ -71,21 +84,21 @@ def install(contract: LaunchContract, env: Mapping[str, str] | None = None, anno
     nums = sorted({signal_number(contract.preemption.signal), signal.SIGTERM, signal.SIGINT})
     for num in nums:
         signal.signal(num, _handler)
-    _joined[:] = [True]
+    STATE.joined = True
     if announce and int((os.environ if env is None else env).get("RANK", "0")) == 0:  # for the launcher's Ctrl-C line
         run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
         userstop.set_joined(run, (os.environ if env is None else env).get("HPCJOBS_JOB_ID"), True)
     job = jobenv.current(env)
     due = job.signal_due(contract)
     warn = contract.preemption.seconds_before
-    _deadline[:] = [] if due is None else [(due, job, warn)]
+    STATE.deadline = None if due is None else (due, job, warn)
     return nums
 
 
 def joined() -> bool:
     """Whether this rank's entry takes part in the protocol (the shared trainer, or a StopGuard was made); until
     then a user's script stands by with the usual meaning of its signals (trainers.standby)."""
-    return bool(_joined)
+    return STATE.joined
 
 
 def ignore_from_now(contract: LaunchContract) -> None:
@@ -103,40 +116,40 @@ def ignore_from_now(contract: LaunchContract) -> None:
 def requested_locally(now: float | None = None, runner: Callable[..., Any] = subprocess.run) -> bool:
     """Has this rank been asked to stop? Also true once the time-limit signal is overdue: then, once, Slurm is asked
     for the job's EndTime first, since the limit may have been extended (`scontrol update`) since the start."""
-    if not _requested and _deadline and (now or time.time()) >= _deadline[0][0]:
-        due, job, warn = _deadline[0]
+    if not STATE.requested and STATE.deadline and (now or time.time()) >= STATE.deadline[0]:
+        due, job, warn = STATE.deadline
         end = job.end_time_now(runner)
         if end is not None and end - warn > due + 1:
-            _deadline[0] = (end - warn, job, warn)
+            STATE.deadline = (end - warn, job, warn)
         else:
-            _requested.append((DEADLINE, time.time()))
-    return bool(_requested)
+            STATE.requested.append((DEADLINE, time.time()))
+    return bool(STATE.requested)
 
 
 def signalled() -> bool:
     """Has a stop signal come (or `request_stop`)? Unlike `requested_locally`, an overdue time limit does not count
     and Slurm is never asked: what a rank that has not begun yet may look at (its start may itself have taken
     longer than the time left before the deadline, and then it must still join the others to stop with them)."""
-    return any(signum != DEADLINE for signum, _ in _requested)
+    return any(signum != DEADLINE for signum, _ in STATE.requested)
 
 
 def request_stop(signum: int) -> None:
     """What the handler does for `signum`, callable from code and tests."""
-    _requested.append((signum, time.time()))
+    STATE.requested.append((signum, time.time()))
 
 
 def first_request() -> tuple[str, float] | None:
     """(signal name, time) of the first stop request, if any; the name is `deadline` when no signal came."""
-    if not _requested:
+    if not STATE.requested:
         return None
-    signum, when = _requested[0]
+    signum, when = STATE.requested[0]
     return ("deadline" if signum == DEADLINE else signal.Signals(signum).name), when
 
 
 def reset() -> None:
-    _requested.clear()
-    _deadline.clear()
-    _joined.clear()
+    STATE.requested.clear()
+    STATE.deadline = None
+    STATE.joined = False
 
 
 def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None, now: float | None = None,
@@ -147,13 +160,13 @@ def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None, 
     own KeyboardInterrupt; a SIGINT after a node came back was recorded as a local Ctrl-C's word, measured)."""
     job = jobenv.current(env)
     scheduled = bool(job.scheduler_job_id())
-    if not _requested:
+    if not STATE.requested:
         return (StopReason.SIGNAL if scheduled else StopReason.INTERRUPT) if unasked else None
-    if _requested[0][0] == signal.SIGTERM and scheduled:
+    if STATE.requested[0][0] == signal.SIGTERM and scheduled:
         return StopReason.TERMINATED  # preemption without the user signal, scontrol requeue, or scancel: Slurm decides
-    if _requested[0][0] == DEADLINE:
+    if STATE.requested[0][0] == DEADLINE:
         return StopReason.TIMEOUT
-    if scheduled and _requested[0][0] != signal_number(contract.preemption.signal):
+    if scheduled and STATE.requested[0][0] != signal_number(contract.preemption.signal):
         return StopReason.SIGNAL
     due = job.signal_due(contract)
     if due is not None and (now or time.time()) >= due - EARLY_SIGNAL_S:

@@ -87,7 +87,7 @@ def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None 
     joined meanwhile (the protocol's deadline acts). Slurm is asked for the job's EndTime first: a limit extended
     since the start (`scontrol update`) moves the deadline, and the timer is armed again. Else the signal is taken
     as lost: rank 0 requeues as if it came (`act`; the stop's reason is then TIMEOUT)."""
-    if preemption.joined() or preemption._requested:
+    if preemption.joined() or preemption.STATE.requested:
         return None
     env = os.environ if env is None else env
     warn = contract.preemption.seconds_before
@@ -118,7 +118,7 @@ def outcome(env: Mapping[str, str], cap: int, run: RunFolder | None = None) -> S
 def _handler(signum: int, frame: Any) -> None:
     """A Python-level handler: it runs in the main thread between bytecodes, so it may run scontrol and write the
     run folder. Under Slurm the job is requeued once, however many signals come."""
-    first = not preemption._requested
+    first = not preemption.STATE.requested
     preemption.request_stop(signum)  # first_request() names it, and the launcher writes no FINISHED for the start
     if first or not jobenv.current().scheduler_job_id():
         act(signum, _contract[0])
