@@ -19,8 +19,8 @@ import test_bad_inputs
 from conftest import REPO, hpcjobs
 from hpcjobs.backends import SCHEDULERS
 from hpcjobs.profiles.cluster_profile import ClusterProfile, load_profile, parse_profile
-from hpcjobs.profiles.keycheck import MAX_ITEMS, MAX_STRING
 from hpcjobs.profiles.container import Container
+from hpcjobs.profiles.keycheck import MAX_ITEMS, MAX_STRING
 from hpcjobs.profiles.storage import Storage
 from hpcjobs.profiles.table import reference_table
 from hpcjobs.profiles.yamlfile import MAX_FILE_BYTES
