@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from hpcjobs.backends.local.local import LocalBackend
+from hpcjobs.backends.local import queue as local_queue
 from hpcjobs.backends.local.queue import rank_envs
 from hpcjobs.backends.slurm import probe as slurm_probe
 from hpcjobs.backends.slurm import slurm as slurm_backend
@@ -159,7 +159,7 @@ def run_cli(sandbox: Sandbox, work: Path, argv: list[str]) -> Outcome:
     home = box / "store"
     submitted: list[str] = []
 
-    def ranks_started(self: LocalBackend, spec: Any, sub: Any, slot: int | None, stdout_to_stderr: bool,
+    def ranks_started(spec: Any, sub: Any, slot: int | None, stdout_to_stderr: bool,
                       restart: int = 0) -> list[subprocess.Popen[bytes]]:
         """Instead of training: rank 0's command line, environment and folder go to Popen as the real start gives
         them, with /bin/true run in their place (Popen refuses what it would refuse for a real rank, e.g. a NUL)."""
@@ -178,7 +178,7 @@ def run_cli(sandbox: Sandbox, work: Path, argv: list[str]) -> Outcome:
     modules = set(sys.modules)
     start = time.monotonic()
     with (mock.patch.dict(os.environ, env), _chdir(work),
-          mock.patch.object(LocalBackend, "_start", ranks_started),
+          mock.patch.object(local_queue, "start_ranks", ranks_started),
           mock.patch.object(slurm_backend.BACKEND, "run", _no_slurm),
           mock.patch.object(slurm_probe, "run_probe", probe),
           contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)):
@@ -318,6 +318,8 @@ GOOD: dict[str, st.SearchStrategy[Any]] = {
     "recovery": st.fixed_dictionaries({}, optional={"max_recoveries": st.integers(0, 1000),
                                                     "spare_nodes": st.integers(0, 64),
                                                     "hang_min_s": st.integers(5, 86_400)}),
+    "storage": st.fixed_dictionaries({}, optional={"write_gb_per_s": st.one_of(
+        st.floats(min_value=0.001, max_value=10_000), st.sampled_from(["2", "0.5", 3])).map(str)}),
     "runs_dir": st.one_of(words, st.sampled_from(["runs/%j", "a b/é", "~/runs"])),
     "python": st.sampled_from([sys.executable, "python3"]),
     "srun_args": st.lists(st.sampled_from(["--cpu-bind=cores", "--mpi=none"]), max_size=2),
