@@ -60,11 +60,12 @@ _slow_in_fast_tier: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if os.environ.get("HPCJOBS_FAST_TIER") != "1" or report.when != "call":
+    if os.environ.get("HPCJOBS_FAST_TIER") != "1" or report.when == "teardown":
         return
     busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     if report.duration > FAST_TIER_LIMIT_S * busy:
-        _slow_in_fast_tier.append(f"{report.nodeid}: {report.duration:.1f} s (limit {FAST_TIER_LIMIT_S * busy:.0f} s)")
+        _slow_in_fast_tier.append(f"{report.nodeid} ({report.when}): {report.duration:.1f} s (limit "
+                                  f"{FAST_TIER_LIMIT_S * busy:.0f} s)")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

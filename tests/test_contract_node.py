@@ -181,13 +181,13 @@ def test_install_arms_the_deadline_from_the_contract(clean_preemption: None) -> 
                               time_limit_s=600, start_time=1000.0)
     nums = preemption.install(contract, {"SLURM_JOB_ID": "9"})
     assert nums == sorted({signal.SIGUSR1, signal.SIGTERM, signal.SIGINT})
-    armed = [(due, job.scheduler_job_id(), warn) for due, job, warn in preemption._deadline]
+    armed = [(due, job.scheduler_job_id(), warn) for due, job, warn in filter(None, [preemption.STATE.deadline])]
     assert armed == [(1000.0 + 600 - 30, "9", 30)]
     preemption.install(contract, {})  # not under Slurm (a local --time): the same deadline, no job to ask
-    armed = [(due, job.scheduler_job_id(), warn) for due, job, warn in preemption._deadline]
+    armed = [(due, job.scheduler_job_id(), warn) for due, job, warn in filter(None, [preemption.STATE.deadline])]
     assert armed == [(1000.0 + 600 - 30, "", 30)]
     preemption.install(dataclasses.replace(contract, time_limit_s=0), {})  # no time limit: no deadline
-    assert preemption._deadline == []
+    assert preemption.STATE.deadline is None
 
 
 def _stop(tmp_path: Path, env: dict[str, str], runner: Callable[..., Any], signum: int = signal.SIGUSR1,

@@ -155,6 +155,7 @@ print("no hang", flush=True)
 """
 
 
+@pytest.mark.train
 def test_in_real_time_a_slow_first_step_save_and_evaluation_leave_no_record_and_no_stacks(tmp_path: Path) -> None:
     """Both timers running (the thread and faulthandler's C timer), the default floor."""
     run = RunFolder(tmp_path / "run")

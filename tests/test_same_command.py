@@ -105,6 +105,7 @@ def test_a_sweep_run_again_starts_fresh_as_before(tmp_path: Path, flaky: Path) -
     assert len(jobs()) == 4  # two arrays of two tasks each
 
 
+@pytest.mark.train
 def test_new_and_another_command_start_fresh_and_the_newest_run_is_the_one_continued(tmp_path: Path,
                                                                                       flaky: Path) -> None:
     assert submit(tmp_path, str(flaky), "--fail-once").returncode != 0

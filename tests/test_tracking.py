@@ -128,6 +128,7 @@ def test_wandb_keeps_one_run_across_the_restart_written_by_rank_0_only(run: Path
 
 # --- mlflow (file store in RUN/mlruns) ------------------------------------------------------------------------------
 
+@pytest.mark.train
 def test_mlflow_keeps_one_run_across_the_restart_written_by_rank_0_only(run: Path) -> None:
     from mlflow.tracking import MlflowClient
 

@@ -147,6 +147,7 @@ def test_a_rank_whose_main_thread_waits_for_ever_leaves_its_stacks_and_exits_124
     check_left(run, proc)
 
 
+@pytest.mark.train
 def test_a_rank_stopped_past_its_bound_dumps_once_it_is_continued(tmp_path: Path) -> None:
     proc, run = child(tmp_path)
     proc.send_signal(signal.SIGSTOP)
