@@ -51,9 +51,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config._cluster_problem = problem  # type: ignore[attr-defined]
 
 
-FAST_TIER_LIMIT_S = float(os.environ.get("HPCJOBS_FAST_LIMIT_S", "5"))
+FAST_TIER_LIMIT_S = float(os.environ.get("HPCJOBS_FAST_LIMIT_S", "6"))
 """The fast tier (tests/fast.sh sets HPCJOBS_FAST_TIER=1) fails on a test that ran longer than this and is marked
-neither `train` nor `slow`: the tier stays the few minutes docs/testing.md says. On a machine busier than its cores
+neither `train` nor `slow`: the tier stays the few minutes docs/testing.md says (from a fresh clone on this idle
+2-core machine the slowest unmarked test took 4.6 s, the next 3.9 s). On a machine busier than its cores
 (the load average over the CPU count, above 1) the limit stretches by that ratio: with four sessions' tests on this
 2-core machine (load ~8) a 2 s test took 8-12 s."""
 _slow_in_fast_tier: list[str] = []

@@ -2,7 +2,7 @@
 # The fast tier, for your own loop while developing: lint, types, and the tests that need neither the Slurm test
 # cluster nor training runs (markers `cluster`, `slow`, `gpu` and `train` left out). Uses the environment
 # tests/run_all.sh made (.venv); it sets up nothing. The full suite, as CI runs it, stays `bash tests/run_all.sh`.
-# A test that takes longer than HPCJOBS_FAST_LIMIT_S (5 s) without a `train` mark fails it (tests/conftest.py).
+# A test that takes longer than HPCJOBS_FAST_LIMIT_S (6 s) without a `train` mark fails it (tests/conftest.py).
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -203,6 +203,7 @@ def test_bad_arguments_fail_in_one_line(sweep: dict[str, Path], tmp_path: Path,
     assert "does not exist" in err
 
 
+@pytest.mark.train
 def test_answers_do_not_depend_on_the_slurm_tools_on_path(tmp_path: Path) -> None:
     """On a machine whose squeue cannot reach a controller, the test above still passes: no test asks this
     machine's Slurm (conftest's `no_slurm_on_path`)."""

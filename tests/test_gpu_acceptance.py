@@ -29,6 +29,7 @@ def test_help_names_the_budget_and_a_bad_part_is_refused_in_one_line() -> None:
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "valid: parts P0,P1" in bad.stderr
 
 
+@pytest.mark.train
 def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     got = subprocess.run([sys.executable, SCRIPT, "--work", str(tmp_path / "w"), "--out", str(tmp_path / "r.json")],
