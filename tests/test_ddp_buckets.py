@@ -18,17 +18,17 @@ from trainers import ddp_buckets
 STEPS, CUT = 24, 12
 
 
-def train(rank: int, port: int, folder: str) -> None:
+def train(rank: int, port: int, folder: str, cut: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=4)
     for fresh in ("", "recorded", "torch"):
-        losses, weights = steps(rank, Path(folder) / "ddp-buckets.json", fresh)
+        losses, weights = steps(rank, Path(folder) / "ddp-buckets.json", fresh, cut)
         if rank == 0:
             torch.save((losses, weights), Path(folder) / f"{fresh or 'straight'}.pt")
     dist.destroy_process_group()
 
 
-def steps(rank: int, layouts: Path, fresh: str) -> tuple[list[float], list[torch.Tensor]]:
+def steps(rank: int, layouts: Path, fresh: str, cut: int) -> tuple[list[float], list[torch.Tensor]]:
     """24 steps of a small MLP with dropout and AdamW; `fresh`: '' (one DDP throughout), 'recorded' (a new DDP at step
     12 with the layout recorded at a save before it) or 'torch' (a new DDP at step 12 as torch builds it)."""
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ def steps(rank: int, layouts: Path, fresh: str) -> tuple[list[float], list[torch
         ddp_buckets._unrecorded[ddp] = (layouts, ddp_buckets.key_of(list(model.parameters())))
     data, losses = torch.Generator().manual_seed(rank), []
     for step in range(STEPS):
-        if step == CUT and fresh:
+        if step == cut and fresh:
             if rank == 0:
                 ddp_buckets.record()  # where a save begins
             dist.barrier()
@@ -58,8 +58,11 @@ def steps(rank: int, layouts: Path, fresh: str) -> tuple[list[float], list[torch
 
 
 @pytest.mark.train
-def test_a_ddp_built_anew_with_the_recorded_layout_reduces_as_the_uninterrupted_one(tmp_path: Path) -> None:
-    mp.spawn(train, args=(29611, str(tmp_path)), nprocs=4)
+@pytest.mark.parametrize("cut", [CUT, 2])
+def test_a_ddp_built_anew_with_the_recorded_layout_reduces_as_the_uninterrupted_one(tmp_path: Path, cut: int) -> None:
+    """cut 2: a save after the second step, whose forward logged DDP's runtime data before it rebuilt its buckets
+    (torch logs, then rebuilds): the layout was missing there and a 2 x 2 cluster job stopped at step 2 drifted."""
+    mp.spawn(train, args=(29611 + cut, str(tmp_path), cut), nprocs=4)
     straight, recorded, as_torch_builds_it = (torch.load(tmp_path / f"{n}.pt") for n in ("straight", "recorded",
                                                                                          "torch"))
     assert recorded[0] == straight[0] and all(torch.equal(a, b) for a, b in zip(recorded[1], straight[1], strict=True))

@@ -122,9 +122,16 @@ def record() -> None:
     """Rank 0, where a save begins (trainers.checkpoint.begin, integrations.marks.mark_pending; the main thread, so
     no reducer is running): the layout of each DDP built in this process that has rebuilt its buckets since, once.
     A resume comes from a save, so a layout recorded at every save is there for every resume; a save before DDP's
-    rebuild (after the first step) has none to record."""
+    rebuild (at the first step) has none to record."""
     for ddp, (path, key) in list(_unrecorded.items()):
         data = ddp._get_ddp_logging_data()
+        if getattr(ddp, "_has_rebuilt_buckets", False) and not data.get("has_rebuilt_buckets"):
+            # DDP logs its runtime data before it rebuilds, in the same forward: after the second step the rebuild
+            # is done but not yet logged (a save there had no layout, and a 2 x 2 job stopped at step 2 drifted).
+            # Logging again now is what the third forward's start would do.
+            with contextlib.suppress(Exception):  # private API: a torch that has it otherwise records nothing here
+                ddp.logger.set_runtime_stats_and_log()
+                data = ddp._get_ddp_logging_data()
         text = data.get("rebuilt_per_bucket_param_indices") if data.get("has_rebuilt_buckets") else None
         if not text:
             continue
