@@ -28,6 +28,7 @@ the example LM there takes well under a second, so 20 × its step time is under 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -77,9 +78,7 @@ def step_bound(floor: float, step_times: list[float], startup: Bound, floor_how:
     """The bound on the time from one sign of progress to the next (module docstring)."""
     if len(step_times) < STEPS_MEASURED:
         return startup
-    recent = sorted(step_times[-WINDOW:])
-    half = len(recent) // 2
-    median = recent[half] if len(recent) % 2 else (recent[half - 1] + recent[half]) / 2
+    median = statistics.median(step_times[-WINDOW:])
     if K * median <= floor:
         return Bound(floor, f"{floor_how}; {K} × {median:.3g} s step time is less")
     return Bound(K * median, f"{K} × {median:.3g} s step time")
