@@ -575,7 +575,7 @@ def test_a_stopped_run_says_how_to_resume(tmp_path: Path) -> None:
     procs[0].send_signal(signal.SIGINT)
     out = finish(procs, out_dir)
     assert out[0].rc == 0, terminal(out)
-    assert f"to resume, run the same command with --run-dir {run}" in out[0].out
+    assert f"to resume, run the same command again (it continues {run};" in out[0].out
 
 
 class FakeTerminal:

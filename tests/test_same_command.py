@@ -213,8 +213,9 @@ def test_ctrl_c_then_the_same_command_resumes_the_shared_trainer_exactly(tmp_pat
     twin = hpcjobs("submit", "--profile", "local", *TASK, cwd=twin_dir, timeout=300)
     assert twin.returncode == 0, twin.stderr[-3000:]
     [twin_run] = run_folders(twin_dir)
-    ctrl_c(tmp_path, TASK, "step 30 ", SLOW)
+    said = ctrl_c(tmp_path, TASK, "step 30 ", SLOW)
     [run] = run_folders(tmp_path)
+    assert f"to resume, run the same command again (it continues {run};" in said, said[-3000:]
     stop = stop_step(run)
     assert 0 < stop < STEPS and checkpoint.latest(run / "checkpoints").step == stop
 

@@ -301,8 +301,10 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     if run and outcome in (StopOutcome.LOCAL, StopOutcome.STOPPED):
         when = "to resume" if outcome == StopOutcome.LOCAL else "if Slurm does not bring the job back, to resume"
         by = userstop.asked_by(run, env.get("HPCJOBS_JOB_ID"))  # what the user did (a local job)
+        again = (f"the same command with --run-dir {run.path}" if contract.points else  # a sweep starts fresh points
+                 f"the same command again (it continues {run.path}; --run-dir names it)")
         print(f"hpcjobs: stopped{' by ' + by if by else ''} at step {step} with a committed checkpoint; {when}, run "
-              f"the same command with --run-dir {run.path}", flush=True)
+              f"{again}", flush=True)
     if run and outcome == StopOutcome.CAP:
         run.write_final(FinalState.FAILED, why, step, job_id=env.get("HPCJOBS_JOB_ID") or job_id or None)
     return outcome
