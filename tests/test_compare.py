@@ -15,7 +15,7 @@ import pytest
 
 from conftest import BIN, REPO
 from hpcjobs.cli import main
-from hpcjobs.goodput import compare
+from hpcjobs.goodput import compare, plot
 from hpcjobs.jobs.store import JobRecord, JobStore
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -169,7 +169,7 @@ def test_log_scale_when_the_losses_span_more_than_ten_times(tmp_path: Path) -> N
                                                                    {"step": 2, "loss": 0.5}]))
     narrow = compare.row_for(make_run(tmp_path / "n", None, metrics=[{"step": 1, "loss": 5.0},
                                                                      {"step": 2, "loss": 1.0}]))
-    assert compare.log_scale([wide]) and not compare.log_scale([narrow])
+    assert plot.log_scale([wide]) and not plot.log_scale([narrow])
 
 
 def one_line_error(code: int, out: str, err: str) -> str:

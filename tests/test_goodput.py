@@ -344,7 +344,7 @@ def test_compare_plot_draws_each_runs_buckets_below_the_loss(tmp_path: Path) -> 
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from hpcjobs.goodput import compare
+    from hpcjobs.goodput import compare, plot
 
     run = killed_and_resumed(tmp_path / "run")
     (run / "spec.json").write_text("{}")
@@ -352,10 +352,10 @@ def test_compare_plot_draws_each_runs_buckets_below_the_loss(tmp_path: Path) -> 
     rows = compare.rows_for([str(run)])
     assert rows[0].goodput_s["rework"] == 9.5 and "goodput_s" not in rows[0].as_dict()
     ax = Figure().add_subplot()
-    assert compare.goodput_bars(ax, rows) == 1
+    assert plot.goodput_bars(ax, rows) == 1
     widths = [p.get_width() for p in ax.patches]
     assert len(widths) == len(BUCKETS) and abs(sum(widths) - 1) < 1e-9  # shares of one bar add up to its wall
-    assert compare.plot(rows, tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert plot.plot(rows, tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_start_recovered_in_its_allocation_counts_its_lost_steps_as_rework_and_the_gap_as_recovery(
