@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.backends import SCHEDULERS, Backend, backend_for
+from hpcjobs.follow.refused import refusal
 from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.faultpolicy.diagnosis import NODE, by_signal, diagnose
@@ -143,6 +144,9 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
     if answer is None and stopped_for_good(history, rec.job_id):
         answer = JobState.CANCELLED, "run folder: stopped by SIGTERM (scancel) and never started again"
     state, source = answer or (JobState.UNKNOWN, "none")
+    if fstate is None and state in (JobState.FAILED, JobState.UNKNOWN) \
+            and (line := refusal(rec, run, getattr(backend, "run", None))) is not None:
+        state, source, reason = JobState.REFUSED, "exit code 2 and its ranks' refusal line", line
     if fstate is not None and state.finished and fstate != state and source != "run folder":
         source += f"; the run folder says {fstate}"  # e.g. the ranks finished but the job script failed after
     if state == JobState.UNKNOWN and not reason and not any(str(r.get("job_id")) == rec.job_id for r in history):

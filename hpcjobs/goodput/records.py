@@ -4,7 +4,8 @@ hpcjobs.goodput.buckets's `Start`s and `JobTimes`. Torch-free; reads only.
 Which start a record belongs to: restarts.jsonl's start lines (in file order; a stop line belongs to the start line
 before it), startup.jsonl's, saves.jsonl's, failures.jsonl's and final.json's by job id and restart; heartbeat.json
 and metrics.jsonl carry only the restart, so they count where their time falls between the start's begin and the
-next start's (two jobs on one run folder both have a restart 0)."""
+next start's (two jobs on one run folder both have a restart 0). A start its ranks refused (the last line of rank
+0's log a refusal, exit code 2) ended "refused": not a fault, not interrupted work."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from hpcjobs.follow.refused import local_exit, rank_line
 from hpcjobs.goodput.buckets import MARKS, AllocationTimes, JobTimes, Save, Start
+from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
 from hpcjobs.protocol.states import StopReason
 
@@ -86,8 +89,17 @@ def read_starts(run: RunFolder) -> list[tuple[str, Start]]:
         start = _ending(start, stop, final if i == len(lines) - 1 or lines[i + 1][0].get("job_id") != job else None,
                         job, timed, any(str(f.get("job_id")) == job and f.get("restart") == restart
                                         for f in failures))
+        if start.ended == "lost" and refused_start(run, job, restart):
+            start = replace(start, ended="refused")  # not a fault: nothing ran (hpcjobs.follow.refused)
         out.append((job, start))
     return out
+
+
+def refused_start(run: RunFolder, job: str, restart: int) -> bool:
+    """Whether rank 0 of this start logged a refusal as its last line, and the job's exit code (where the local
+    backend recorded one) was 2: a refused start, neither a fault nor interrupted work."""
+    code = local_exit(run, job)
+    return code in (None, REFUSED_EXIT) and rank_line(run, job, restart) is not None
 
 
 def _slowest(lines: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -231,6 +231,7 @@ def run(target: str, as_json: bool) -> int:
 # --- the timeline (--plot) -------------------------------------------------------------------------------------------
 
 ENDED_MARKS = {"failed": ("x", "failed"), "lost": ("x", "killed (no word)"), "stopped": ("s", "stopped when asked"),
+               "refused": ("D", "refused at start"),
                "finished": ("o", "finished")}
 """How a start ended, as a marker at its bar's end."""
 

@@ -79,6 +79,9 @@ class JobState(_Str):
     REVOKED = "REVOKED"
     STOPPED = "STOPPED"
     """A local run that checkpointed and stopped when asked (resumable), or Slurm's own STOPPED."""
+    REFUSED = "REFUSED"
+    """Its ranks refused to start (exit code 2 and one line: a flag the node cannot use, a resume under other
+    settings): nothing ran and nothing of the run changed; not a failure (hpcjobs.follow.refused)."""
     UNKNOWN = "UNKNOWN"
     """Nothing could tell: no scheduler answer and no marker in the run folder."""
 
@@ -98,5 +101,5 @@ class JobState(_Str):
 
 FINISHED_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT,
                              JobState.OUT_OF_MEMORY, JobState.NODE_FAIL, JobState.BOOT_FAIL, JobState.DEADLINE,
-                             JobState.REVOKED, JobState.STOPPED})
+                             JobState.REVOKED, JobState.STOPPED, JobState.REFUSED})
 """States a job does not leave by itself."""
