@@ -209,3 +209,27 @@ def test_the_code_around_train_keeps_the_scripts_signals(tmp_path: Path) -> None
     trainer.train()
     assert during and during[0] is not before[signal.SIGINT]  # the protocol's, meanwhile
     assert {n: signal.getsignal(n) for n in before} == before
+
+
+def test_a_checkpoint_another_run_completed_is_not_resumed_without_a_word(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37: a 400-step run finished in OUT, then another command (another run folder) with the same
+    --output_dir: plain HF starts at 0, and so does this run, saying why; its own checkpoints it resumes; the run
+    that completed the checkpoint resumes it silently; a script that asks for it gets it, with a word."""
+    out, monkeypatch_run = tmp_path / "out", lambda run: monkeypatch.setenv(ENV_VAR, LaunchContract(str(run)).to_json())
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch_run(tmp_path / "run-a")
+    (old := out / "checkpoint-400").mkdir(parents=True)
+    marks.mark_complete(old, 400)
+    assert hf_trainer.resume_point(str(out), None) == str(old) and "another run" not in capsys.readouterr().out
+    monkeypatch_run(tmp_path / "run-b")
+    assert hf_trainer.resume_point(str(out), None) is None
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and f"{old} was completed by another run ({tmp_path / 'run-a'})" in said[0], said
+    assert "this run starts at step 0" in said[0] and "HINT:" in said[0]
+    (mine := out / "checkpoint-100").mkdir()
+    marks.mark_complete(mine, 100)
+    assert hf_trainer.resume_point(str(out), None) == str(mine)
+    assert f"resuming {mine}, the newest of this run" in capsys.readouterr().out
+    assert hf_trainer.resume_point(str(out), str(old)) == str(old)
+    assert "which another run completed" in capsys.readouterr().out

@@ -17,7 +17,9 @@ Attached when the script imports `transformers.trainer` (trainers/integrations/_
   handed to them as `train()` returns.
 - After a stop's save, rank 0 requeues the job (on Slurm, when the stop came from the profile's signal) and every
   rank exits: nothing after `trainer.train()` runs (no final save_model, evaluation or upload on a stop).
-- `train()` resumes the newest complete checkpoint of the output folder when it is given none. A checkpoint it is
+- `train()` resumes the newest complete checkpoint of the output folder when it is given none, among those this
+  run completed: one another run completed (another command, or `--new`, with the same output folder; the completion
+  mark names the run folder) is not resumed, and one line says so and which was. A checkpoint it is
   given, or finds, that a save left incomplete (the pending mark without the completion mark) is moved aside to
   `OUTPUT/incomplete/` with one line, and the newest complete one before it is used instead (Hugging Face's own
   `get_last_checkpoint`, which scripts like run_clm.py call, picks the newest folder however it ended). A
@@ -39,7 +41,8 @@ from typing import Any
 from hpcjobs.protocol.runfolder import read_json
 from trainers import watchdog
 from trainers.integrations.account import ACCOUNT
-from trainers.integrations.marks import COMPLETE, incomplete, mark_complete, mark_pending, run_folder, say, settle
+from trainers.integrations.marks import (COMPLETE, another_run, checkpoints, incomplete, mark_complete, mark_pending,
+                                        run_folder, say, settle)
 from trainers.integrations.signals import joined
 
 
@@ -87,14 +90,31 @@ def resume_point(output_dir: str, given: Any) -> Any:
             raise SystemExit(2)  # on every rank: each was given the same path
         if not incomplete(Path(given)):
             same_world_size(Path(given))
-            say(f"resuming from {given}")
+            other = another_run(Path(given))
+            say(f"resuming from {given}" + (f", which another run completed ({other}): the script asked for it"
+                                            if other else ""))
             return given
-    newest = settle(root) or previous_start(root)
+    newest = own_newest(root) or previous_start(root)
     if newest is not None:
         same_world_size(newest)
         say(f"resuming from {newest}")
         return str(newest)
     return None if given is True else given
+
+
+def own_newest(root: Path) -> Path | None:
+    """The newest complete checkpoint of `root` that this run wrote (or one written without a run folder's name). A
+    newer one another run completed (a different command, or `--new`, with the same --output_dir) is not resumed,
+    and one line says so: that run's own command continues it, as the shared trainer's runs keep apart."""
+    newest = settle(root)
+    if newest is None or (other := another_run(newest)) is None:
+        return newest
+    mine = next((p for _, p in reversed(checkpoints(root))
+                 if p != newest and not incomplete(p) and another_run(p) is None), None)
+    say(f"{newest} was completed by another run ({other}), not this one: not resumed, "
+        f"{f'resuming {mine}, the newest of this run' if mine else 'this run starts at step 0'}. HINT: that run's own "
+        f"command continues it (or --resume_from_checkpoint {newest}); another --output_dir keeps runs apart")
+    return mine
 
 
 _ZERO_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")

@@ -82,13 +82,30 @@ def mark_complete(folder: Path, step: int) -> None:
     maybe_die("save-written", step)  # fault injection (tests): a rank killed inside the save
     barrier()
     if rank() == 0:
-        write_atomic(folder / COMPLETE, json.dumps({"step": step}), durable=True)
-        (folder / PENDING).unlink(missing_ok=True)
         run = run_folder()
+        mark = {"step": step, **({"run": str(run.path.resolve())} if run is not None else {})}
+        write_atomic(folder / COMPLETE, json.dumps(mark), durable=True)
+        (folder / PENDING).unlink(missing_ok=True)
         if run is not None:
             write_json_atomic(run.script_checkpoint, {"path": str(folder.resolve()), "step": step})
     ACCOUNT.save_done(folder, step)
     barrier()
+
+
+def written_by(folder: Path) -> str | None:
+    """The run folder whose start completed `folder` (its completion mark says), None when unknown: written without
+    hpcjobs, by an hpcjobs that did not record it, or outside a run folder."""
+    try:
+        run = json.loads((folder / COMPLETE).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
+def another_run(folder: Path) -> str | None:
+    """The other run folder that completed `folder`, when this start runs in a run folder and it is not that one."""
+    here, there = run_folder(), written_by(folder)
+    return there if here is not None and there is not None and there != str(here.path.resolve()) else None
 
 
 def run_folder() -> RunFolder | None:
