@@ -1,4 +1,8 @@
-"""A validated request (profile + flags) becomes one frozen JobSpec. Pure: no I/O beyond looking an entry up."""
+"""A validated request (profile + flags) becomes one frozen JobSpec. Pure: no I/O beyond looking an entry up.
+
+What the profile allows (nodes, GPUs, time, the nodes' Python) is hpcjobs.request.limits; the run folder's name and
+its checks are hpcjobs.request.rundir.
+"""
 
 from __future__ import annotations
 
@@ -9,41 +13,28 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Protocol
 
-from hpcjobs.profiles.cluster_profile import MAX_NODES, ClusterProfile
+from hpcjobs.profiles.cluster_profile import ClusterProfile
 from hpcjobs.profiles.container import Image, resolve
-from hpcjobs.profiles.slurmtime import format_time, parse_time
+from hpcjobs.profiles.slurmtime import format_time
 from hpcjobs.protocol.access import GROUP, UMASK_VAR
 from hpcjobs.protocol.contract import Recovery
-from hpcjobs.protocol.errors import UsageError, shown
-from hpcjobs.protocol.paths import NAME_MAX, PATH_MAX, RUN_DIR_HINT, resolved, run_folder_place
+from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.points import Point, as_args
-from hpcjobs.protocol.runfolder import ARRAY_TASK_DIR, JOB_ID, TASK_INDEX, fixed_part
 from hpcjobs.request.after import After, parse_all
 from hpcjobs.request.commandkey import command_key
 from hpcjobs.request.credentials import bare_names
 from hpcjobs.request.entry import Entry, resolve_entry
 from hpcjobs.request.gpu_fit import check_fits
+from hpcjobs.request.limits import AFTER_SETUP, Capabilities, gpus_per_node, most_nodes, node_python, time_seconds
 from hpcjobs.request.rank_settings import check_env_names, job_env
+from hpcjobs.request.rundir import check_one_line, run_dir_for, snapshot_root
 from hpcjobs.request.snapshot import Snapshot, plan
 from hpcjobs.request.sweep import as_mapping, build_points, tasks_args
 from hpcjobs.request.taskcheck import check_task_flags, check_trainer_args
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A job name, matched whole (fullmatch): `$` lets a final newline through, which would end the #SBATCH header."""
-
-
-class Capabilities(Protocol):
-    """What a spec needs to know of the scheduler's backend (every hpcjobs.backends.Backend has it): the caller
-    passes the backend in and runs its `check` on the spec, so the spec never looks a backend up itself."""
-
-    @property
-    def multi_node(self) -> bool: ...
-    @property
-    def requests_gpus(self) -> bool: ...
-    @property
-    def runs_setup(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -168,44 +159,6 @@ class JobSpec:
         }
 
 
-AFTER_SETUP = "python3"
-"""The nodes' Python when the profile names none and has a setup: found on the node's PATH after the setup."""
-
-
-def node_python(profile: ClusterProfile, caps: Capabilities) -> str:
-    """The Python the ranks run (ClusterProfile.python says which and why); in an image, its own `python3`."""
-    if profile.python:
-        return profile.python
-    return AFTER_SETUP if (profile.setup and caps.runs_setup) or profile.container.enabled else sys.executable
-
-
-def _check_one_line(flag: str, value: str | None, hint: str) -> None:
-    """What goes on an #SBATCH line, as the profile's strings do: a newline would end the header there and run the
-    rest of the value as a shell line."""
-    if value is not None and ("\n" in value or "\r" in value):
-        raise UsageError(f"{flag} {value!r}: valid: a single-line value.", hint)
-
-
-def _bytes(path: str) -> int:
-    """A path's length as the filesystem counts it (a byte an argument could not decode counts as one)."""
-    return len(path.encode("utf-8", "replace"))
-
-
-def _check_run_dir(run_dir: str) -> None:
-    """A run folder is named on an #SBATCH line (submitit's --output) and made here or on the node: one line, and a
-    path a filesystem can hold (a longer one failed stat with ENAMETOOLONG: a traceback here, a failed job there)."""
-    hint = RUN_DIR_HINT
-    _check_one_line("run folder", run_dir, hint)
-    too_long = next((part for part in run_dir.split("/") if _bytes(part) > NAME_MAX), None)
-    if too_long is not None:
-        raise UsageError(f"run folder {shown(run_dir)}: the name {shown(too_long)} is longer than {NAME_MAX} bytes; "
-                         f"valid: names of at most {NAME_MAX} bytes.", hint)
-    if _bytes(run_dir) >= PATH_MAX:
-        raise UsageError(f"run folder {shown(run_dir)} is longer than {PATH_MAX - 1} bytes; valid: a path of at "
-                         f"most {PATH_MAX - 1} bytes.", hint)
-    run_folder_place(run_dir)  # a file on the way: refused by --dry-run and render too, not only by a real submit
-
-
 def _check_max_parallel(max_parallel: int | None, points: int) -> None:
     if max_parallel is None:
         return
@@ -216,72 +169,10 @@ def _check_max_parallel(max_parallel: int | None, points: int) -> None:
                          "or --sweep-file.", "e.g. --sweep lr=1e-3,3e-4 --max-parallel 1")
 
 
-def _check_array_run_dir(run_dir: str, points: int) -> None:
-    """Each task of an array needs its own run folder, named by its index; %j (a task's own job id) is known only
-    on the node, so the login node could not find the folders."""
-    if TASK_INDEX not in run_dir or JOB_ID in run_dir:
-        raise UsageError(f"--run-dir {shown(run_dir)} for a sweep of {points} points: valid: a pattern with %a (the "
-                         "task's index) and without %j.", f"e.g. --run-dir runs/sweep-{ARRAY_TASK_DIR}, or leave "
-                         "--run-dir out.")
-
-
-def snapshot_root(run_dir: str) -> Path:
-    """Where a run folder's code snapshots go: the folder that holds it (its first part without a pattern)."""
-    fixed = fixed_part(run_dir)
-    return fixed if str(fixed) != run_dir else fixed.parent
-
-
 def default_name(entry: Entry) -> str:
     base = entry.target.split(":")[0]
     base = Path(base).stem if entry.kind == "script" else base.rsplit(".", 1)[-1]
     return re.sub(r"[^A-Za-z0-9_.-]", "-", base)[:64] or "job"
-
-
-def node_limit(profile: ClusterProfile) -> int:
-    """The most nodes the profile allows: its max_nodes, and hpcjobs' own limit otherwise."""
-    return min(profile.max_nodes or MAX_NODES, MAX_NODES)
-
-
-def most_nodes(profile: ClusterProfile, caps: Capabilities) -> int:
-    """The most nodes a job of this profile may ask for: its node_limit, or one where its scheduler runs on this
-    machine only."""
-    return node_limit(profile) if caps.multi_node else 1
-
-
-def _more_nodes_hint(profile: ClusterProfile, caps: Capabilities, total: int) -> str:
-    """How to ask for `total` GPUs the way the profile allows, never a request it would refuse."""
-    per, most = profile.gpus_per_node, most_nodes(profile, caps)
-    need = -(-total // per)
-    if need <= most:
-        return f"--gpus is per node; for {total} GPUs in all ask for more nodes, e.g. --nodes {need} --gpus {per}."
-    return (f"--gpus is per node, and profile {profile.name} allows at most {most} node(s) × {per} GPUs = "
-            f"{most * per} in all: e.g. --nodes {most} --gpus {per}.")
-
-
-def _gpus_per_node(profile: ClusterProfile, req: Request, caps: Capabilities) -> int:
-    """The request's nodes and GPUs per node, checked against the profile (a single-node scheduler refuses more
-    than one node in its own words: backend.check)."""
-    where = f"profile {profile.name}"
-    if req.nodes < 1:
-        raise UsageError(f"--nodes {req.nodes}: valid: 1 or more.", "e.g. --nodes 2")
-    limit = node_limit(profile)
-    if req.nodes > limit:
-        raise UsageError(f"--nodes {req.nodes}: {where} allows at most {limit}.", f"ask for --nodes {limit} or fewer.")
-    gpus = profile.gpus_per_node if req.gpus is None else req.gpus
-    if gpus < 1:
-        raise UsageError(f"--gpus {gpus}: valid: 1 to {profile.gpus_per_node} (GPUs per node).", "e.g. --gpus 8")
-    if gpus > profile.gpus_per_node:
-        raise UsageError(f"--gpus {gpus} per node: nodes of {where} have {profile.gpus_per_node}; valid: 1 to "
-                         f"{profile.gpus_per_node}.", _more_nodes_hint(profile, caps, gpus * req.nodes))
-    return gpus
-
-
-def _time_seconds(profile: ClusterProfile, req: Request) -> int:
-    time_s = parse_time(req.time if req.time is not None else profile.default_time, "--time")
-    if profile.max_time and time_s > parse_time(profile.max_time):
-        raise UsageError(f"--time {req.time}: profile {profile.name} allows at most {profile.max_time}.",
-                         f"ask for --time {profile.max_time} or less; the job requeues itself to go on longer.")
-    return time_s
 
 
 def _entry_and_points(profile: ClusterProfile, req: Request, caps: Capabilities, workdir: Path,
@@ -306,23 +197,6 @@ def _job_name(req: Request, entry: Entry) -> str:
         raise UsageError(f"--name {name!r}: valid: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                          "or digit.", "e.g. --name gpt-small")
     return name
-
-
-def _run_dir(profile: ClusterProfile, req: Request, workdir: Path, name: str, stamp: str, points: int,
-             job_id_in_run_dir: bool) -> str:
-    """The run folder: --run-dir, or one named by the job under the profile's runs folder; checked."""
-    array = points > 1
-    if req.run_dir:  # absolute, so status and logs find it from anywhere; a pattern (%j) is resolved later
-        run_dir = str(resolved(workdir / os.path.expanduser(req.run_dir), "run folder", RUN_DIR_HINT))
-    else:
-        root = profile.runs_path()
-        root = root if root.is_absolute() else workdir / root
-        suffix = f"-{ARRAY_TASK_DIR}" if array else f"-{JOB_ID}" if job_id_in_run_dir else ""
-        run_dir = str(root / f"{name}-{stamp}{suffix}")
-    _check_run_dir(run_dir)
-    if array:
-        _check_array_run_dir(run_dir, points)
-    return run_dir
 
 
 def _recovery(profile: ClusterProfile, req: Request, nodes_allowed: int | None) -> Recovery:
@@ -350,8 +224,8 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
     key and the entry's kind, the run folder to continue (hpcjobs.follow.samecommand), asked when no --run-dir is
     given; with it a job that is not a sweep records its key."""
     workdir = workdir or Path.cwd()
-    gpus = _gpus_per_node(profile, req, caps)
-    time_s = _time_seconds(profile, req)
+    gpus = gpus_per_node(profile, req, caps)
+    time_s = time_seconds(profile, req)
     entry, points = _entry_and_points(profile, req, caps, workdir, gpus)
     name = _job_name(req, entry)
     env = job_env(profile.env, profile.nccl, req.env, req.allow_secret_values)
@@ -362,13 +236,13 @@ def build_spec(profile: ClusterProfile, req: Request, caps: Capabilities, *, wor
         if same_command and not (req.sweep or req.sweep_file) else ""
     if command and same_command and not req.run_dir and (found := same_command(command, entry.kind)):
         req = replace(req, run_dir=found)
-    run_dir = _run_dir(profile, req, workdir, name, stamp, len(points), job_id_in_run_dir)
+    run_dir = run_dir_for(profile, req, workdir, name, stamp, len(points), job_id_in_run_dir)
     snapshot = plan(workdir, snapshot_root(run_dir)) if req.snapshot else None
     if snapshot is not None and entry.kind == "script":
         entry = replace(entry, target=snapshot.where(entry.target))
     for flag, value, example in (("--partition", req.partition, "gpu"), ("--account", req.account, "my-project"),
                                  ("--qos", req.qos, "normal")):
-        _check_one_line(flag, value, f"e.g. {flag} {example}")
+        check_one_line(flag, value, f"e.g. {flag} {example}")
     python = node_python(profile, caps)
     where = snapshot.where(str(workdir)) if snapshot else str(workdir)
     image = resolve(profile.container, req.container, gpus, [str(snapshot_root(run_dir)), where], where)

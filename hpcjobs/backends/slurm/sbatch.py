@@ -31,7 +31,8 @@ from hpcjobs.protocol.versions import FLOOR_TEXT
 from hpcjobs.request.after import dependency
 from hpcjobs.request.credentials import check_lines
 from hpcjobs.request.render import launcher_argv, signal_guard
-from hpcjobs.request.spec import JobSpec, snapshot_root
+from hpcjobs.request.rundir import snapshot_root
+from hpcjobs.request.spec import JobSpec
 
 SBATCH_TEMPLATE = "sbatch.sh.j2"
 SUBMITIT_NATIVE = frozenset({
