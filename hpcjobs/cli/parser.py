@@ -174,9 +174,10 @@ def job_flags(entry_optional: bool = False) -> Parser:
                         "(the copy is what every restart runs, whatever is edited after)")
     p.add_argument("--container", metavar="IMAGE", help="run every rank in this image (the profile's container "
                    "runtime: pyxis, apptainer, charliecloud, oci) instead of its container.image")
-    p.add_argument("--model", metavar="CONFIG_JSON", help="a Hugging Face model's config.json: --dry-run and doctor "
-                   "show its memory plan per GPU, as `hpcjobs plan --model` does (after the entry, --model is the "
-                   "entry's)")
+    p.add_argument("--model", metavar="CONFIG_JSON", help="a Hugging Face model's config.json: --dry-run (and its "
+                   "--json) and doctor show its memory plan per GPU, as `hpcjobs plan --model` does, and submit warns "
+                   "when its stop checkpoint cannot commit within the preemption warning (after the entry, --model "
+                   "is the entry's)")
     p.add_argument("entry", metavar="ENTRY", nargs="?" if entry_optional else None, default=None,
                    help="a task module (trainers.tasks.lm, pkg.mod:make_task), a .py script, or with -m a module"
                         + (f" (default: {DOCTOR_ENTRY}, to check the request alone)" if entry_optional else ""))

@@ -94,11 +94,14 @@ def points_text(spec: JobSpec) -> str:
     return head + "".join(f"task {i}: {' '.join(as_args(p))}\n" for i, p in enumerate(spec.points))
 
 
-def dry_run(spec: JobSpec, request: SubmitRequest, tasks_args: list[tuple[str, ...]], as_json: bool) -> None:
-    """What `submit --dry-run` shows: the world, the memory plan, the spec, a sweep's points and the request."""
+def dry_run(spec: JobSpec, request: SubmitRequest, tasks_args: list[tuple[str, ...]], as_json: bool,
+            model_plan: dict[str, Any] | None = None) -> None:
+    """What `submit --dry-run` shows: the world, the memory plan, the spec, a sweep's points and the request;
+    `model_plan`: `--model config.json`'s (hpcjobs.request.hf_plan.model_plan_record), in the JSON record."""
     if as_json:
         print_json({"dry_run": True, "world": spec.world(), "spec": spec.as_dict(), "request": request.text,
                     "points": [dict(p) for p in spec.points], "memory_plan": memory_plans(spec, tasks_args),
+                    **({"model_plan": model_plan} if model_plan is not None else {}),
                     **({"secrets": states(spec.secrets)} if spec.secrets else {})})
         return
     print(f"# dry run: {spec.world()}; nothing submitted")

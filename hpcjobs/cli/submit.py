@@ -46,9 +46,10 @@ def run_submit(ns: argparse.Namespace) -> int:
     model_line = model_plan_line(spec, ns.model) if ns.model else None  # a bad --model: one line, nothing queued
     if ns.dry_run:
         print(*said, sep="\n", file=sys.stderr, flush=True) if said else None
-        present.dry_run(spec, request, tasks_args(spec), ns.json)
+        present.dry_run(spec, request, tasks_args(spec), ns.json,
+                        model_record(spec, ns.model) if ns.model and ns.json else None)
         print(model_line) if model_line and not ns.json else None
-        warn_short_chunks(spec, backend.queued, "submit")
+        warn_short_chunks(spec, backend.queued, "submit", ns.model)
         return 0
     from hpcjobs.request.credentials import refuse_missing
     from hpcjobs.submit import submit
@@ -63,7 +64,7 @@ def run_submit(ns: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
     sub = submit(request)
     present.submitted(spec, sub, ns.json)
-    warn_short_chunks(spec, backend.queued, "submit")  # once submitted: a refusal above stays the one line said
+    warn_short_chunks(spec, backend.queued, "submit", ns.model)  # once submitted: a refusal above stays the one line
     return sub.returncode or 0
 
 
@@ -112,18 +113,29 @@ def model_plan_line(spec: JobSpec, model: str) -> str:
     return model_plan_line(spec.profile, model, (tasks_args(spec) or [spec.entry.args])[0], spec.ranks)
 
 
-def warn_short_chunks(spec: JobSpec, queued: bool, command: str) -> None:
+def model_record(spec: JobSpec, model: str) -> dict[str, object]:
+    """`--model config.json`'s plan for `--dry-run --json` (hpcjobs.request.hf_plan), the first point's arguments."""
+    from hpcjobs.request.hf_plan import model_plan_record
+
+    return model_plan_record(spec.profile, model, (tasks_args(spec) or [spec.entry.args])[0], spec.ranks)
+
+
+def warn_short_chunks(spec: JobSpec, queued: bool, command: str, model: str | None = None) -> None:
     """One line on stderr when the time limit leaves little of each chunk for training (hpcjobs.request.chunks): a
     queued job requeues at its limit and goes on; a local one does not. Another when the stop checkpoint cannot
-    commit within the preemption warning (hpcjobs.request.ckpt_window). Said once the command did its work, so that
-    a refusal stays the one line said."""
+    commit within the preemption warning (hpcjobs.request.ckpt_window): of `--model config.json`'s model when one is
+    given (hpcjobs.request.hf_plan), else of the bundled LM. Said once the command did its work, so that a refusal
+    stays the one line said."""
     import sys
 
     from hpcjobs.request.chunks import chunk_warning
     from hpcjobs.request.ckpt_window import submit_window_line
+    from hpcjobs.request.hf_plan import model_window_line
 
-    lines = (chunk_warning(spec), submit_window_line(spec.profile, spec.entry.target, tasks_args(spec), spec.ranks)
-             ) if queued else ()
+    args = tasks_args(spec)
+    window = (model_window_line(spec.profile, model, (args or [spec.entry.args])[0], spec.ranks) if model else
+              submit_window_line(spec.profile, spec.entry.target, args, spec.ranks)) if queued else None
+    lines = (chunk_warning(spec), window) if queued else ()
     for line in filter(None, lines):
         print(f"hpcjobs {command}: warning: {line}", file=sys.stderr)
 
@@ -151,9 +163,9 @@ def run_render(ns: argparse.Namespace) -> int:
     take_snapshot(spec)  # the script runs the code as it is now, however long it waits to be submitted
     if not ns.output:
         print(script.text, end="")
-        warn_short_chunks(spec, backend.queued, "render")
+        warn_short_chunks(spec, backend.queued, "render", ns.model)
         return 0
     path = write_script(script, Path(ns.output), ns.force)
     present.rendered(path, spec)
-    warn_short_chunks(spec, backend.queued, "render")
+    warn_short_chunks(spec, backend.queued, "render", ns.model)
     return 0

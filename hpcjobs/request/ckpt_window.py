@@ -54,7 +54,7 @@ def window_line(profile: ClusterProfile, size: int, what: str) -> str | None:
 def submit_window_line(profile: ClusterProfile, target: str, tasks_args: list[tuple[str, ...]],
                        ranks: int) -> str | None:
     """The line for a job of the bundled LM task (its largest point); None for any other entry, whose model only
-    the node knows."""
+    the node knows (unless `--model config.json` names it: hpcjobs.request.hf_plan.model_window_line)."""
     from hpcjobs.request.gpu_fit import job_plan
 
     found = [p for p in (job_plan(target, args, ranks) for args in tasks_args) if p is not None]

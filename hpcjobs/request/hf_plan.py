@@ -1,17 +1,21 @@
 """A job's memory plan for a Hugging Face model (`--model config.json`): hpcjobs.request.hf_config's Shape under the
-trainer's flags, the same plan the bundled LM's job gets (hpcjobs.request.gpu_fit). Three callers: `hpcjobs plan`,
-and, when `--model` is given, `submit --dry-run`'s memory line and `doctor`'s memory row. Torch-free."""
+trainer's flags, the same plan the bundled LM's job gets (hpcjobs.request.gpu_fit). Its callers: `hpcjobs plan`,
+and, when `--model` is given, `submit --dry-run`'s memory line (and its `--json` record's `model_plan`), `doctor`'s
+memory row, and submit's checkpoint-window line (hpcjobs.request.ckpt_window: the model's stop checkpoint against the
+preemption warning). Torch-free."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hpcjobs.profiles.cluster_profile import ClusterProfile
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.planning.memory_plan import GIB, Plan, Setup, Shape, parse_gpu_memory, plan
 from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args
 from hpcjobs.request.checks import Check, Result
+from hpcjobs.request.ckpt_window import checkpoint_bytes, window_line
 from hpcjobs.request.gpu_fit import setup_of
 from hpcjobs.request.hf_config import max_positions, model_shape
 
@@ -94,3 +98,26 @@ def model_doctor_check(profile: ClusterProfile, model: str, args: Sequence[str],
         return Check("memory plan", Result.FAIL, f"{need}, over the {room / GIB:.0f} GiB of gpu_memory",
                      f"`hpcjobs plan --model {model}` with the same flags names the flags that would fit")
     return Check("memory plan", Result.PASS, f"{need}, of {room / GIB:.0f} GiB (gpu_memory)")
+
+
+def model_plan_record(profile: ClusterProfile, model: str, args: Sequence[str], ranks: int) -> dict[str, Any]:
+    """`submit --dry-run --json`'s `model_plan`: what the text dry run's line says, in bytes, with the verdict
+    against the profile's gpu_memory (None: not declared) and the stop checkpoint's size and window line."""
+    found = entry_plan(model, args, ranks)
+    room = parse_gpu_memory(profile.gpu_memory) if profile.gpu_memory is not None else None
+    size = checkpoint_bytes(found.shape)
+    return {"model": model, "model_type": found.model_type, "what": found.what(), "parameters": found.shape.params,
+            "plan": found.plan.as_dict(), "gpu_memory": room,
+            "fits": None if room is None else found.plan.total <= room, "checkpoint_bytes": size,
+            "checkpoint_warning": model_window(profile, found)}
+
+
+def model_window(profile: ClusterProfile, found: ModelPlan) -> str | None:
+    """The checkpoint-window line (hpcjobs.request.ckpt_window) for the model's stop checkpoint."""
+    return window_line(profile, checkpoint_bytes(found.shape), f"{found.model} ({found.model_type})")
+
+
+def model_window_line(profile: ClusterProfile, model: str, args: Sequence[str], ranks: int) -> str | None:
+    """Submit's warning for `--model`: its stop checkpoint cannot commit within preemption.seconds_before at the
+    profile's storage.write_gb_per_s; None when it can or no rate is known."""
+    return model_window(profile, entry_plan(model, args, ranks))
