@@ -24,7 +24,8 @@ from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from trainers import watchdog
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv
 from trainers.hangbound import SAVE_K, STEPS_MEASURED, Bound, K, save_allowance, startup_bound, step_bound
-from trainers.watchdog import LATE_NOTE, Watchdog
+from trainers.hangreport import LATE_NOTE
+from trainers.watchdog import Watchdog
 
 ENV = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=1,
               job_id="7", restart=3, source="single")

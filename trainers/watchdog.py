@@ -33,7 +33,8 @@ is taken as hung when resumed.
 
 The stack file is opened when the watchdog is armed (the C timer needs a file it can write without Python) and
 removed again, empty, when it is disarmed: a rank killed while armed (SIGKILL) leaves an empty one, which says
-nothing. Cost per step: bench/watchdog.py (a step mark is well under a microsecond; the figure is in its docstring).
+nothing. What a firing watchdog leaves (the stacks, the failure, the log line) is trainers/hangreport.py. Cost per
+step: bench/watchdog.py (a step mark is well under a microsecond; the figure is in its docstring).
 One watchdog per process; a script's own `faulthandler.dump_traceback_later` is replaced while it is armed.
 """
 
@@ -65,6 +66,7 @@ from trainers.hangbound import (
     startup_bound,
     step_bound,
 )
+from trainers.hangreport import leave_word
 
 POLL_S = 1.0
 """How often the Python thread looks: a hang is found at most this late."""
@@ -73,17 +75,13 @@ PAUSED_S = 5.0
 LEAVE_WORD_S = 30.0
 """How long a firing watchdog waits for its dump and record (a filesystem may be what hangs) before it exits."""
 
-LATE_NOTE = ("Found at the rank's next mark, once it ran again (stopped by SIGSTOP and continued, or its watchdog "
-             "thread starved): the main thread's stack is where it went on from; the step it last finished says "
-             "where it stopped.\n")
-
 
 class Alive(Protocol):
     def is_alive(self) -> bool: ...
 
 
 @dataclass
-class Save:
+class SaveInFlight:
     step: int
     began: float
     until: Alive | None = None
@@ -105,7 +103,7 @@ class Watchdog:
         self.last_step_at: float | None = None
         self.base = time.monotonic()
         """The last sign of progress: the bound is measured from here."""
-        self.save: Save | None = None
+        self.save: SaveInFlight | None = None
         self.rearm_at = 0.0
         self.polled_at = self.base
         """When the watchdog thread last looked (monotonic): a long gap since means the process did not run."""
@@ -141,7 +139,7 @@ class Watchdog:
 
     def saving(self, step: int) -> None:
         """A checkpoint save of `step` begins: the bound grows by the save allowance until `saved()`."""
-        self.save = Save(step, time.monotonic())
+        self.save = SaveInFlight(step, time.monotonic())
         self.rearm(self.save.began)
 
     def saved(self, until: Alive | None = None) -> None:
@@ -150,7 +148,7 @@ class Watchdog:
         if save is None:
             return
         if until is not None and until.is_alive():
-            self.save = Save(save.step, save.began, until)
+            self.save = SaveInFlight(save.step, save.began, until)
             return
         now = time.monotonic()
         self.save_costs.append(now - save.began)
@@ -248,29 +246,11 @@ class Watchdog:
         if not self._firing.acquire(blocking=False):
             threading.Event().wait()  # the other one ends the process
         faulthandler.cancel_dump_traceback_later()  # waits for the C timer if it is dumping right now
-        word = threading.Thread(target=self.leave_word, args=(why, late), name="hpcjobs-watchdog-word", daemon=True)
+        word = threading.Thread(target=leave_word, name="hpcjobs-watchdog-word", daemon=True,
+                                args=(why, late, self.file, self.path, self.env, self.run, self.step))
         word.start()
         word.join(LEAVE_WORD_S)
         os._exit(HANG_EXIT)
-
-    def leave_word(self, why: str, late: bool = False) -> None:
-        from trainers.failures import record_rank_error
-        from trainers.logtee import Tee
-
-        file = self.file
-        if file is not None:
-            if os.fstat(file.fileno()).st_size == 0:  # the C timer has not dumped them
-                faulthandler.dump_traceback(file, all_threads=True)
-            file.write(f"\n{why}\n")
-            if late:
-                file.write(LATE_NOTE)
-            file.flush()
-        print(f"hpcjobs: rank {self.env.rank}: {why}; every thread's stack in {self.path}", file=sys.stderr,
-              flush=True)
-        record_rank_error(why, self.env, self.run, step=self.step, stacks=str(self.path))
-        sys.stdout.flush()
-        if Tee.active is not None:
-            Tee.active.log_only("")  # the pipe drained into the log before the exit
 
 
 _current: Watchdog | None = None
