@@ -180,7 +180,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-class SlurmJob(JobEnv):
+class SlurmJobEnv(JobEnv):
     name = "slurm"
     scheduler = "Slurm"
 
@@ -263,5 +263,5 @@ class SlurmJob(JobEnv):
         return int(per_task) if per_task and per_task.isdigit() else None
 
 
-ENVIRONMENT = SlurmJob
+ENVIRONMENT = SlurmJobEnv
 """The class hpcjobs.protocol.schedulers.JOB_ENVIRONMENTS names this module for."""

@@ -72,7 +72,9 @@ class Job:
 
 # --- the trackers -----------------------------------------------------------------------------------------------
 
-class Backend(Protocol):
+class TrackerBackend(Protocol):
+    """A tracker's own run (wandb, MLflow, TensorBoard: trainers/tracking/*_run.py), as Guarded wraps it."""
+
     def log(self, values: Mapping[str, float], step: int) -> None: ...
 
     def close(self, finished: bool) -> None: ...
@@ -82,9 +84,9 @@ class Guarded:
     """A tracker as the Meter sees it: steps already in the tracker's run are not logged again (when `once`), each
     log is recorded in RUN/tracker.json, and the first failure turns the tracker off for the rest of the start."""
 
-    def __init__(self, name: str, backend: Backend, state: TrackerFile, once: bool) -> None:
+    def __init__(self, name: str, backend: TrackerBackend, state: TrackerFile, once: bool) -> None:
         self.name, self.state, self.once = name, state, once
-        self.backend: Backend | None = backend
+        self.backend: TrackerBackend | None = backend
         self.logged: dict[str, int] = self._logged() if once else {}
 
     def _logged(self) -> dict[str, int]:
