@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from trainers import watchdog
@@ -48,12 +49,13 @@ def launched_at() -> float:
     return now if started is None else min(now, started)
 
 
-def record(run: RunFolder, env: DistEnv, start_step: int | None = None) -> None:
+def record(run: RunFolder, env: DistEnv, start_step: int | None = None, **extra: Any) -> None:
     """Append this rank's line; `cpu_s` is the CPU time the process used to get here, `cpu_at` the CPU time it had
     used at each mark (on hosts where ranks share cores, start-up wall time grows with the ranks per core; these
     show which stage's own work grows). `start_step`: the step this start began at (the one it resumed from; 0
-    fresh), which tells `hpcjobs goodput` which steps the start before it trained in vain."""
+    fresh), which tells `hpcjobs goodput` which steps the start before it trained in vain; `extra`: more fields
+    (`resumed_tier`: trainers.localtier's word for where it resumed from)."""
     append_jsonl(run.startup, {"restart": env.restart, "rank": env.rank, "job_id": env.job_id,
                                "host": os.uname().nodename, "launched": process_started(),
                                "cpu_s": round(time.process_time(), 3), "cpu_at": dict(_cpu), "start_step": start_step,
-                               **_marks})
+                               **_marks, **extra})

@@ -30,6 +30,7 @@ from trainers.checkpoint.state import Position, RngState, reseed, rng_state, see
 from trainers.checkpoint.stateful import ModelState, OptimizerState, Place, Stateful
 from trainers.data import micro_batches, to_device
 from trainers.dist import DistContext
+from trainers.localtier import SHARED, LocalTier
 from trainers.logtee import Tee
 from trainers.meter import Meter
 from trainers.progress import summary
@@ -132,6 +133,7 @@ class Training:
         log(ctx, self.describe())
         # Without the frozen parameters (save_frozen=False), the model's state is partial: loaded not strictly.
         self.state_options = StateDictOptions(ignore_frozen_params=not task.save_frozen, strict=task.save_frozen)
+        self.local = LocalTier(cfg.local_ckpt_every, ctx, run.path, cfg.steps)  # node-local tier: trainers.localtier
         self.build()
         self.resumed_from = self.resume()
         self.prepare()
@@ -201,7 +203,9 @@ class Training:
             return check_compatible(meta, cfg, self.task, ctx.world_size, where)
 
         keys = self.checkpointer.names(Place.SHARED), self.checkpointer.names(Place.OWN)
-        found = newest_readable(self.folder, ctx, check, self.load, keys)
+        found = self.local.resume(self.folder.checkpoints, self.states(), check)  # newer than shared storage only
+        self.dirty = self.local.tried
+        found = found or newest_readable(self.folder, ctx, check, self.load, keys)
         if found is None and self.dirty:
             self.rebuild()
         self.anchor, note = lr_anchor(found.meta, cfg, self.lr) if found else (None, "")
@@ -214,6 +218,7 @@ class Training:
         resharded = "" if found.mine else f", resharded from {found.meta.get('world_size')} ranks"
         log(ctx, f"resumed from {found.ref.path} (step {self.pos.step}, epoch {self.pos.epoch}, micro-batch "
                  f"{self.pos.micro}){resharded}")
+        self.local.say(self.pos.step)
         if note:
             log(ctx, f"schedule: {note}")
         return found.ref
@@ -246,7 +251,7 @@ class Training:
             # the first step compile again for train mode.
             settle_ddp_buckets(ddp, task, dataset, self.micro, ctx.device, self.autocast, self.optimizer)
         self.first_step = self.pos.step
-        self.last_saved = self.pos.step if self.resumed_from is not None else -1
+        self.last_saved = self.pos.step if self.resumed_from is not None and self.local.used == SHARED else -1
         world = ctx.world_size
         peak = perf.peak_flops(ctx.device, self.precision, tf32=self.math == "TF32 matmuls")
         self.meter = Meter(ctx, cfg, task, self.folder, self.micro * cfg.grad_accum * world, self.pos.step,
@@ -319,7 +324,7 @@ class Training:
     def first_step_done(self) -> None:
         """Start-up is over (compilation, loading, a cold node): a hung rank should now end the job quickly."""
         startup.mark("first_step")
-        startup.record(self.folder, self.ctx.env, self.first_step)
+        startup.record(self.folder, self.ctx.env, self.first_step, resumed_tier=self.local.used)
         if self.cfg.async_save and self.checkpointer.every:
             self.checkpointer.reserve_in_background()
         seconds = self.ctx.training_timeout()
@@ -337,6 +342,8 @@ class Training:
         self.meter.tick(step)
         if self.val_set is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             self.evaluate()
+        if self.local.due(step):
+            self.local.save(step, self.states(), self.meta)
         if self.checkpointer.should_save(step):
             self.save(background=cfg.async_save)
 
@@ -360,17 +367,20 @@ class Training:
                 self.ctx.barrier()
                 saves.record(self.folder, self.ctx.env, self.pos.step, began, background)
             return
-        meta = {"config": self.cfg.as_dict(), "task": self.task.name, "task_config": self.task.config,
-                "lr_anchor": list(self.anchor) if self.anchor else None}  # how a resume re-plans the schedule
         watchdog.saving(self.pos.step)  # the hang watchdog allows for it, and bounds it
-        self.checkpointer.save(self.pos.step, meta, background)
+        self.checkpointer.save(self.pos.step, self.meta(), background)
         watchdog.saved(until=self.checkpointer.pending)  # a background save: in flight while its thread writes
         self.last_saved = self.pos.step
         saves.record(self.folder, self.ctx.env, self.pos.step, began, background, self.checkpointer.waited_s)
 
+    def meta(self) -> dict[str, Any]:
+        return {"config": self.cfg.as_dict(), "task": self.task.name, "task_config": self.task.config,
+                "lr_anchor": list(self.anchor) if self.anchor else None}  # how a resume re-plans the schedule
+
     def stop(self) -> int:
         self.agreement.close()
         self.save()
+        self.local.close()  # the stop's shared checkpoint is newer
         log(self.ctx, f"stop requested: checkpoint step-{self.pos.step} committed")
         self.meter.flush_rest(self.pos.step, float(self.scheduler.get_last_lr()[0]))
         self.meter.close()
@@ -380,6 +390,7 @@ class Training:
     def finish(self) -> int:
         self.agreement.close()
         self.save()
+        self.local.close()
         self.meter.close()
         step = self.pos.step
         if self.ctx.is_main:

@@ -60,6 +60,9 @@ class TrainConfig:
     ckpt_every: int = field(default=100, metadata={"min": 0, "note": "0: only at the end and on a stop",
                                                    "example": "100"})
     """Steps between periodic checkpoints (0: only at the end and on a stop request)."""
+    local_ckpt_every: int = field(default=0, metadata={"min": 0, "note": "0: off", "example": "5"})
+    """Steps between node-local checkpoints (/dev/shm, a replica on a peer node; 0: off): a fault in the allocation
+    resumes from the newest step every rank has there when it is newer than the shared checkpoint."""
     keep: int = field(default=2, metadata={"min": 2, "note": "the newest checkpoint is never the only copy",
                                            "example": "2"})
     """Finished checkpoints to keep (at least 2)."""
