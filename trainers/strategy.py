@@ -58,6 +58,7 @@ def checkpoint_activations(model: nn.Module, mode: str = "full", every: int = 1)
 
     from trainers.activations import checkpoint_kwargs
 
+    no_kv_cache(model)
     targets = {id(u) for i, u in enumerate(units(model)) if i % every == 0}
     wrapped = 0
     for parent in list(model.modules()):
@@ -67,6 +68,18 @@ def checkpoint_activations(model: nn.Module, mode: str = "full", every: int = 1)
                                                                 **checkpoint_kwargs(mode)))
                 wrapped += 1
     return wrapped
+
+
+def no_kv_cache(model: nn.Module) -> None:
+    """A Hugging Face model (or one inside the task's model) trained with its config's `use_cache` on keeps a KV
+    cache its blocks write during the forward: under selective activation checkpointing the recomputation in the
+    backward then meets other ops than the forward saved (llama and gpt2 at 2 layers: "aten.slice.Tensor ...
+    encountered during backward but not found in storage"). Training never reads the cache: turned off first, as
+    HF's models do under their own gradient checkpointing."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
 
 
 class Ddp:
