@@ -22,7 +22,8 @@ import ast
 import dataclasses
 import functools
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -57,3 +58,36 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
         return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
     return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)]) + "\n"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The valid range of a numeric setting: from `low` (inclusive, or exclusive when `above`) up to `high`; its
+    field's metadata `min`, `above`, `max` and `note` (hpcjobs.protocol.settings.schema)."""
+
+    low: float
+    above: bool = False
+    high: float | None = None
+    note: str = ""
+    """What a special value means, shown with the range (e.g. `0: never`)."""
+
+    def holds(self, value: float) -> bool:
+        low_ok = value > self.low if self.above else value >= self.low
+        return low_ok and (self.high is None or value <= self.high)
+
+    def describe(self, letter: str) -> str:
+        def num(x: float) -> str:
+            return str(x) if isinstance(x, int) else f"{x:g}"  # 2**63 - 1 in full, not 9.22337e+18
+
+        if self.high is not None:
+            text = f"{num(self.low)} ≤ {letter} ≤ {num(self.high)}"
+        else:
+            text = f"{letter} {'>' if self.above else '≥'} {num(self.low)}"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+def bounds_of(meta: Mapping[str, Any]) -> Bounds | None:
+    """The range a field's metadata gives (`min`, `above`, `max`, `note`); None where it gives no `min`."""
+    if "min" not in meta:
+        return None
+    return Bounds(meta["min"], meta.get("above", False), meta.get("max"), meta.get("note", ""))

@@ -9,11 +9,10 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from hpcjobs.protocol.errors import StartRefused
-from hpcjobs.protocol.settings.schema import field_docs, shown_default, table
+from hpcjobs.protocol.settings.schema import Bounds, bounds_of, field_docs, shown_default, table
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 
 
@@ -76,38 +75,9 @@ def _range(name: str) -> str:
 # have become --warmup-steps).
 
 
-@dataclass(frozen=True)
-class Bounds:
-    """The valid range of a numeric setting: from `low` (inclusive, or exclusive when `above`) up to `high`; its
-    field's metadata `min`, `above`, `max` and `note` (hpcjobs.protocol.settings.schema)."""
-
-    low: float
-    above: bool = False
-    high: float | None = None
-    note: str = ""
-    """What a special value means, shown with the range (e.g. `0: never`)."""
-
-    def holds(self, value: float) -> bool:
-        low_ok = value > self.low if self.above else value >= self.low
-        return low_ok and (self.high is None or value <= self.high)
-
-    def describe(self, letter: str) -> str:
-        def num(x: float) -> str:
-            return str(x) if isinstance(x, int) else f"{x:g}"  # 2**63 - 1 in full, not 9.22337e+18
-
-        if self.high is not None:
-            text = f"{num(self.low)} ≤ {letter} ≤ {num(self.high)}"
-        else:
-            text = f"{letter} {'>' if self.above else '≥'} {num(self.low)}"
-        return text + (f" ({self.note})" if self.note else "")
-
-
 def _bounds(name: str) -> Bounds | None:
     """A numeric setting's range (every int and float field has one: a test checks it); None for the others."""
-    meta = _meta(name)
-    if "min" not in meta:
-        return None
-    return Bounds(meta["min"], meta.get("above", False), meta.get("max"), meta.get("note", ""))
+    return bounds_of(_meta(name))
 
 
 class ConfigError(StartRefused, ValueError):
