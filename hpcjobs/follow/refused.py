@@ -99,8 +99,10 @@ def slurm_exit(rec: JobRecord, runner: Runner | None) -> int | None:
 
 def refusal(rec: JobRecord, run: RunFolder, runner: Runner | None = None) -> str | None:
     """The refusal line of a job whose start its ranks refused (exit code 2 and the line), else None. `runner`:
-    the Slurm backend's command runner (sacct)."""
-    code = local_exit(run, rec.job_id) if rec.scheduler == "local" else slurm_exit(rec, runner)
-    if code != REFUSED_EXIT:
+    the Slurm backend's command runner (sacct, asked only when a refusal line was found: an ordinary failure costs
+    no second sacct call)."""
+    line = rank_line(run, rec.job_id) or output_line(rec)
+    if line is None:
         return None
-    return rank_line(run, rec.job_id) or output_line(rec)
+    code = local_exit(run, rec.job_id) if rec.scheduler == "local" else slurm_exit(rec, runner)
+    return line if code == REFUSED_EXIT else None
