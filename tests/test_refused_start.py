@@ -38,7 +38,7 @@ def test_a_resume_refused_for_other_settings_is_refused_not_failed_nor_a_fault(t
     assert [r["state"] for r in rows] == ["REFUSED", "COMPLETED"], rows
     assert "was written with other settings" in rows[0]["final_reason"], rows[0]
     shown = hpcjobs("status", rows[0]["job_id"]).stdout
-    assert "REFUSED" in shown and "resuming would not continue the same run" in shown, shown
+    assert "REFUSED" in shown and "refused:" in shown and "would not continue the same run" in shown, shown
     assert "FAILED" not in shown and "killed" not in shown, shown
     report = json.loads(hpcjobs("goodput", str(run), "--json").stdout)
     assert [j["interruptions"] for j in report["jobs"]] == [0, 0], report["jobs"]

@@ -195,7 +195,7 @@ def status(st: JobStatus, goodput: Goodput | None, after: Sequence[tuple[After, 
         ("last step", f"{st.last_step if st.last_step is not None else '-'} ({age(st.last_step_age_s)} ago)"),
         ("run folder", st.run_dir), ("logs", f"hpcjobs logs {st.job_id} [--rank R] [--restart N]")]
     if st.final_reason:
-        rows.insert(2, ("ended", st.final_reason))
+        rows.insert(2, ("refused" if st.state == "REFUSED" else "ended", st.final_reason))  # JobState: a str
     if st.first_failure:
         rows.insert(3, ("failed first", st.first_failure))
         rows.insert(4, ("its log", "\n".join([str(st.failure_log), *(f"{'':13}| {line}" for line in st.failure_tail)])))
