@@ -77,7 +77,7 @@ def no_kv_cache(model: nn.Module) -> None:
     encountered during backward but not found in storage"). Training never reads the cache: turned off first, as
     HF's models do under their own gradient checkpointing."""
     for module in model.modules():
-        config = getattr(module, "config", None)
+        config: Any = getattr(module, "config", None)
         if getattr(config, "use_cache", False) is True:
             config.use_cache = False
 
