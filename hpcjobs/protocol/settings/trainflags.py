@@ -241,17 +241,29 @@ def parse_trainer_args(args: list[str], defaults: dict[str, Any] | None = None) 
     `defaults` are the task's suggested settings (flags win): settings that are only wrong together are judged with
     them applied (a preset's --strategy fsdp makes --replicate-degree valid). Raises ConfigError, one line; never
     exits or prints. Torch-free: the submit side calls it to refuse a bad flag before the job is queued."""
-    values, rest = _scan(args, _task_defaults(defaults))
-    cfg = TrainConfig(**values)
+    given = _task_defaults(defaults)
+    values, rest = scan_flags(tuple(args))
+    cfg = TrainConfig(**{**given, **dict(values)})  # what a scan over the defaults gave: a flag wins
     _check_together(cfg)
-    return cfg, rest
+    return cfg, list(rest)
 
 
 def task_args_of(args: list[str]) -> list[str]:
     """The task's own arguments among `args`, in order: the trainer's flags taken out, each checked alone (a value
     of the wrong kind or range). Settings that are only wrong together are not judged here: the task's defaults
     (a size's preset) are known only once its arguments are read, and `parse_trainer_args` judges them with those."""
-    return _scan(args, {})[1]
+    return list(scan_flags(tuple(args))[1])
+
+
+@functools.lru_cache(maxsize=256)
+def scan_flags(args: tuple[str, ...]) -> tuple[tuple[tuple[str, Any], ...], tuple[str, ...]]:
+    """The one scan of an argv both sides share: (each trainer flag's value, the other arguments in order), kept
+    per argv. The submit side asked it of the same sweep point in check_trainer_args, check_task_flags, the memory
+    fit, the dry-run's plan and the stop-checkpoint line: 20 scans for a two-point sweep's `submit --dry-run`
+    before, 2 with the cache (tests/test_flag_scans.py); the node's start asks it twice (task_args_of, then
+    parse_trainer_args). Immutable, so no caller can change what another gets; a refusal is not kept."""
+    values, rest = _scan(list(args), {})
+    return tuple(values.items()), tuple(rest)
 
 
 def _scan(args: list[str], values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
