@@ -40,13 +40,13 @@ from typing import Any
 
 import yaml
 
-from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.runfolder import STARTUP_MARKS, RunFolder, read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "startup.json"
 HPCJOBS = [str(Path(shutil.which("hpcjobs") or REPO / ".venv" / "bin" / "hpcjobs"))]
 ENTRY = ["trainers.tasks.lm", "--size", "tiny", "--steps", "1000000", "--log-every", "1000", "--ckpt-every", "100000"]
-RANK_STAGES = ("launched", "imported", "joined", "ready", "first_step")
+RANK_STAGES = STARTUP_MARKS
 CPU_STAGES = RANK_STAGES[1:]  # marks with the CPU used by then (trainers.startup); "launched" is the process's start
 # A bare torch process, timed as a rank is (trainers.startup.mark: the process's own CPU clock, read in it, so its
 # exit, which collects every object torch made, is not counted): after `import torch`, and after one AdamW step; and

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcjobs.protocol.runfolder import IMPORTED, JOINED
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
 from trainers import allocator, jobenv, startup, versions
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, setting_seconds
@@ -166,7 +167,7 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
     always leave it, whatever happens inside. `trace_prefix`: where NCCL's flight recorder dumps
     (RUN/nccl-trace/rank-) unless the environment says. `cpu_collectives`: the default group also reduces CPU
     tensors (gloo beside NCCL), as FSDP2's CPU offload needs for the gradient norm of host-held shards."""
-    startup.mark("imported")  # torch, the trainer and the task are loaded: what is left is the rendezvous
+    startup.mark(IMPORTED)  # torch, the trainer and the task are loaded: what is left is the rendezvous
     env = from_environ(os.environ)
     backend, device = pick_backend(env)
     if device.type == "cuda":
@@ -202,7 +203,7 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
                                 device_id=device if device.type == "cuda" else None)
         # Never the default group: on NCCL, a save thread's collectives would share the training's communicator.
         ctx.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    startup.mark("joined")
+    startup.mark(JOINED)
     try:
         yield ctx
     finally:

@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any
 
-from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.runfolder import LAUNCHED, RunFolder, append_jsonl
 from trainers import watchdog
 from trainers.distenv import DistEnv
 
@@ -18,8 +18,8 @@ _cpu: dict[str, float] = {}
 
 
 def mark(name: str) -> None:
-    """Note that `name` happened now, and the CPU time this process had used by then; the first time counts (a
-    stage is reached once per process)."""
+    """Note that `name` (one of hpcjobs.protocol.runfolder.STARTUP_MARKS) happened now, and the CPU time this
+    process had used by then; the first time counts (a stage is reached once per process)."""
     if name not in _marks:
         _marks[name] = time.time()
         _cpu[name] = round(time.process_time(), 3)
@@ -56,6 +56,6 @@ def record(run: RunFolder, env: DistEnv, start_step: int | None = None, **extra:
     fresh), which tells `hpcjobs goodput` which steps the start before it trained in vain; `extra`: more fields
     (`resumed_tier`: trainers.localtier's word for where it resumed from)."""
     append_jsonl(run.startup, {"restart": env.restart, "rank": env.rank, "job_id": env.job_id,
-                               "host": os.uname().nodename, "launched": process_started(),
+                               "host": os.uname().nodename, LAUNCHED: process_started(),
                                "cpu_s": round(time.process_time(), 3), "cpu_at": dict(_cpu), "start_step": start_step,
                                **_marks, **extra})

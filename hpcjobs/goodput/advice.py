@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from hpcjobs.goodput.buckets import Goodput, Start
 from hpcjobs.profiles.slurmtime import format_time
 from hpcjobs.protocol.contract import EARLY_SIGNAL_S
+from hpcjobs.protocol.runfolder import FIRST_STEP
 from hpcjobs.request.chunks import CHUNK_SHARE, GOOD_SHARE
 
 MIN_SAVES_APART = 4
@@ -94,8 +95,8 @@ def short_chunks(starts: Sequence[Start], time_limit_s: int | None, warn_s: int 
     --time that leaves about 80% (and the warning a stop here needs, when it is much shorter)."""
     if not time_limit_s or warn_s is None:
         return None
-    chunks = [(st.end - st.marks["first_step"], st.marks["first_step"] - st.begin) for st in starts
-              if st.ended == "stopped" and st.end is not None and "first_step" in st.marks
+    chunks = [(st.end - st.marks[FIRST_STEP], st.marks[FIRST_STEP] - st.begin) for st in starts
+              if st.ended == "stopped" and st.end is not None and FIRST_STEP in st.marks
               and st.end - st.begin >= time_limit_s - warn_s - EARLY_SIGNAL_S]  # stopped near the limit
     if not chunks:
         return None

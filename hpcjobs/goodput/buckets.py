@@ -23,7 +23,8 @@ record written late) are taken as their running maximum: a bucket is never negat
 - requeue_hold: Slurm's hold of a requeued job (previous allocation's end → eligible again; cred_expire).
 - recovery: the rest of the gap between a start's last record and the next start's begin (its ranks exiting, the
   requeue or relaunch, the queue when the scheduler cannot say).
-- other: the last start's last record → the job's end (interpreter and job script shutdown), or nothing when the
+- other: a finished start's work after its training's last record (a script's own final save_model, an upload), and
+  the last start's last record → the job's end (interpreter and job script shutdown), or nothing when the
   job's end is not known (the job's end is then its last record) or it still runs (the end is now). A job that
   waits to start again (requeued, pending) counts the time since its last start's last record as recovery.
 
@@ -36,13 +37,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcjobs.protocol.runfolder import FIRST_STEP, STARTUP_MARKS
+
 BUCKETS = ("queue", "startup", "productive", "checkpoint", "rework", "requeue_hold", "recovery", "other")
 UNALLOCATED = frozenset({"queue", "requeue_hold"})
 """Buckets in which the job held no GPUs."""
 STARTUP_PARTS = ("launch", "imports", "rendezvous", "build_and_load", "first_step")
 INTERRUPTED = frozenset({"stopped", "failed", "lost"})
-MARKS = ("launched", "imported", "joined", "ready", "first_step")
-"""trainers/startup.py's marks: each startup part ends at the mark of the same position."""
+MARKS = STARTUP_MARKS
+"""trainers/startup.py's marks (hpcjobs.protocol.runfolder spells them for both sides): each startup part ends at
+the mark of the same position."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,9 @@ class Start:
     """finished | failed | stopped (at a checkpoint, when asked) | lost (no word: killed) | running."""
     saves: tuple[Save, ...] = ()
     stop_to_commit_s: float | None = None
+    trained_until: float | None = None
+    """A finished start's newest record of its last step (its training's end); what came after it up to `end` (the
+    script's own work after training: a final save_model, an upload, the interpreter's exit) is "other"."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,7 @@ def compute(job: JobTimes, resumed_next: Sequence[int | None], now: float) -> Go
 
 
 def _one_start(out: Goodput, clock: Clock, start: Start, end: float, resumed: int | None) -> None:
-    trained = start.marks.get("first_step")
+    trained = start.marks.get(FIRST_STEP)
     for part, mark in zip(STARTUP_PARTS, MARKS, strict=True):
         stamp = start.marks.get(mark)
         if stamp is not None:
@@ -201,7 +208,7 @@ def _one_start(out: Goodput, clock: Clock, start: Start, end: float, resumed: in
         out.buckets["startup"] += span
         return
     t_train = clock.now
-    train = clock.to(end)
+    train = clock.to(min(end, start.trained_until) if start.trained_until is not None else end)
     saves = [s for s in start.saves if s.time >= t_train - 1e-6]
     blocked = min(train, sum(s.blocking_s for s in saves))
     lost_from = _rework_from(start, saves, resumed, t_train, clock.now)
@@ -213,6 +220,7 @@ def _one_start(out: Goodput, clock: Clock, start: Start, end: float, resumed: in
     out.buckets["checkpoint"] += blocked
     out.buckets["rework"] += lost
     out.buckets["productive"] += train - blocked - lost
+    out.buckets["other"] += clock.to(end)  # after a finished start's training (trained_until), else nothing
 
 
 def _rework_from(start: Start, saves: Sequence[Save], resumed: int | None, t_train: float,

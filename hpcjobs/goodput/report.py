@@ -20,7 +20,7 @@ from hpcjobs.goodput.records import allocations, job_ids, job_times, read_starts
 from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.profiles.slurmtime import parse_time
 from hpcjobs.protocol.errors import UsageError
-from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.runfolder import FIRST_STEP, RunFolder, read_jsonl
 from hpcjobs.protocol.states import JobState
 
 RUNNING = frozenset({JobState.RUNNING, JobState.COMPLETING, JobState.CONFIGURING, JobState.SIGNALING})
@@ -268,7 +268,7 @@ def timeline(target: str) -> Any:
     colors = {b: f"C{i}" for i, b in enumerate(BUCKETS)}  # as compare --plot's goodput bars
     for y, (_, s, resumed) in enumerate(starts):
         end = s.end if s.end is not None else time.time()
-        first = s.marks.get("first_step", end)
+        first = s.marks.get(FIRST_STEP, end)
         ax.broken_barh([(s.begin - t0, max(0.0, first - s.begin))], (y - 0.35, 0.7), color=colors["startup"])
         ax.broken_barh([(first - t0, max(0.0, end - first))], (y - 0.35, 0.7), color=colors["productive"])
         ax.broken_barh([(v.time - t0, v.blocking_s) for v in s.saves], (y - 0.35, 0.7), color=colors["checkpoint"])

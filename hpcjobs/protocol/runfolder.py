@@ -43,6 +43,13 @@ from typing import Any
 from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.states import FinalState
 
+LAUNCHED, IMPORTED, JOINED, READY, FIRST_STEP = "launched", "imported", "joined", "ready", "first_step"
+"""A start's marks, RUN/startup.jsonl's fields (trainers/startup.py writes them): the rank's process launched,
+torch and the task imported, the process group joined, the model built and its checkpoint loaded, the first step
+done. `hpcjobs goodput` splits a start's start-up at them (hpcjobs.goodput.buckets)."""
+STARTUP_MARKS = (LAUNCHED, IMPORTED, JOINED, READY, FIRST_STEP)
+"""The marks in the order a start reaches them."""
+
 JOB_ID, ARRAY_ID, TASK_INDEX = "%j", "%A", "%a"
 """The patterns of a run folder, as in Slurm's own file names."""
 ARRAY_TASK_DIR = f"{ARRAY_ID}_{TASK_INDEX}"

@@ -10,7 +10,7 @@ import math
 import statistics
 
 from hpcjobs.profiles.slurmtime import format_time
-from hpcjobs.protocol.runfolder import RunFolder, has_pattern, read_jsonl
+from hpcjobs.protocol.runfolder import FIRST_STEP, LAUNCHED, RunFolder, has_pattern, read_jsonl
 from hpcjobs.request.spec import JobSpec
 
 CHUNK_SHARE, GOOD_SHARE = 0.5, 0.8
@@ -27,9 +27,9 @@ def measured_startup(run_dir: str) -> float | None:
     if has_pattern(run_dir):
         return None
     lines = read_jsonl(RunFolder(run_dir).startup)
-    took = [float(r["first_step"]) - float(r["launched"]) for r in lines
-            if r.get("rank", 0) == 0 and isinstance(r.get("first_step"), (int, float))
-            and isinstance(r.get("launched"), (int, float)) and r["first_step"] >= r["launched"]]
+    took = [float(r[FIRST_STEP]) - float(r[LAUNCHED]) for r in lines
+            if r.get("rank", 0) == 0 and isinstance(r.get(FIRST_STEP), (int, float))
+            and isinstance(r.get(LAUNCHED), (int, float)) and r[FIRST_STEP] >= r[LAUNCHED]]
     return statistics.median(took) if took else None
 
 

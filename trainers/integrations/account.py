@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcjobs.protocol.contract import LaunchContract
-from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
+from hpcjobs.protocol.runfolder import FIRST_STEP, READY, RunFolder, append_jsonl
 from hpcjobs.protocol.timeouts import STALL
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class Account:
         recorded."""
         from trainers import startup
         from trainers.distenv import DistEnvError, from_environ
-        startup.mark("ready")
+        startup.mark(READY)
         self.start_step, self.step, self.first_done = step, step, False
         contract = LaunchContract.current()
         self.run = RunFolder(contract.run_dir) if contract and contract.run_dir else None
@@ -95,7 +95,7 @@ class Account:
             from trainers import startup
 
             self.first_done = True
-            startup.mark("first_step")
+            startup.mark(FIRST_STEP)
             with contextlib.suppress(OSError):
                 startup.record(self.run, self.env, self.start_step)
         now = time.time()
