@@ -83,3 +83,18 @@ def test_port_rule_same_in_shell_and_python(job_id: int) -> None:
 
 def test_two_jobs_on_one_node_get_different_ports() -> None:
     assert len({port_for_job(j) for j in range(1000, 1100)}) == 100
+
+
+def test_the_rank_variables_a_rank_exports_are_the_ones_never_inherited() -> None:
+    """DistEnv.as_env() (what a rank's children and torch's env:// read) and hpcjobs.protocol.rankvars.RENDEZVOUS
+    (what a new job never inherits and a profile's env: may not set) name the same variables: a variable added to
+    one side only would leak a rank's identity into a job submitted from inside it, or let a profile override it.
+    RENDEZVOUS has three more: torchrun's GROUP_RANK and ROLE_RANK, and the launch contract (set by the launcher)."""
+    from hpcjobs.protocol.contract import ENV_VAR
+    from hpcjobs.protocol.rankvars import RENDEZVOUS
+
+    env = from_environ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
+                        "NCCL_SOCKET_IFNAME": "eth", "NCCL_DEBUG": "WARN"})
+    exported = {k for k in env.as_env() if not k.startswith(("NCCL_", "GLOO_"))}
+    assert exported <= set(RENDEZVOUS), exported - set(RENDEZVOUS)
+    assert set(RENDEZVOUS) - exported == {"GROUP_RANK", "ROLE_RANK", ENV_VAR}
