@@ -11,6 +11,7 @@ from hpcjobs.protocol.contract import ContractError
 from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.settings.trainflags import ConfigError, ResumeError
 from trainers.jobenv.base import JobEnvError
+from trainers.runlock import RunFolderBusy, RunFolderUnwritable
 from trainers.versions import TorchTooOld
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,6 +21,8 @@ def test_every_refusal_of_a_start_shares_one_base_and_keeps_its_own() -> None:
     for cls, std in ((ContractError, ValueError), (ConfigError, ValueError), (ResumeError, ValueError),
                      (JobEnvError, ValueError), (TorchTooOld, RuntimeError)):
         assert issubclass(cls, StartRefused) and issubclass(cls, std), cls
+    for lock in (RunFolderBusy, RunFolderUnwritable):  # a run folder the start cannot have: refused the same way
+        assert issubclass(lock, StartRefused), lock
 
 
 def test_the_launcher_refuses_by_the_base_not_by_a_list() -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.folderlock import busy_message, read_holder
 from hpcjobs.protocol.runfolder import RunFolder
 from trainers.distenv import DistEnv
@@ -36,12 +37,13 @@ UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 """flock errors of filesystems that do not lock (some Lustre and NFS mounts): the run goes on unguarded."""
 
 
-class RunFolderBusy(Exception):
-    """Another job holds the run folder; the message is the one line to print."""
+class RunFolderBusy(StartRefused):
+    """Another job holds the run folder; the message is the one line to print. A refused start (exit 2, nothing
+    recorded as the run's end), said by trainers.launch's claim_run_folder."""
 
 
-class RunFolderUnwritable(Exception):
-    """The lock file cannot be made: the run folder is not writable (one line)."""
+class RunFolderUnwritable(StartRefused):
+    """The lock file cannot be made: the run folder is not writable (one line). A refused start, as RunFolderBusy."""
 
 
 @dataclass

@@ -32,7 +32,8 @@ class ProfileError(UsageError):
 
 class StartRefused(Exception):
     """Base of every refusal of a rank's start (a node-side usage error): a contract or job environment that cannot
-    be read, a torch below the floor, a trainer or task flag that cannot be used, a resume under other settings. The
+    be read, a torch below the floor, a trainer or task flag that cannot be used, a resume under other settings, a run
+    folder another job holds or that cannot be written (trainers.runlock; launch's claim_run_folder says those). The
     launcher (trainers.launch) says it in one line and exits REFUSED_EXIT (2, hpcjobs.protocol.faultpolicy.recoverable):
     never recovered, nothing recorded as the run's end. Each keeps its own standard base (ValueError, RuntimeError)
     beside this one, so code that caught those still does."""
