@@ -93,6 +93,7 @@ def kill_then_resume(tmp_path: Path, dirs: list[Path], tier: int = 5, nodes: int
     return out
 
 
+@pytest.mark.train
 def test_a_killed_rank_resumes_from_the_local_tier_bit_identical(tmp_path: Path, twin: Path) -> None:
     shm = tmp_path / "shm"
     out = kill_then_resume(tmp_path, [shm])
@@ -103,12 +104,14 @@ def test_a_killed_rank_resumes_from_the_local_tier_bit_identical(tmp_path: Path,
     assert tier_files(shm) == []
 
 
+@pytest.mark.train
 def test_with_the_tier_off_it_starts_over_at_step_0(tmp_path: Path, twin: Path) -> None:
     out = kill_then_resume(tmp_path, [tmp_path / "shm"], tier=0)
     assert "starting at step 0" in out and "local tier" not in out, out
     assert_same(twin, tmp_path / "run")
 
 
+@pytest.mark.train
 def test_without_its_own_file_a_rank_resumes_from_its_peers_replica_over_gloo(tmp_path: Path, twin: Path) -> None:
     """Two "nodes" (one folder each): rank 1's replica is in node 0's folder, and its own file is gone."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
@@ -124,6 +127,7 @@ def test_without_its_own_file_a_rank_resumes_from_its_peers_replica_over_gloo(tm
     assert_same(twin, tmp_path / "run")
 
 
+@pytest.mark.train
 def test_a_torn_own_file_is_never_used_its_replica_is(tmp_path: Path, twin: Path) -> None:
     shm = tmp_path / "shm"
 
@@ -136,6 +140,7 @@ def test_a_torn_own_file_is_never_used_its_replica_is(tmp_path: Path, twin: Path
     assert_same(twin, tmp_path / "run")
 
 
+@pytest.mark.train
 def test_a_step_whose_both_copies_are_torn_is_never_used(tmp_path: Path, twin: Path) -> None:
     """Step 20 was removed once every rank had step 25: nothing else is left, so the start is a fresh one."""
     shm = tmp_path / "shm"
