@@ -85,7 +85,7 @@ def test_under_submitit_its_words_for_a_rank_that_exited_2_stand_for_the_exit_co
     out = tmp_path / "42_0_log.out"
     out.write_text("")
     out.with_suffix(".err").write_text("RuntimeError: hpcjobs rank exited with code 2; see the run folder's logs\n")
-    assert refusal(record(run, {"slurm": str(out)}), run, slurm_runner(run, "1:0").run) == LINE
+    assert refusal(record(run, {"slurm": str(out)}), run, slurm_runner(run, "1:0")) == LINE
 
 
 def test_a_failure_or_a_kill_with_exit_code_2_is_no_refusal(tmp_path: Path) -> None:
@@ -93,4 +93,4 @@ def test_a_failure_or_a_kill_with_exit_code_2_is_no_refusal(tmp_path: Path) -> N
     assert status_of(record(failed), slurm_runner(failed, "2:0")).state == JobState.FAILED
     (tmp_path / "b").mkdir()
     silent = refused_run(tmp_path / "b", "step 3 loss 1.0")
-    assert refusal(record(silent), silent, slurm_runner(silent, "2:0").run) is None
+    assert refusal(record(silent), silent, slurm_runner(silent, "2:0")) is None

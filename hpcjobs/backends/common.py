@@ -119,6 +119,10 @@ class RunFolderLogs:
         """What the scheduler said about ranks that ended badly (nothing unless a backend reads it)."""
         return []
 
+    def exit_code(self, rec: JobRecord) -> int | None:
+        """The job's exit code (not known unless a backend records it)."""
+        return None
+
     def scheduler_facts(self, rec: JobRecord) -> SchedulerFacts:
         """The scheduler's restart count and failed nodes (nothing unless a backend asks it)."""
         return SchedulerFacts()

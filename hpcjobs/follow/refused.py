@@ -3,34 +3,25 @@ under other settings): exit code 2 and one line, and nothing in the run folder t
 
 Without this, such a job read FAILED ("its processes are gone, with no final word: killed?") locally and FAILED in
 sacct, and goodput counted the start as a lost one (a fault, in its checkpoint-interval advice). A refusal is known
-by two facts together: the job's exit code was 2 (the local backend's allocations.jsonl; sacct's ExitCode, or
-submitit's "rank exited with code 2" in the job's output), and the last line of rank 0's log of the job's last start
-(else of the job's own output) is the launcher's one-line refusal. Torch-free; reads only.
+by two facts together: the job's exit code was 2 (its backend's `exit_code`: the local backend's allocations.jsonl;
+sacct's ExitCode, or submitit's "rank exited with code 2" in the job's output), and the last line of rank 0's log of
+the job's last start (else of the job's own output) is the launcher's one-line refusal. Torch-free; reads only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from hpcjobs.backends import Backend
 from hpcjobs.jobs.store import JobRecord
 from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT
-from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.runfolder import RunFolder
 
 PREFIX = "hpcjobs: "
 """How the launcher's lines begin; its refusal is `hpcjobs: WHAT ... HINT: ...`."""
 
 NOT_A_REFUSAL = ("hpcjobs: rank ", "hpcjobs: job ", "hpcjobs: stopped by ")
 """The launcher's other lines: a rank's start-up banner or failure, the job's own line, a stop without a save."""
-
-SUBMITIT_EXIT = f"hpcjobs rank exited with code {REFUSED_EXIT}"
-"""What hpcjobs.protocol.nodecall.NodeEntry raises under submitit for a rank that exited 2 (the job's own exit code is
-then submitit's)."""
-
-Runner = Callable[[Sequence[str]], Any]
 
 
 def _tail(path: Path, size: int = 65536) -> list[str]:
@@ -77,32 +68,10 @@ def output_line(rec: JobRecord) -> str | None:
     return found[-1][len(PREFIX):] if found else None
 
 
-def local_exit(run: RunFolder, job_id: str) -> int | None:
-    """The local backend's record of the job's exit code (its last run of the ranks)."""
-    codes = [a["code"] for a in read_jsonl(run.allocations, {"code": (int,)}) if str(a.get("job_id")) == job_id]
-    return codes[-1] if codes else None
-
-
-def slurm_exit(rec: JobRecord, runner: Runner | None) -> int | None:
-    """sacct's ExitCode of the job's allocation (`2:0`), or submitit's words for a rank that exited 2 in the job's
-    output; None when neither says."""
-    if runner is not None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
-            out = runner(["sacct", "-n", "-X", "-P", "-j", rec.job_id, "-o", "ExitCode"])
-            lines = out.stdout.strip().splitlines() if getattr(out, "returncode", 1) == 0 else []
-            if lines and int(lines[-1].split(":")[0]) == REFUSED_EXIT:
-                return REFUSED_EXIT
-    out = rec.logs.get("slurm")
-    paths = [Path(out), Path(out).with_suffix(".err")] if out else []
-    return REFUSED_EXIT if any(SUBMITIT_EXIT in ln for p in paths for ln in _tail(p)) else None
-
-
-def refusal(rec: JobRecord, run: RunFolder, runner: Runner | None = None) -> str | None:
-    """The refusal line of a job whose start its ranks refused (exit code 2 and the line), else None. `runner`:
-    the Slurm backend's command runner (sacct, asked only when a refusal line was found: an ordinary failure costs
-    no second sacct call)."""
+def refusal(rec: JobRecord, run: RunFolder, backend: Backend) -> str | None:
+    """The refusal line of a job whose start its ranks refused (the line, and exit code 2 as its backend knows it),
+    else None. The backend is asked only when a line was found: an ordinary failure costs no second sacct call."""
     line = rank_line(run, rec.job_id) or output_line(rec)
     if line is None:
         return None
-    code = local_exit(run, rec.job_id) if rec.scheduler == "local" else slurm_exit(rec, runner)
-    return line if code == REFUSED_EXIT else None
+    return line if backend.exit_code(rec) == REFUSED_EXIT else None

@@ -145,7 +145,7 @@ def status_of(rec: JobRecord, backend: Backend | None = None) -> JobStatus:
         answer = JobState.CANCELLED, "run folder: stopped by SIGTERM (scancel) and never started again"
     state, source = answer or (JobState.UNKNOWN, "none")
     if fstate is None and state in (JobState.FAILED, JobState.UNKNOWN) \
-            and (line := refusal(rec, run, getattr(backend, "run", None))) is not None:
+            and (line := refusal(rec, run, backend)) is not None:
         state, source, reason = JobState.REFUSED, "exit code 2 and its ranks' refusal line", line
     if fstate is not None and state.finished and fstate != state and source != "run folder":
         source += f"; the run folder says {fstate}"  # e.g. the ranks finished but the job script failed after

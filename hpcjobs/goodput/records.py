@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from hpcjobs.follow.refused import local_exit, rank_line
+from hpcjobs.follow.refused import rank_line
 from hpcjobs.goodput.buckets import MARKS, AllocationTimes, JobTimes, Save, Start
 from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
@@ -98,8 +98,8 @@ def read_starts(run: RunFolder) -> list[tuple[str, Start]]:
 def refused_start(run: RunFolder, job: str, restart: int) -> bool:
     """Whether rank 0 of this start logged a refusal as its last line, and the job's exit code (where the local
     backend recorded one) was 2: a refused start, neither a fault nor interrupted work."""
-    code = local_exit(run, job)
-    return code in (None, REFUSED_EXIT) and rank_line(run, job, restart) is not None
+    codes = [a["code"] for a in read_jsonl(run.allocations, {"code": (int,)}) if str(a.get("job_id")) == job]
+    return (codes or [REFUSED_EXIT])[-1] == REFUSED_EXIT and rank_line(run, job, restart) is not None
 
 
 def _slowest(lines: Sequence[dict[str, Any]]) -> dict[str, float]:

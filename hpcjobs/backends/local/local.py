@@ -31,7 +31,7 @@ from hpcjobs.protocol import userstop
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.folderlock import in_use
 from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
-from hpcjobs.protocol.runfolder import RunFolder, array_ids, lines_of, resolve_run_dir, write_json_atomic
+from hpcjobs.protocol.runfolder import RunFolder, array_ids, lines_of, read_jsonl, resolve_run_dir, write_json_atomic
 from hpcjobs.protocol.states import JobState, StopReason
 from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
 from hpcjobs.protocol.versions import FLOOR_TEXT
@@ -173,6 +173,12 @@ class LocalBackend(RunFolderLogs):
         if alive:
             return JobState.RUNNING, "process"
         return JobState.FAILED, "run folder (its processes are gone, with no final word: killed?)"
+
+    def exit_code(self, rec: JobRecord) -> int | None:
+        """The code the job's ranks exited with, as this backend recorded it (RUN/allocations.jsonl, its last run)."""
+        codes = [a["code"] for a in read_jsonl(RunFolder(rec.run_dir).allocations, {"code": (int,)})
+                 if str(a.get("job_id")) == rec.job_id]
+        return codes[-1] if codes else None
 
     def cancel(self, rec: JobRecord) -> str:
         """Ask the launching process to stop, as Ctrl-C does (`Stopper`)."""

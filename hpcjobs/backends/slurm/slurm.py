@@ -27,6 +27,7 @@ from hpcjobs.backends.common import (
     prepare_run_folder,
     run_command,
 )
+from hpcjobs.backends.slurm.exitcode import job_exit_code
 from hpcjobs.backends.slurm.failed_nodes import slurm_facts
 from hpcjobs.backends.slurm.fields import sacct_time, scontrol_fields
 from hpcjobs.backends.slurm.sbatch import (
@@ -283,6 +284,10 @@ class SlurmBackend(RunFolderLogs):
         path = Path(out)
         paths = [path, path.with_suffix(".err")] if path.suffix == ".out" else [path]
         return [f for p in paths for f in srun_failures(read_text(p))]
+
+    def exit_code(self, rec: JobRecord) -> int | None:
+        """sacct's ExitCode, else the ranks' code in submitit's words (hpcjobs.backends.slurm.exitcode)."""
+        return job_exit_code(rec, self.run)
 
     def scheduler_facts(self, rec: JobRecord) -> SchedulerFacts:
         """Slurm's restart count and the job's failed nodes (hpcjobs.backends.slurm.failed_nodes)."""
