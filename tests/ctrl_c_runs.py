@@ -57,6 +57,26 @@ def one_account(run_dir: Path, final_step: int, losses: bool = True) -> None:
     for job in jobs:
         assert abs(sum(job["buckets_s"].values()) - job["wall_s"]) < 1.0, job
         assert job["buckets_s"]["productive"] > 0 and job["ettr"] is not None, job
+    logged, saving = logged_training_s(run_dir)
+    productive = sum(job["buckets_s"]["productive"] for job in jobs)
+    print(f"productive {productive:.3f} s (+ {saving:.3f} s in saves between steps), the script's own step times "
+          f"{logged:.3f} s")
+    assert abs(productive + saving - logged) <= 0.1 * logged, (productive, saving, logged, jobs)
     row = next(line for line in hpcjobs("compare", str(run_dir)).stdout.splitlines() if str(run_dir) in line)
     assert "COMPLETED" in row and f" {final_step} " in row, row
     assert not losses or row.split()[5] != "-", row  # its last loss
+
+
+def logged_training_s(run_dir: Path) -> tuple[float, float]:
+    """The training time the script's own clock gives (its `STEP_END t` lines, rank 0): in each start, from its first
+    step's end to its last step's end (goodput books each start's first step as start-up); and the time the loop
+    waited in saves between those step ends (saves.jsonl), which goodput books as checkpoint, not productive."""
+    saves = [json.loads(line) for line in (run_dir / "saves.jsonl").read_text().splitlines()] \
+        if (run_dir / "saves.jsonl").is_file() else []
+    total = waited = 0.0
+    for log in sorted(run_dir.glob("logs/restart-*/rank-0.log")):
+        ends = [float(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("STEP_END ")]
+        if ends:
+            total += ends[-1] - ends[0]
+            waited += sum(s["blocking_s"] for s in saves if ends[0] <= s["time"] <= ends[-1])
+    return total, waited

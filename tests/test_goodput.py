@@ -84,18 +84,19 @@ def test_requeued_job_buckets_are_exact_and_add_up_to_the_wall_time(tmp_path: Pa
     rep = report(J, runner=Sacct(1000.0), state_of=lambda _: JobState.COMPLETED)
     g = rep.total
     assert g.wall_s == 300.0
-    assert g.buckets == {"queue": 19.0, "startup": 42.5, "productive": 88.5, "checkpoint": 14.0, "rework": 0.0,
-                         "requeue_hold": 121.0, "recovery": 5.0, "other": 10.0}
+    # training ended with the final save's commit (1285 + 3 s); final.json came 2 s later: the exit, "other"
+    assert g.buckets == {"queue": 19.0, "startup": 42.5, "productive": 86.5, "checkpoint": 14.0, "rework": 0.0,
+                         "requeue_hold": 121.0, "recovery": 5.0, "other": 12.0}
     assert sum(g.buckets.values()) == g.wall_s
     assert g.startup_parts == {"launch": 3.0, "imports": 18.0, "rendezvous": 2.5, "build_and_load": 16.5,
                                "first_step": 2.5}
-    assert g.allocated_s == 160.0 and g.ettr == 88.5 / 160
-    assert g.gpu_hours()["productive"] == 88.5 * 8 / 3600 and g.gpu_hours()["queue"] == 0.0
+    assert g.allocated_s == 160.0 and g.ettr == 86.5 / 160
+    assert g.gpu_hours()["productive"] == 86.5 * 8 / 3600 and g.gpu_hours()["queue"] == 0.0
     assert (g.starts, g.interruptions, g.holds) == (2, 1, 1)
     said = "\n".join(rep.advice)
     assert "held the job 121 s" in said and "cred_expire" in said
     assert "warns 5 s before the time limit, but a stop or save here took 6 s" in said
-    assert "sum (= wall time)" in text(rep) and "ETTR 55.3%" in text(rep)
+    assert "sum (= wall time)" in text(rep) and "ETTR 54.1%" in text(rep)
 
 
 def test_without_accounting_the_gap_is_recovery_and_the_end_is_the_last_record(tmp_path: Path) -> None:
@@ -105,7 +106,7 @@ def test_without_accounting_the_gap_is_recovery_and_the_end_is_the_last_record(t
     g = report(J, runner=lambda _: no_sacct, state_of=lambda _: JobState.COMPLETED).total
     # the first start begins at its first rank's launch (1011), the second at its launch (1231)
     assert g.buckets["queue"] == 11.0 and g.buckets["requeue_hold"] == 0.0
-    assert g.buckets["recovery"] == 1231.0 - 1095.0 and g.buckets["other"] == 0.0
+    assert g.buckets["recovery"] == 1231.0 - 1095.0 and g.buckets["other"] == 1290.0 - 1288.0  # after training
     assert g.wall_s == 290.0 == sum(g.buckets.values())
 
 

@@ -7,7 +7,7 @@ import os
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 p = argparse.ArgumentParser()
@@ -34,6 +34,14 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+class StepClock(TrainerCallback):
+    """The script's own clock: when each step ended (rank 0), as users log their step times."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print(f"STEP_END {time.time()!r}", flush=True)
+
+
 torch.manual_seed(args.seed)
 model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
 training_args = TrainingArguments(
@@ -41,7 +49,7 @@ training_args = TrainingArguments(
     save_steps=args.save_steps, report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=args.seed,
     dataloader_num_workers=0, deepspeed=args.deepspeed,
     ddp_find_unused_parameters={"true": True, "false": False}.get(args.ddp_find_unused_parameters))
-trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
+trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(), callbacks=[StepClock()])
 last = args.resume_from_checkpoint
 if last is None and os.path.isdir(args.output_dir):
     last = get_last_checkpoint(args.output_dir)

@@ -48,6 +48,10 @@ class Net(pl.LightningModule):
             print(f"LOSS {self.global_step + 1} {loss.item()!r}", flush=True)
         return loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.global_rank == 0:  # the script's own clock: when each step ended, as users log their step times
+            print(f"STEP_END {time.time()!r}", flush=True)
+
     def configure_optimizers(self):
         if args.adamw:
             opt = torch.optim.AdamW(self.parameters(), lr=0.01)

@@ -69,6 +69,7 @@ for step, (x, y) in resumable(accelerator, loader, epochs=args.epochs, save_ever
         opt.zero_grad()
     if accelerator.is_main_process:
         print(f"LOSS {step + 1} {loss.item()!r}", flush=True)
+        print(f"STEP_END {time.time()!r}", flush=True)  # when the step ended: the script's own step times
 
 accelerator.wait_for_everyone()
 if accelerator.is_main_process:
