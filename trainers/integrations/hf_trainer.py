@@ -40,9 +40,9 @@ from typing import Any
 
 from hpcjobs.protocol.runfolder import read_json
 from trainers import watchdog
+from trainers.integrations import marks
 from trainers.integrations.account import ACCOUNT
-from trainers.integrations.marks import (COMPLETE, another_run, checkpoints, incomplete, mark_complete, mark_pending,
-                                        run_folder, say, settle)
+from trainers.integrations.marks import COMPLETE, incomplete, mark_complete, mark_pending, run_folder, say, settle
 from trainers.integrations.signals import joined
 
 
@@ -90,7 +90,7 @@ def resume_point(output_dir: str, given: Any) -> Any:
             raise SystemExit(2)  # on every rank: each was given the same path
         if not incomplete(Path(given)):
             same_world_size(Path(given))
-            other = another_run(Path(given))
+            other = marks.another_run(Path(given))
             say(f"resuming from {given}" + (f", which another run completed ({other}): the script asked for it"
                                             if other else ""))
             return given
@@ -107,10 +107,10 @@ def own_newest(root: Path) -> Path | None:
     newer one another run completed (a different command, or `--new`, with the same --output_dir) is not resumed,
     and one line says so: that run's own command continues it, as the shared trainer's runs keep apart."""
     newest = settle(root)
-    if newest is None or (other := another_run(newest)) is None:
+    if newest is None or (other := marks.another_run(newest)) is None:
         return newest
-    mine = next((p for _, p in reversed(checkpoints(root))
-                 if p != newest and not incomplete(p) and another_run(p) is None), None)
+    mine = next((p for _, p in reversed(marks.checkpoints(root))
+                 if p != newest and not incomplete(p) and marks.another_run(p) is None), None)
     say(f"{newest} was completed by another run ({other}), not this one: not resumed, "
         f"{f'resuming {mine}, the newest of this run' if mine else 'this run starts at step 0'}. HINT: that run's own "
         f"command continues it (or --resume_from_checkpoint {newest}); another --output_dir keeps runs apart")
