@@ -16,7 +16,7 @@ from typing import Any
 from hpcjobs.follow.refused import rank_line
 from hpcjobs.goodput.buckets import MARKS, AllocationTimes, JobTimes, Save, Start
 from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT
-from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
+from hpcjobs.protocol.runfolder import FIRST_STEP, LAUNCHED, RunFolder, read_jsonl
 from hpcjobs.protocol.states import StopReason
 
 _NUM = (int, float)
@@ -73,7 +73,7 @@ def read_starts(run: RunFolder) -> list[tuple[str, Start]]:
         mine = [r for r in startup if str(r.get("job_id")) == job and r.get("restart") == restart]
         marks = _slowest(mine)
         if mine:
-            begin = min([begin, *(v for r in mine if (v := _num(r.get("launched"))) is not None)])
+            begin = min([begin, *(v for r in mine if (v := _num(r.get(LAUNCHED))) is not None)])
         own_saves = tuple(Save(int(s["step"]), float(s["time"]), max(0.0, float(s["blocking_s"])),
                                s.get("background") is True)
                           for s in saves if str(s.get("job_id")) == job and s.get("restart") == restart)
@@ -130,7 +130,7 @@ def _ending(start: Start, stop: dict[str, Any] | None, final: Any, job: str,
         # 2.4 s of its 3.1 s "productive" when the launcher's final.json ended it)
         last = step if step is not None else max((n for _, s in timed if (n := _int(s)) is not None), default=None)
         trained = [t for t, s in timed if last is not None and _int(s) == last and t <= end]
-        until = max(trained) if state == "finished" and trained and "first_step" in start.marks else None
+        until = max(trained) if state == "finished" and trained and FIRST_STEP in start.marks else None
         return replace(start, end=end, end_step=step, ended=state, trained_until=until)
     newest = max(timed, key=lambda t: t[0], default=None)
     steps = [step for _, s in timed if (step := _int(s)) is not None]
