@@ -30,7 +30,7 @@ KILL = "step@30:1"
 
 
 def launch(run: Path, dirs: list[Path], tier: int = 5, fault: str = "", job: str = "job-t", nodes: int = 1,
-           ) -> tuple[list[int], str]:
+           more: tuple[str, ...] = ()) -> tuple[list[int], str]:
     """Both ranks of one start (`nodes` 2: one rank a node, each its own tier folder); their codes and output."""
     port, procs, outs = free_port(), [], []
     drop = ("SLURM_", "HPCJOBS_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")
@@ -43,7 +43,7 @@ def launch(run: Path, dirs: list[Path], tier: int = 5, fault: str = "", job: str
         out = run.parent / f"{run.name}-{r}-{time.monotonic_ns()}.out"
         outs.append(out)
         procs.append(subprocess.Popen([sys.executable, "-m", "trainers.launch", "--run-dir", str(run), "--", *ARGS,
-                                       "--local-ckpt-every", str(tier)], cwd=REPO, env=env,
+                                       "--local-ckpt-every", str(tier), *more], cwd=REPO, env=env,
                                       stdout=open(out, "w"), stderr=subprocess.STDOUT))
     deadline = time.time() + 300
     while any(p.poll() is None for p in procs):
@@ -102,6 +102,16 @@ def test_a_killed_rank_resumes_from_the_local_tier_bit_identical(tmp_path: Path,
     starts = [json.loads(line) for line in (tmp_path / "run" / "startup.jsonl").read_text().splitlines()]
     assert [(s["start_step"], s["resumed_tier"]) for s in starts if s["rank"] == 0] == [(0, None), (25, "local tier")]
     assert tier_files(shm) == []
+
+
+@pytest.mark.train
+def test_under_fsdp_each_rank_keeps_its_shards_and_resumes_bit_identical(tmp_path: Path) -> None:
+    fsdp = ("--strategy", "fsdp")
+    assert launch(tmp_path / "twin", [tmp_path / "shm0"], more=fsdp)[0] == [0, 0]
+    assert launch(tmp_path / "run", [tmp_path / "shm1"], fault=KILL, more=fsdp)[0][1] == -9
+    codes, out = launch(tmp_path / "run", [tmp_path / "shm1"], more=fsdp)
+    assert codes == [0, 0] and "resumed from step 25 (local tier)" in out, out
+    assert_same(tmp_path / "twin", tmp_path / "run")
 
 
 @pytest.mark.train
