@@ -39,7 +39,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
     refuse_array_patterns(spec, "doctor")
     checks = backend.doctor(spec, ns.probe_wait if ns.probe else None)
     from hpcjobs.request.credentials import doctor_checks
-    from hpcjobs.request.spec import snapshot_root
+    from hpcjobs.request.rundir import snapshot_root
 
     checks += doctor_checks(spec.secrets, snapshot_root(spec.run_dir))
     if ns.model:  # the user's Hugging Face model (hpcjobs.request.hf_plan)

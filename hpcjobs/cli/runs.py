@@ -51,16 +51,16 @@ def compare_targets(args: Sequence[str], store: JobStore) -> list[str | JobRecor
 
 
 def run_compare(ns: argparse.Namespace) -> int:
-    from hpcjobs.goodput import compare
+    from hpcjobs.goodput import compare, plot
     from hpcjobs.jobs.store import JobStore
 
     if ns.plot:
-        compare.plot_format(ns.plot, ns.force)
-        compare.require_matplotlib()
+        plot.plot_format(ns.plot, ns.force)
+        plot.require_matplotlib()
     store = JobStore()
     rows = compare.rows_for(compare_targets(ns.runs, store), store)
     if ns.plot:
-        present.plotted(compare.plot(rows, ns.plot, ns.force), len(rows))
+        present.plotted(plot.plot(rows, ns.plot, ns.force), len(rows))
     present.compared(rows, ns.json)
     return 0
 
@@ -78,18 +78,18 @@ def add_goodput(sub: Subparsers, common: Parser) -> None:
 
 
 def run_goodput(ns: argparse.Namespace) -> int:
-    from hpcjobs.goodput import compare
+    from hpcjobs.goodput import plot
     from hpcjobs.goodput.report import run, timeline
 
-    fmt = compare.plot_format(ns.plot, ns.force) if ns.plot else ""  # before any reading: a wrong name costs nothing
+    fmt = plot.plot_format(ns.plot, ns.force) if ns.plot else ""  # before any reading: a wrong name costs nothing
     if ns.plot:
-        compare.require_matplotlib()
+        plot.require_matplotlib()
     code = run(ns.target, ns.json)
     if ns.plot:
         import sys
         from pathlib import Path
 
-        wrote = compare.save_atomic(timeline(ns.target), Path(ns.plot), fmt)
+        wrote = plot.save_atomic(timeline(ns.target), Path(ns.plot), fmt)
         print(f"wrote {wrote}", file=sys.stderr if ns.json else sys.stdout)
     return code
 

@@ -16,10 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from hpcjobs.follow.status import folder_state, last_step, restart_count, status_of
-from hpcjobs.goodput.plot import plot as plot  # re-exported with the three below: hpcjobs/cli/runs.py uses them
-from hpcjobs.goodput.plot import plot_format as plot_format
-from hpcjobs.goodput.plot import require_matplotlib as require_matplotlib
-from hpcjobs.goodput.plot import save_atomic as save_atomic
 from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.protocol.errors import RuntimeFailure, UsageError
 from hpcjobs.protocol.runfolder import RunFolder, read_jsonl
