@@ -9,6 +9,10 @@ batch, the RNG streams and the samplers' generators at that epoch's first draw, 
 drawn again as the stopped start drew it); the resume of the newest complete state, with the batches already trained
 on skipped by index; the progress records (account.py) and the protocol's signal handlers (signals.py) for the length
 of the loop. `HPCJOBS_HOOKS=0` makes it the plain loop over the epochs.
+
+Extracted from accelerate_loop.py when the DeepSpeed helper came: the same code resumes both exactly (the accelerate
+tests, tests/test_accelerate_loop.py, pass unchanged; tests/test_deepspeed_loop.py for ZeRO-2 and ZeRO-3), at the
+cost per step of a time.time() and a comparison (account.py) plus the cadence's checks (checks.py).
 """
 
 from __future__ import annotations
