@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from hpcjobs.protocol.runfolder import IMPORTED, JOINED
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers import allocator, jobenv, startup, versions
-from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, setting_seconds
+from trainers import allocator, startup, versions
+from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, job_of, setting_seconds
 
 
 class RendezvousError(RuntimeError):
@@ -121,7 +121,7 @@ def pick_backend(env: DistEnv, environ: Mapping[str, str] = os.environ) -> tuple
     if forced == "gloo":
         return "gloo", torch.device("cpu")
     if not torch.cuda.is_available():
-        job = jobenv.current(environ)
+        job = job_of(env, environ)
         allocated = job.allocated_gpus()
         if forced is None and allocated is None:
             return "gloo", torch.device("cpu")
@@ -154,7 +154,7 @@ def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
     its share), else the mask shared among this node's ranks. More threads than CPUs only makes them take turns."""
     if usable is None:
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    per_task = jobenv.current().cpus_per_task()
+    per_task = job_of(env).cpus_per_task()
     if per_task is not None:
         return max(1, min(per_task, usable))
     return max(1, usable // max(1, env.local_world_size))  # a mask the node's ranks share (salloc -c, a cpuset)
@@ -162,13 +162,15 @@ def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
 
 @contextlib.contextmanager
 def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None,
-                group_of_one: bool = False, cpu_collectives: bool = False) -> Iterator[DistContext]:
+                group_of_one: bool = False, cpu_collectives: bool = False,
+                env: DistEnv | None = None) -> Iterator[DistContext]:
     """Join the job's process group (if more than one rank, or `group_of_one`: FSDP2 needs one even alone) and
     always leave it, whatever happens inside. `trace_prefix`: where NCCL's flight recorder dumps
     (RUN/nccl-trace/rank-) unless the environment says. `cpu_collectives`: the default group also reduces CPU
-    tensors (gloo beside NCCL), as FSDP2's CPU offload needs for the gradient norm of host-held shards."""
+    tensors (gloo beside NCCL), as FSDP2's CPU offload needs for the gradient norm of host-held shards. `env`: the
+    launcher's (its job environment chosen at the start); read from os.environ where none is given."""
     startup.mark(IMPORTED)  # torch, the trainer and the task are loaded: what is left is the rendezvous
-    env = from_environ(os.environ)
+    env = env or from_environ(os.environ)
     backend, device = pick_backend(env)
     if device.type == "cuda":
         allocator.configure()  # before set_device makes the allocator

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from hpcjobs.protocol.ifnames import InterfaceError, gloo_interface
 from trainers import jobenv
-from trainers.jobenv.base import JobEnvError
+from trainers.jobenv.base import JobEnv, JobEnvError
 
 NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
@@ -60,6 +60,10 @@ class DistEnv:
     local job's resume is a new job, never a requeue."""
     gloo: dict[str, str] = field(default_factory=dict)
     """GLOO_SOCKET_IFNAME resolved on this node from NCCL_SOCKET_IFNAME's prefixes, where only NCCL's was set."""
+    job: JobEnv | None = field(default=None, compare=False, repr=False)
+    """The job environment this DistEnv was read from, chosen once at the start (from_environ): the launcher hands
+    it on (preemption, standby, the process group), since after it exports RANK/WORLD_SIZE a second
+    `jobenv.current()` would take a single process for torchrun's rank."""
 
     def as_env(self) -> dict[str, str]:
         """The variables torch.distributed (env://) and user scripts expect."""
@@ -69,10 +73,10 @@ class DistEnv:
                 "HPCJOBS_RESTART": str(self.restart), **self.nccl, **self.gloo}
 
 
-def from_environ(env: Mapping[str, str]) -> DistEnv:
-    """This rank's layout and rendezvous, from the environment it runs in (trainers.jobenv.current). Raises
-    DistEnvError."""
-    job = jobenv.current(env)
+def from_environ(env: Mapping[str, str], job: JobEnv | None = None) -> DistEnv:
+    """This rank's layout and rendezvous, from the environment it runs in: `job` where the start chose it, else
+    trainers.jobenv.current(env). Raises DistEnvError."""
+    job = job or jobenv.current(env)
     job_id, restart = job.job_id(), job.restart()
     layout = job.layout()
     rank, world, local_rank, local_world = layout.rank, layout.world_size, layout.local_rank, layout.local_world_size
@@ -87,4 +91,9 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
     except InterfaceError as e:
         raise DistEnvError(str(e)) from None
     return DistEnv(rank, local_rank, world, local_world, addr, port, job_id, restart, layout.source, nccl,
-                   job.requeues(), gloo)
+                   job.requeues(), gloo, job)
+
+
+def job_of(env: DistEnv, environ: Mapping[str, str] | None = None) -> JobEnv:
+    """The job environment `env` was read from; for a DistEnv made by hand (tests), the one that applies now."""
+    return env.job if env.job is not None else jobenv.current(environ)

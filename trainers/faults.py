@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
+
+from trainers import ranklog
 
 _SPEC = os.environ.get("HPCJOBS_FAULT_INJECT", "")
 _ACTION = os.environ.get("HPCJOBS_FAULT_ACTION", "kill")
@@ -28,8 +29,8 @@ def _seconds(name: str) -> float:
     try:
         return float(text)
     except ValueError:
-        print(f"hpcjobs: {name}={text!r} is not a number of seconds. HINT: e.g. {name}=0.2, or unset it",
-              file=sys.stderr, flush=True)
+        ranklog.warn(f"hpcjobs: {name}={text!r} is not a number of seconds. HINT: e.g. {name}=0.2, or unset it",
+                     every_rank=True)
         raise SystemExit(2) from None
 
 
@@ -59,8 +60,7 @@ def maybe_die(point: str, step: int) -> None:
     if _ONLY_IN and _ONLY_IN != os.environ.get("HPCJOBS_RESTART", "0"):
         return
     # when it struck, in the rank's log: a benchmark's "fault to first resumed step" counts from here
-    print(f"hpcjobs: fault injected ({_ACTION}) at {point}@{step}, at {time.time():.3f}", file=sys.stderr,
-          flush=True)
+    ranklog.warn(f"hpcjobs: fault injected ({_ACTION}) at {point}@{step}, at {time.time():.3f}", every_rank=True)
     if _ACTION == "raise":
         raise InjectedFault(f"injected at {point}@{step}")
     if _ACTION == "comm":

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from hpcjobs.protocol.runfolder import RunFolder
+from trainers import ranklog
 from trainers.distenv import DistEnv
 
 LATE_NOTE = ("Found at the rank's next mark, once it ran again (stopped by SIGSTOP and continued, or its watchdog "
@@ -35,7 +36,7 @@ def leave_word(why: str, late: bool, file: IO[str] | None, path: Path, env: Dist
         if late:
             file.write(LATE_NOTE)
         file.flush()
-    print(f"hpcjobs: rank {env.rank}: {why}; every thread's stack in {path}", file=sys.stderr, flush=True)
+    ranklog.warn(f"hpcjobs: rank {env.rank}: {why}; every thread's stack in {path}", every_rank=True)
     record_rank_error(why, env, run, step=step, stacks=str(path))
     sys.stdout.flush()
     if Tee.active is not None:

@@ -38,7 +38,7 @@ from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.protocol.settings.taskargs import TaskArgError
 from hpcjobs.protocol.states import FinalState
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers import integrations, preemption, runlock, standby, startup
+from trainers import integrations, preemption, ranklog, runlock, standby, startup
 from trainers.distenv import DistEnv, from_environ, setting_seconds
 from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure
 from trainers.logtee import Tee
@@ -80,11 +80,12 @@ def start_contract(contract: LaunchContract, env: DistEnv, environ: Mapping[str,
         raise ContractError(str(e)) from None
 
 
-def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: LaunchContract) -> int:
+def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: LaunchContract,
+              env: DistEnv | None = None) -> int:
     if kind == "task":
         from trainers.run import run_task  # torch is imported from here on
 
-        return run_task(entry, args, run, contract)
+        return run_task(entry, args, run, contract, env)
     sys.argv = [entry, *args]
     enter_submit_dir(contract.submit_dir)
     try:
@@ -116,8 +117,9 @@ def enter_submit_dir(folder: str) -> None:
     try:
         os.chdir(folder)
     except OSError as e:
-        print(f"hpcjobs: the folder the job was submitted from, {folder}, cannot be entered here ({e.strerror}): the "
-              f"script runs in its code snapshot {os.getcwd()}, and relative paths land there", flush=True)
+        ranklog.say(f"hpcjobs: the folder the job was submitted from, {folder}, cannot be entered here ({e.strerror}): "
+                    f"the script runs in its code snapshot {os.getcwd()}, and relative paths land there",
+                    every_rank=True)
 
 
 def end_process_group() -> None:
@@ -145,8 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         point = contract.point(os.environ)
         ns.args = [*ns.args, *as_args(point or ())]  # a sweep's task: its point's flags after the entry's own
     except StartRefused as e:
-        print(f"hpcjobs: {one_line(e)}", file=sys.stderr, flush=True)
+        ranklog.warn(f"hpcjobs: {one_line(e)}", every_rank=True)
         return REFUSED_EXIT
+    preemption.choose(env.job)  # the start's job environment, before os.environ gets a launcher's RANK/WORLD_SIZE
     os.environ.update(env.as_env())
     contract.export()
     access.tighten(access.node_umask(os.environ))  # what this rank makes: the owner's (or the group's) alone
@@ -161,10 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if refused is not None:
         return refused
     tee = Tee(run.rank_log(env.restart, env.rank))
+    ranklog.log_only_to(tee.log_only)  # the lines the rank filter keeps off the terminal: this rank's log file
     try:
         return run_rank(ns, env, run, contract, point)
     except StartRefused as e:  # a refused start (a flag, a resume that would not continue the run): not a run's end
-        say(env, tee, f"hpcjobs: {one_line(e)}")
+        ranklog.warn(f"hpcjobs: {one_line(e)}", rank=env.rank)  # the others' line, the same: their log only
         return REFUSED_EXIT
     except KeyboardInterrupt as e:
         if preemption.joined():  # raised by the trainer's or StopGuard script's own code: a failure, as before
@@ -175,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         preemption.ignore_from_now(contract)  # the work is over: a late signal must not turn it into a failure
         standby.disarm()  # nor a late deadline into a requeue
+        ranklog.log_only_to(None)
         tee.close()
         # The exit of a process that imported torch collects every object it ever made: ~0.6 s of CPU on each rank
         # at the end of every start, paid by all ranks of a node at once (and by a requeue, whose next start waits
@@ -197,8 +202,9 @@ def interrupted(env: DistEnv, run: RunFolder, tee: Tee, contract: LaunchContract
     if env.rank == 0:
         reason = preemption.stop_reason(contract, unasked=True)
         run.record_stop(str(reason), -1, env.restart, signal=by, saved_by_hpcjobs=False)
-    say(env, tee, f"hpcjobs: stopped by {by}: this script has not joined hpcjobs's stop protocol (no StopGuard), so "
-                  "it stopped at once and hpcjobs saved nothing; run again, it goes on only from what it saved itself")
+    ranklog.warn(f"hpcjobs: stopped by {by}: this script has not joined hpcjobs's stop protocol (no StopGuard), so "
+                 "it stopped at once and hpcjobs saved nothing; run again, it goes on only from what it saved itself",
+                 rank=env.rank)
     return INTERRUPTED_EXIT
 
 
@@ -209,7 +215,7 @@ def claim_run_folder(run: RunFolder, env: DistEnv) -> int | None:
         try:
             _held.append(runlock.take(run, env))
         except (runlock.RunFolderBusy, runlock.RunFolderUnwritable) as e:
-            print(f"hpcjobs: {e}", file=sys.stderr, flush=True)
+            ranklog.warn(f"hpcjobs: {e}", rank=env.rank)
             return REFUSED_EXIT
         return None
     wait = min(setting_seconds(INIT_TIMEOUT, os.environ), runlock.WAIT_FOR_RANK0_S)
@@ -220,15 +226,6 @@ def claim_run_folder(run: RunFolder, env: DistEnv) -> int | None:
 
 _held: list[runlock.RunLock] = []
 """The run folder's lock, open for the life of the process (the kernel releases it when the process ends)."""
-
-
-def say(env: DistEnv, tee: Tee, line: str) -> None:
-    """One line for a refused start: rank 0 prints it (terminal and log); the others, whose line would be the same,
-    only log it."""
-    if env.rank == 0:
-        print(line, file=sys.stderr, flush=True)
-    else:
-        tee.log_only(line)
 
 
 def fail(e: BaseException, env: DistEnv, run: RunFolder, tee: Tee) -> int:
@@ -244,10 +241,7 @@ def fail(e: BaseException, env: DistEnv, run: RunFolder, tee: Tee) -> int:
     if env.rank == 0 and not recorded and failed_in_this_start(first, env, run):
         # Most likely it failed because another rank did (a collective whose peer left): point at that one.
         line = f"hpcjobs: rank 0 failed ({one_line(e, 150)}) after the job's first failure: {first['reason']}"
-    if env.rank == 0 or recorded:
-        print(line, file=sys.stderr, flush=True)
-    else:
-        tee.log_only(line)
+    ranklog.warn(line, every_rank=recorded, rank=env.rank)  # another rank's: its log only
     return REFUSED_EXIT if isinstance(e, TaskArgError) else 1
 
 
@@ -257,19 +251,19 @@ def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: Lau
     if env.rank == 0:
         run.record_start(env.restart, env.job_id, env.world_size, host=os.uname().nodename,
                          master=f"{env.master_addr}:{env.master_port}", **({"point": dict(point)} if point else {}))
-    print(f"hpcjobs: rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.uname().nodename}, "
-          f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
-          f"run folder {run.path}", flush=True)
+    ranklog.say(f"hpcjobs: rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.uname().nodename}, "
+                f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
+                f"run folder {run.path}", every_rank=True)
     cap = contract.preemption.max_restarts
     row = restartcap.at_start(run, env.job_id, env.requeues, write=env.rank == 0)
     if row and restartcap.reached(row[:-1], cap):  # past the cap by a requeue no stop decided (the scheduler's)
         done = restartcap.progress(run)
         msg = f"{restartcap.line(cap, row[:-1], done, row[-1].cause)}: not training again"
-        print(f"hpcjobs: {msg}. The job ends failed.", flush=True)
+        ranklog.say(f"hpcjobs: {msg}. The job ends failed.", every_rank=True)
         if env.rank == 0:
             run.write_final(FinalState.FAILED, msg, job_id=env.job_id)
         return 1
-    rc = run_entry(ns.kind, ns.entry, list(ns.args), run, contract)
+    rc = run_entry(ns.kind, ns.entry, list(ns.args), run, contract, env)
     if rc:
         record_failure(run, env, f"rank {env.rank} exited with code {rc} (log: {run.rank_log(env.restart, env.rank)})")
     elif env.rank == 0 and ns.kind != "task" and preemption.first_request() is None:

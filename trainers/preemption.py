@@ -35,7 +35,7 @@ from hpcjobs.protocol.contract import EARLY_SIGNAL_S, LaunchContract
 from hpcjobs.protocol.faultpolicy import restartcap
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState, StopOutcome, StopReason
-from trainers import jobenv
+from trainers import jobenv, ranklog
 from trainers.agreement import Agreement
 from trainers.jobenv.base import JobEnv
 
@@ -53,12 +53,28 @@ class StopState:
     """install() ran: the entry takes part in the protocol."""
     deadline: tuple[float, JobEnv, int] | None = None
     """install(): when to stop if no signal came, the job, its warning."""
+    job: JobEnv | None = None
+    """The job environment the launcher chose at the start (`choose`); None outside a launched rank."""
 
 
 STATE = StopState()
 NO_RUN_FOLDER = ""
 """The run folder of a contract made outside a launched rank (a user's script under plain torchrun): a stop is then
 recorded nowhere, since no hpcjobs command will look for it, and nothing is written into the working directory."""
+
+
+def choose(job: JobEnv | None) -> None:
+    """The launcher's job environment for the rest of the rank (its DistEnv's): asked again after the launcher
+    exported RANK/WORLD_SIZE, `jobenv.current()` would take a single process for a torchrun rank."""
+    STATE.job = job
+
+
+def job_env(env: Mapping[str, str] | None = None) -> JobEnv:
+    """The job environment: the start's (`choose`) unless `env` is given; outside a launched rank (a user's script
+    under plain torchrun, tests) the one that applies to `env` (os.environ when None)."""
+    if env is None and STATE.job is not None:
+        return STATE.job
+    return jobenv.current(env)
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -88,7 +104,7 @@ def install(contract: LaunchContract, env: Mapping[str, str] | None = None, anno
     if announce and int((os.environ if env is None else env).get("RANK", "0")) == 0:  # for the launcher's Ctrl-C line
         run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
         userstop.set_joined(run, (os.environ if env is None else env).get("HPCJOBS_JOB_ID"), True)
-    job = jobenv.current(env)
+    job = job_env(env)
     due = job.signal_due(contract)
     warn = contract.preemption.seconds_before
     STATE.deadline = None if due is None else (due, job, warn)
@@ -150,6 +166,7 @@ def reset() -> None:
     STATE.requested.clear()
     STATE.deadline = None
     STATE.joined = False
+    STATE.job = None
 
 
 def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None, now: float | None = None,
@@ -158,7 +175,7 @@ def stop_reason(contract: LaunchContract, env: Mapping[str, str] | None = None, 
     TIMEOUT when the time limit is near, PREEMPTION for the profile's signal otherwise, INTERRUPT for a local run
     (Ctrl-C), SIGNAL for any other signal under a scheduler, or for a stop no request reached (`unasked`: a script's
     own KeyboardInterrupt; a SIGINT after a node came back was recorded as a local Ctrl-C's word, measured)."""
-    job = jobenv.current(env)
+    job = job_env(env)
     scheduled = bool(job.scheduler_job_id())
     if not STATE.requested:
         return (StopReason.SIGNAL if scheduled else StopReason.INTERRUPT) if unasked else None
@@ -271,10 +288,10 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
     `group`: the barrier's, where the default group's timeout is short (the trainer's NCCL group drops to the
     collective timeout after the first step, and rank 0 may spend longer closing its trackers first)."""
     _barrier(group)
+    job_id = (job := job_env(env)).scheduler_job_id()
+    reason = stop_reason(contract, env, unasked=True) or StopReason.SIGNAL  # unasked: always a word
     env = os.environ if env is None else env
     rank, restart = int(env.get("RANK", "0")), int(env.get("HPCJOBS_RESTART", "0"))
-    job_id = (job := jobenv.current(env)).scheduler_job_id()
-    reason = stop_reason(contract, env, unasked=True) or StopReason.SIGNAL  # unasked: always a word
     if reason == StopReason.TERMINATED and rank == 0 and job.preempted_with_sigterm(runner):
         reason = StopReason.PREEMPTION
     run = RunFolder(contract.run_dir) if contract.run_dir != NO_RUN_FOLDER else None
@@ -289,22 +306,22 @@ def finish_stop(step: int | None, contract: LaunchContract, env: Mapping[str, st
         if run:  # before the requeue: the next start must find it
             restartcap.record(run, job.job_id(), restartcap.Requeue(job.requeues() + 1, done, str(reason)))
         err = job.requeue(runner)
-        print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "
-              f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", flush=True)
+        ranklog.say(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed, "
+                    f"{'requeued job ' + job_id if not err else 'requeue failed: ' + err}", rank=rank)
         outcome, why = (StopOutcome.CAP, f"the requeue failed: {err}") if err else (outcome, why)
     elif outcome == StopOutcome.STOPPED:
-        print(f"hpcjobs: stopped by SIGTERM at step {step}: checkpoint committed; Slurm decides whether the job "
-              "comes back (preemption, requeue) or ends (scancel).", flush=True)
+        ranklog.say(f"hpcjobs: stopped by SIGTERM at step {step}: checkpoint committed; Slurm decides whether the "
+                    "job comes back (preemption, requeue) or ends (scancel).", rank=rank)
     elif outcome == StopOutcome.CAP:
-        print(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; {why}: not requeuing. "
-              "The job ends failed.", flush=True)
+        ranklog.say(f"hpcjobs: stop requested ({reason}) at step {step}: checkpoint committed; {why}: not "
+                    "requeuing. The job ends failed.", rank=rank)
     if run and outcome in (StopOutcome.LOCAL, StopOutcome.STOPPED):
         when = "to resume" if outcome == StopOutcome.LOCAL else "if Slurm does not bring the job back, to resume"
         by = userstop.asked_by(run, env.get("HPCJOBS_JOB_ID"))  # what the user did (a local job)
         again = (f"the same command with --run-dir {run.path}" if contract.points else  # a sweep starts fresh points
                  f"the same command again (it continues {run.path}; --run-dir names it)")
-        print(f"hpcjobs: stopped{' by ' + by if by else ''} at step {step} with a committed checkpoint; {when}, run "
-              f"{again}", flush=True)
+        ranklog.say(f"hpcjobs: stopped{' by ' + by if by else ''} at step {step} with a committed checkpoint; {when}, "
+                    f"run {again}", rank=rank)
     if run and outcome == StopOutcome.CAP:
         run.write_final(FinalState.FAILED, why, step, job_id=env.get("HPCJOBS_JOB_ID") or job_id or None)
     return outcome
@@ -318,5 +335,5 @@ def _record_stop(run: RunFolder | None, reason: StopReason, step: int | None, re
         extra = {"signal": first[0], "signal_to_commit_s": round(time.time() - first[1], 3)} if first else {}
         run.record_stop(str(reason), step if step is not None else -1, restart, **extra)
     if first and first[0] == "deadline":
-        print(f"hpcjobs: the {contract.preemption.signal} signal due before the time limit never came (lost at the "
-              "start of this run?): stopping on time anyway", flush=True)
+        ranklog.say(f"hpcjobs: the {contract.preemption.signal} signal due before the time limit never came (lost at "
+                    "the start of this run?): stopping on time anyway", rank=0)  # called on rank 0 only

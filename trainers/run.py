@@ -11,24 +11,27 @@ from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.settings.helpflags import HELP_FLAGS
 from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args, task_args_of, trainer_help
-from trainers import watchdog
+from trainers import ranklog, watchdog
 from trainers.dist import distributed
+from trainers.distenv import DistEnv
 from trainers.failures import one_line, record_rank_failure
 from trainers.task import Task, TaskArgError, load_task
 from trainers.trainer import train
 
 
-def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchContract | None = None) -> int:
+def run_task(task_ref: str, args: list[str], run: RunFolder, contract: LaunchContract | None = None,
+             env: DistEnv | None = None) -> int:
     """Train `task_ref` with `args` (trainer flags and the task's own, in any order); returns the exit code. Raises
     ConfigError for a trainer flag or a resume that cannot be used (the launcher refuses the start: one line, exit 2,
-    nothing recorded) and TaskArgError for a task flag."""
+    nothing recorded) and TaskArgError for a task flag. `env`: the launcher's DistEnv (its job environment chosen at
+    the start), else read from os.environ."""
     task_args = task_args_of(args)  # judged below, under the task's defaults
     if any(a in HELP_FLAGS for a in task_args):
         return task_help(task_ref)
     task = load_task_checked(task_ref, task_args)
     cfg, _ = parse_trainer_args(args, task.defaults)  # the task's suggestions under the flags given
     with distributed(trace_prefix=run.nccl_traces / "rank-", group_of_one=cfg.strategy == "fsdp",
-                     cpu_collectives=cfg.cpu_offload) as ctx, watchdog.armed(run, ctx.env, contract):
+                     cpu_collectives=cfg.cpu_offload, env=env) as ctx, watchdog.armed(run, ctx.env, contract):
         try:
             return train(task, cfg, run, ctx, contract)
         except ConfigError:
@@ -89,8 +92,8 @@ def task_help(task_ref: str) -> int:
     except TaskArgError:
         own = f"{task_ref} has no --help of its own.\n"
     except ImportError as e:
-        print(f"hpcjobs: task {task_ref} cannot be imported ({type(e).__name__}: {e}). HINT: run from the folder "
-              "that holds it, or check its name", file=sys.stderr, flush=True)
+        ranklog.warn(f"hpcjobs: task {task_ref} cannot be imported ({type(e).__name__}: {e}). HINT: run from the "
+                     "folder that holds it, or check its name", every_rank=True)
         return 2
     print(trainer_help(), flush=True)
     print(f"task flags ({task_ref}):\n{own}", end="", flush=True)

@@ -17,7 +17,6 @@ import fcntl
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.folderlock import busy_message, read_holder
 from hpcjobs.protocol.runfolder import RunFolder
+from trainers import ranklog
 from trainers.distenv import DistEnv
 
 WAIT_FOR_RANK0_S = 60.0
@@ -80,8 +80,8 @@ def take(run: RunFolder, env: DistEnv) -> RunLock:
     except OSError as e:
         if e.errno not in UNSUPPORTED:
             raise
-        print(f"hpcjobs: the filesystem of {run.path} cannot lock files ({e.strerror}): nothing stops a second job "
-              "from using this run folder at the same time", file=sys.stderr, flush=True)
+        ranklog.warn(f"hpcjobs: the filesystem of {run.path} cannot lock files ({e.strerror}): nothing stops a second "
+                     "job from using this run folder at the same time", every_rank=True)
     # Rewritten in place, never replaced: the lock belongs to this file's inode.
     text = json.dumps(holder_of(env), sort_keys=True).encode()
     os.ftruncate(fd, 0)

@@ -36,6 +36,7 @@ from hpcjobs.protocol.faultpolicy import restartcap
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import StopOutcome, StopReason
 from trainers import jobenv, preemption
+from trainers.jobenv.base import JobEnv
 
 _contract: list[LaunchContract] = []
 """Set by stand_by(): what the handler reads (a handler takes no arguments of ours)."""
@@ -45,7 +46,8 @@ _timers: list[threading.Timer] = []
 
 def stand_by(contract: LaunchContract) -> None:
     """Give this rank the signals of an entry that has not joined (see the module's doc); `preemption.install`
-    replaces them all when the script makes a StopGuard."""
+    replaces them all when the script makes a StopGuard. The job environment is the launcher's
+    (`preemption.choose`)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     num = preemption.signal_number(contract.preemption.signal)
     if num not in (signal.SIGTERM, signal.SIGINT):
@@ -57,8 +59,8 @@ def stand_by(contract: LaunchContract) -> None:
 def arm_deadline(contract: LaunchContract, env: Mapping[str, str] | None = None) -> threading.Timer | None:
     """On rank 0 under Slurm with a known time limit: a daemon timer that calls `overdue` when the profile's signal
     was due at the latest. None where nothing is armed."""
+    job = preemption.job_env(env)
     env = os.environ if env is None else env
-    job = jobenv.current(env)
     due = job.signal_due(contract)
     if due is None or env.get("RANK", "0") != "0" or not job.scheduler_job_id():
         return None
@@ -89,9 +91,8 @@ def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None 
     as lost: rank 0 requeues as if it came (`act`; the stop's reason is then TIMEOUT)."""
     if preemption.joined() or preemption.STATE.requested:
         return None
-    env = os.environ if env is None else env
     warn = contract.preemption.seconds_before
-    end = jobenv.current(env).end_time_now(runner)
+    end = preemption.job_env(env).end_time_now(runner)
     if end is not None and end - warn > due + 1:
         _start_timer(end - warn, contract)
         return None
@@ -101,13 +102,14 @@ def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None 
     return act(preemption.signal_number(contract.preemption.signal), contract, env, runner, name="deadline")
 
 
-def outcome(env: Mapping[str, str], cap: int, run: RunFolder | None = None) -> StopOutcome:
+def outcome(env: Mapping[str, str], cap: int, run: RunFolder | None = None, job: JobEnv | None = None,
+            ) -> StopOutcome:
     """What the profile's signal does to a rank that has not joined: LOCAL (no Slurm job: stop the script now, as
     Ctrl-C would), REQUEUED (rank 0 requeues, then Slurm stops every rank and starts the job again), STOPPED
     (another rank under Slurm: rank 0 acts for the job, Slurm's SIGTERM ends this one) or CAP (rank 0 at the
     restart cap, `run`'s requeues in a row without a newer checkpoint: the script runs on until Slurm ends the job).
-    From the protocol's own `decide`."""
-    job = jobenv.current(env)
+    From the protocol's own `decide`. `job`: the job environment, else the one that applies to `env`."""
+    job = job or jobenv.current(env)
     row = restartcap.fruitless(run, job.job_id(), job.requeues(), restartcap.progress(run))
     got = preemption.decide(StopReason.PREEMPTION, job.scheduler_job_id(), len(row), cap)
     if got != StopOutcome.LOCAL and env.get("RANK", "0") != "0":
@@ -120,7 +122,7 @@ def _handler(signum: int, frame: Any) -> None:
     run folder. Under Slurm the job is requeued once, however many signals come."""
     first = not preemption.STATE.requested
     preemption.request_stop(signum)  # first_request() names it, and the launcher writes no FINISHED for the start
-    if first or not jobenv.current().scheduler_job_id():
+    if first or not preemption.job_env().scheduler_job_id():
         act(signum, _contract[0])
 
 
@@ -128,14 +130,13 @@ def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = N
         runner: Callable[..., Any] = subprocess.run, name: str = "") -> StopOutcome:
     """What the handler does for `signum` (`outcome`), callable from tests with a stand-in for scontrol; raises
     KeyboardInterrupt for LOCAL. Rank 0's lines go to fd 2 unbuffered: the interrupted code may be inside a print."""
-    env = os.environ if env is None else env
+    job, environ = preemption.job_env(env), os.environ if env is None else env
     run = RunFolder(contract.run_dir) if contract.run_dir != preemption.NO_RUN_FOLDER else None
-    got = outcome(env, contract.preemption.max_restarts, run)
+    got = outcome(environ, contract.preemption.max_restarts, run, job)
     if got == StopOutcome.LOCAL:
         raise KeyboardInterrupt  # the launcher says what happened, once the script has unwound
     if got == StopOutcome.STOPPED:
         return got
-    job = jobenv.current(env)
     name, job_id = name or signal.Signals(signum).name, job.scheduler_job_id()
     why = preemption.stop_reason(contract, env) or StopReason.PREEMPTION
     nothing = ("this script has not joined hpcjobs's stop protocol (no StopGuard), so hpcjobs saved nothing: it goes "
@@ -154,7 +155,7 @@ def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = N
              "the job")
         return StopOutcome.CAP
     if run:
-        run.record_stop(str(why), -1, int(env.get("HPCJOBS_RESTART", "0")), signal=name, saved_by_hpcjobs=False)
+        run.record_stop(str(why), -1, int(environ.get("HPCJOBS_RESTART", "0")), signal=name, saved_by_hpcjobs=False)
     _say(f"hpcjobs: {name} ({why}): requeued job {job_id}; Slurm now stops the script and starts the job again "
          f"({nothing})")
     return got

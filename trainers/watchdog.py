@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -54,6 +53,7 @@ from typing import IO, Protocol
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.faultpolicy.kinds import DID_NOT_RUN, HANG_EXIT, HUNG
 from hpcjobs.protocol.runfolder import RunFolder
+from trainers import ranklog
 from trainers.distenv import DistEnv, DistEnvError, from_environ
 from trainers.hangbound import (
     HANG_MIN,
@@ -318,7 +318,7 @@ def armed(run: RunFolder | None = None, env: DistEnv | None = None, contract: La
     try:
         floor, how = floor_of(contract.recovery.hang_min_s, environ)
     except DistEnvError as e:
-        print(f"hpcjobs: {e}; the hang watchdog keeps recovery.hang_min_s", file=sys.stderr, flush=True)
+        ranklog.warn(f"hpcjobs: {e}; the hang watchdog keeps recovery.hang_min_s", every_rank=True)
         floor, how = float(contract.recovery.hang_min_s), HANG_MIN
     dog = Watchdog(run, env, floor, startup_bound(floor, environ, how), measured_saves(run), how).start()
     _current = dog

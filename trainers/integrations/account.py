@@ -60,14 +60,14 @@ class Account:
     def begin(self, step: int) -> None:
         """Training begins at `step` (0 fresh, else the step resumed from); outside a launched rank nothing is
         recorded."""
-        from trainers import startup
+        from trainers import preemption, startup
         from trainers.distenv import DistEnvError, from_environ
         startup.mark(READY)
         self.start_step, self.step, self.first_done = step, step, False
         contract = LaunchContract.current()
         self.run = RunFolder(contract.run_dir) if contract and contract.run_dir else None
         try:
-            self.env = from_environ(os.environ)
+            self.env = from_environ(os.environ, preemption.STATE.job)  # the launcher's job environment, if any
         except DistEnvError:
             self.run = None
         self.arm()

@@ -20,7 +20,7 @@ from pathlib import Path
 from hpcjobs.protocol.atomic import fsync_path, write_atomic
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
-from trainers import ddp_buckets
+from trainers import ddp_buckets, ranklog
 from trainers.faults import maybe_die
 from trainers.integrations.account import ACCOUNT
 
@@ -114,8 +114,7 @@ def run_folder() -> RunFolder | None:
 
 
 def say(line: str) -> None:
-    if rank() == 0:
-        print(f"hpcjobs: {line}", flush=True)
+    ranklog.say(f"hpcjobs: {line}")  # rank 0's (RANK)
 
 
 def rank() -> int:

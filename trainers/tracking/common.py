@@ -14,10 +14,12 @@ from hpcjobs.protocol.settings.trainconfig import TRACKERS
 from hpcjobs.protocol.trackerpkgs import TrackerUnavailable as TrackerUnavailable  # re-exported
 from hpcjobs.protocol.trackerpkgs import require as require
 from hpcjobs.protocol.trackerpkgs import unavailable
+from trainers import ranklog
 
 
 def say(message: str) -> None:
-    print(f"[hpcjobs rank 0] {message}", flush=True)
+    """A tracker's line; only rank 0 has trackers, so each line it says is for the terminal."""
+    ranklog.say(f"[hpcjobs rank 0] {message}", every_rank=True)
 
 
 # --- packages ---------------------------------------------------------------------------------------------------
