@@ -86,7 +86,7 @@ def test_requeued_job_buckets_are_exact_and_add_up_to_the_wall_time(tmp_path: Pa
     assert g.wall_s == 300.0
     # training ended with the final save's commit (1285 + 3 s); final.json came 2 s later: the exit, "other"
     assert g.buckets == {"queue": 19.0, "startup": 42.5, "productive": 86.5, "checkpoint": 14.0, "rework": 0.0,
-                         "requeue_hold": 121.0, "recovery": 5.0, "other": 12.0}
+                         "detection": 0.0, "requeue_hold": 121.0, "recovery": 5.0, "other": 12.0}
     assert sum(g.buckets.values()) == g.wall_s
     assert g.startup_parts == {"launch": 3.0, "imports": 18.0, "rendezvous": 2.5, "build_and_load": 16.5,
                                "first_step": 2.5}
@@ -134,12 +134,27 @@ def test_a_resumed_run_counts_the_steps_done_again_as_rework(tmp_path: Path) -> 
     rep = report(str(run), state_of=lambda _: JobState.COMPLETED)
     a, b = rep.parts
     assert a.buckets == {"queue": 0.5, "startup": 8.5, "productive": 15.5, "checkpoint": 1.0, "rework": 9.5,
-                         "requeue_hold": 0.0, "recovery": 0.0, "other": 5.0}
+                         "detection": 0.0, "requeue_hold": 0.0, "recovery": 0.0, "other": 5.0}
     assert a.wall_s == 40.0 and b.wall_s == 30.0 and b.buckets["rework"] == 0.0 and b.buckets["productive"] == 15.5
     assert rep.total.wall_s == 70.0 == sum(rep.total.buckets.values())
     assert rep.total.ettr == 31.0 / 69.0  # allocated: less each job's 0.5 s in the queue
     only_a = report("A", state_of=lambda _: JobState.COMPLETED)
     assert [p.job_id for p in only_a.parts] == ["A"] and only_a.total.buckets["rework"] == 9.5
+
+
+def test_a_hangs_wait_to_be_noticed_is_detection_not_rework(tmp_path: Path) -> None:
+    """Issue 40: job A's rank hung at 2027 (its watchdog recorded the failure at 2035, 8 s idle): the steps redone
+    are the 1.5 s after the step-40 save, and the 8 s the hang took to be noticed are detection (all 9.5 s were
+    booked as rework before)."""
+    run = killed_and_resumed(tmp_path / "run")
+    lines(run / "failures.jsonl", [{"time": 2035.0, "job_id": "A", "restart": 0, "rank": 1, "idle_s": 8.0,
+                                    "error": "hung: no step progress for 8 s after step 41"}])
+    for job, submitted in (("A", 2000.0), ("B", 2050.0)):
+        JobStore().add(JobRecord(job, "lm", "local", "local", 1, 2, str(run), {}, {}, submitted))
+    a, b = report(str(run), state_of=lambda _: JobState.COMPLETED).parts
+    assert a.buckets == {"queue": 0.5, "startup": 8.5, "productive": 15.5, "checkpoint": 1.0, "rework": 1.5,
+                         "detection": 8.0, "requeue_hold": 0.0, "recovery": 0.0, "other": 5.0}
+    assert a.wall_s == 40.0 == sum(a.buckets.values()) and b.buckets["detection"] == 0.0
 
 
 def test_a_sweeps_total_is_the_sum_of_its_tasks(tmp_path: Path) -> None:

@@ -138,6 +138,7 @@ def check_left(run: RunFolder, proc: subprocess.Popen[str]) -> str:
     (record,) = run.read_failures()
     assert record["error"].startswith("hung: no step progress for ") and "after step 7 (bound 1 s" in record["error"]
     assert (record["rank"], record["restart"], record["step"]) == (1, 3, 7)
+    assert record["idle_s"] >= 1.0  # since its last progress: goodput's time to notice the hang (issue 40)
     assert json.loads(run.final.read_text())["reason"].startswith("rank 1 on ")
     assert f"every thread's stack in {run.stack_file(3, 1)}" in err
     return stacks

@@ -24,8 +24,9 @@ LATE_NOTE = ("Found at the rank's next mark, once it ran again (stopped by SIGST
 
 
 def leave_word(why: str, late: bool, file: IO[str] | None, path: Path, env: DistEnv, run: RunFolder,
-               step: int | None) -> None:
-    """The stacks and `why` into `file` (the open stack file at `path`), the stderr line, the failure record."""
+               step: int | None, idle_s: float | None = None) -> None:
+    """The stacks and `why` into `file` (the open stack file at `path`), the stderr line, the failure record (with
+    `idle_s`, the seconds since the rank's last progress: goodput's time to notice the hang)."""
     from trainers.failures import record_rank_error
     from trainers.logtee import Tee
 
@@ -37,7 +38,7 @@ def leave_word(why: str, late: bool, file: IO[str] | None, path: Path, env: Dist
             file.write(LATE_NOTE)
         file.flush()
     ranklog.warn(f"hpcjobs: rank {env.rank}: {why}; every thread's stack in {path}", every_rank=True)
-    record_rank_error(why, env, run, step=step, stacks=str(path))
+    record_rank_error(why, env, run, step=step, stacks=str(path), **({} if idle_s is None else {"idle_s": idle_s}))
     sys.stdout.flush()
     if Tee.active is not None:
         Tee.active.log_only("")  # the pipe drained into the log before the exit

@@ -247,7 +247,8 @@ class Watchdog:
             threading.Event().wait()  # the other one ends the process
         faulthandler.cancel_dump_traceback_later()  # waits for the C timer if it is dumping right now
         word = threading.Thread(target=leave_word, name="hpcjobs-watchdog-word", daemon=True,
-                                args=(why, late, self.file, self.path, self.env, self.run, self.step))
+                                args=(why, late, self.file, self.path, self.env, self.run, self.step,
+                                      round(time.monotonic() - self.base, 3)))
         word.start()
         word.join(LEAVE_WORD_S)
         os._exit(HANG_EXIT)

@@ -19,6 +19,9 @@ record written late) are taken as their running maximum: a bucket is never negat
 - rework: training time of the steps a later start did again: from when this start passed the step the next start
   resumed at (that save's record) to its last record; all of its training when nothing it saved was resumed. For
   the run's last start, when it ended without finishing, the steps past the newest finished checkpoint.
+- detection: a fault's time to be noticed: from the last progress of a hung rank (its watchdog record's `idle_s`) to
+  the start's end. Neither training nor redone steps: before, a hang's wait was booked as rework (181.7 s of
+  "rework" for 20 steps redone, issue 40).
 - productive: the rest of the training time (evaluations and logging included).
 - requeue_hold: Slurm's hold of a requeued job (previous allocation's end → eligible again; cred_expire).
 - recovery: the rest of the gap between a start's last record and the next start's begin (its ranks exiting, the
@@ -39,7 +42,7 @@ from typing import Any
 
 from hpcjobs.protocol.runfolder import FIRST_STEP, STARTUP_MARKS
 
-BUCKETS = ("queue", "startup", "productive", "checkpoint", "rework", "requeue_hold", "recovery", "other")
+BUCKETS = ("queue", "startup", "productive", "checkpoint", "rework", "detection", "requeue_hold", "recovery", "other")
 UNALLOCATED = frozenset({"queue", "requeue_hold"})
 """Buckets in which the job held no GPUs."""
 STARTUP_PARTS = ("launch", "imports", "rendezvous", "build_and_load", "first_step")
@@ -82,6 +85,9 @@ class Start:
     """finished | failed | stopped (at a checkpoint, when asked) | lost (no word: killed) | running."""
     saves: tuple[Save, ...] = ()
     stop_to_commit_s: float | None = None
+    fault_at: float | None = None
+    """When a failed or lost start stopped making progress (a hung rank's last progress, from its watchdog record),
+    if that is known and before `end`: the rest of it is detection, not training."""
     trained_until: float | None = None
     """A finished start's newest record of its last step (its training's end); what came after it up to `end` (the
     script's own work after training: a final save_model, an upload, the interpreter's exit) is "other"."""
@@ -208,7 +214,8 @@ def _one_start(out: Goodput, clock: Clock, start: Start, end: float, resumed: in
         out.buckets["startup"] += span
         return
     t_train = clock.now
-    train = clock.to(min(end, start.trained_until) if start.trained_until is not None else end)
+    until = start.trained_until if start.trained_until is not None else start.fault_at
+    train = clock.to(min(end, until) if until is not None else end)
     saves = [s for s in start.saves if s.time >= t_train - 1e-6]
     blocked = min(train, sum(s.blocking_s for s in saves))
     lost_from = _rework_from(start, saves, resumed, t_train, clock.now)
@@ -220,7 +227,8 @@ def _one_start(out: Goodput, clock: Clock, start: Start, end: float, resumed: in
     out.buckets["checkpoint"] += blocked
     out.buckets["rework"] += lost
     out.buckets["productive"] += train - blocked - lost
-    out.buckets["other"] += clock.to(end)  # after a finished start's training (trained_until), else nothing
+    # after a finished start's training (trained_until): other; after a fault (fault_at): detection; else nothing
+    out.buckets["detection" if start.fault_at is not None else "other"] += clock.to(end)
 
 
 def _rework_from(start: Start, saves: Sequence[Save], resumed: int | None, t_train: float,

@@ -89,10 +89,23 @@ def read_starts(run: RunFolder) -> list[tuple[str, Start]]:
         start = _ending(start, stop, final if i == len(lines) - 1 or lines[i + 1][0].get("job_id") != job else None,
                         job, timed, any(str(f.get("job_id")) == job and f.get("restart") == restart
                                         for f in failures))
+        if start.ended in ("failed", "lost"):
+            start = replace(start, fault_at=fault_at(failures, job, restart, start))
         if start.ended == "lost" and refused_start(run, job, restart):
             start = replace(start, ended="refused")  # not a fault: nothing ran (hpcjobs.follow.refused)
         out.append((job, start))
     return out
+
+
+def fault_at(failures: Sequence[dict[str, Any]], job: str, restart: int, start: Start) -> float | None:
+    """When the start's first hung rank last made progress (its watchdog's record: the time less `idle_s`), when
+    that lies inside the start's training; None for other faults (a killed rank is noticed at once)."""
+    hung = [float(f["time"]) - float(f["idle_s"]) for f in failures
+            if str(f.get("job_id")) == job and f.get("restart") == restart and _num(f.get("idle_s")) is not None]
+    first_step = start.marks.get(FIRST_STEP)
+    at = min(hung, default=None)
+    return at if at is not None and first_step is not None and start.end is not None and first_step <= at < start.end \
+        else None
 
 
 def refused_start(run: RunFolder, job: str, restart: int) -> bool:

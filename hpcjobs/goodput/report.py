@@ -30,6 +30,7 @@ WAITING = frozenset({JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD,
 job STOPPED at a checkpoint has ended: it is resumed by a new job, so it is not here)."""
 BUCKET_WORDS = {"queue": "queue wait", "startup": "start-up", "productive": "productive training",
                 "checkpoint": "checkpoint blocking", "rework": "rework (steps done again)",
+                "detection": "fault detection (a hang noticed)",
                 "requeue_hold": "requeue hold (Slurm)", "recovery": "recovery (between starts)",
                 "other": "other (after the last record)"}
 
@@ -270,13 +271,15 @@ def timeline(target: str) -> Any:
         end = s.end if s.end is not None else time.time()
         first = s.marks.get(FIRST_STEP, end)
         ax.broken_barh([(s.begin - t0, max(0.0, first - s.begin))], (y - 0.35, 0.7), color=colors["startup"])
-        ax.broken_barh([(first - t0, max(0.0, end - first))], (y - 0.35, 0.7), color=colors["productive"])
+        trained = min(end, s.fault_at) if s.fault_at is not None else end  # then the hang's wait to be noticed
+        ax.broken_barh([(first - t0, max(0.0, trained - first))], (y - 0.35, 0.7), color=colors["productive"])
+        ax.broken_barh([(trained - t0, end - trained)], (y - 0.35, 0.7), color=colors["detection"])
         ax.broken_barh([(v.time - t0, v.blocking_s) for v in s.saves], (y - 0.35, 0.7), color=colors["checkpoint"])
         redo = next((v.time + v.blocking_s for v in s.saves if v.step == resumed), None) if resumed else None
         if redo is None and s.ended in ("failed", "lost") and resumed is not None:
             redo = first  # nothing it saved was resumed: all its training was done again
-        if redo is not None and redo < end:
-            ax.broken_barh([(redo - t0, end - redo)], (y - 0.35, 0.7), facecolor="none", hatch="///",
+        if redo is not None and redo < trained:
+            ax.broken_barh([(redo - t0, trained - redo)], (y - 0.35, 0.7), facecolor="none", hatch="///",
                            edgecolor=colors["rework"])
         marker, _ = ENDED_MARKS.get(s.ended, ("", ""))
         if marker:
@@ -286,7 +289,8 @@ def timeline(target: str) -> Any:
     ax.set_xlabel("seconds since the first start began")
     from matplotlib.patches import Patch
 
-    legend = [Patch(color=colors[b], label=BUCKET_WORDS[b]) for b in ("startup", "productive", "checkpoint")]
+    legend = [Patch(color=colors[b], label=BUCKET_WORDS[b]) for b in ("startup", "productive", "checkpoint",
+                                                                        "detection")]
     legend.append(Patch(facecolor="none", edgecolor=colors["rework"], hatch="///", label=BUCKET_WORDS["rework"]))
     fig.legend(handles=legend, fontsize="x-small", ncols=4, loc="outside lower center")
     ax.set_title("ends: x failed or killed, square stopped when asked, circle finished", fontsize="small")
