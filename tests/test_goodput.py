@@ -423,3 +423,20 @@ def test_goodput_plot_draws_each_start_on_the_wall_clock(tmp_path: Path, capsys:
     assert ("///", (2025.5 - 2001.0, 2035.0 - 2025.5)) in drawn  # A's steps after its step-40 save: done again
     assert main(["goodput", str(run), "--plot", str(tmp_path / "t.txt")]) == 2
     assert "cannot tell the format" in capsys.readouterr().err
+
+
+def test_a_script_that_reports_no_steps_gets_unknown_rows_not_0_s_productive(tmp_path: Path) -> None:
+    """Issue 37: a plain script's job (no start-up marks) showed "productive training 0.00" and "0.0 s productive"
+    in status; its training is not told apart from its start-up, and the rows say so."""
+    from hpcjobs.goodput.report import status_line, text
+
+    run = killed_and_resumed(tmp_path / "run")
+    (run / "startup.jsonl").unlink()  # what a plain script's run folder holds: no marks
+    JobStore().add(JobRecord("A", "plain", "local", "local", 1, 2, str(run), {}, {}, 2000.0))
+    rep = report("A", state_of=lambda _: JobState.COMPLETED)
+    g = rep.total
+    assert g.ettr is None and g.as_dict()["training_known"] is False
+    said = text(rep)
+    assert "productive training                 unknown" in said and "start-up and training" in said, said
+    assert "not told apart from its start-up" in said
+    assert "productive time unknown of" in status_line(g) and "0.0 s productive" not in status_line(g)

@@ -158,7 +158,8 @@ class Goodput:
                 "buckets_s": {b: round(s, 3) for b, s in self.buckets.items()},
                 "startup_s": {p: round(s, 3) for p, s in self.startup_parts.items()},
                 "gpu_hours": {b: round(h, 6) for b, h in self.gpu_hours().items()},
-                "starts": self.starts, "interruptions": self.interruptions, "requeue_holds": self.holds}
+                "starts": self.starts, "interruptions": self.interruptions, "requeue_holds": self.holds,
+                "training_known": self.known}  # False: "startup" holds the training too, "productive" is unknown
 
 
 class Clock:

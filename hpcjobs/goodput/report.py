@@ -164,10 +164,15 @@ def ettr_text(g: Goodput) -> str:
     return "-" if g.ettr is None else f"{g.ettr:.1%}"
 
 
+UNTOLD = "the script reports no steps (a plain script), so its training is not told apart from its start-up"
+"""Why a job's productive time and ETTR are unknown (no start-up marks: hpcjobs.goodput.buckets.JobTimes)."""
+
+
 def status_line(g: Goodput) -> str:
     """`hpcjobs status`'s goodput line."""
-    return (f"ETTR {ettr_text(g)}: {seconds(g.buckets['productive'])} productive of {seconds(g.allocated_s)} "
-            f"allocated (wall {seconds(g.wall_s)}); hpcjobs goodput {g.job_id}")
+    productive = f"{seconds(g.buckets['productive'])} productive" if g.known else "productive time unknown"
+    return (f"ETTR {ettr_text(g)}: {productive} of {seconds(g.allocated_s)} allocated (wall {seconds(g.wall_s)}); "
+            f"hpcjobs goodput {g.job_id}")
 
 
 def table_lines(g: Goodput) -> list[str]:
@@ -175,6 +180,10 @@ def table_lines(g: Goodput) -> list[str]:
     lines = [f"{'bucket':32} {'seconds':>10} {'share':>7} {'GPU-h':>9}"]
     for b in BUCKETS:
         share = g.buckets[b] / g.wall_s if g.wall_s else 0.0
+        if not g.known and b in ("startup", "productive"):  # honest rows: not 0 s of training (issue 37)
+            lines.append(f"{'start-up and training':32} {g.buckets[b]:10.2f} {share:7.1%} {hours[b]:9.4f}"
+                         if b == "startup" else f"{BUCKET_WORDS[b]:32} {'unknown':>10}")
+            continue
         lines.append(f"{BUCKET_WORDS[b]:32} {g.buckets[b]:10.2f} {share:7.1%} {hours[b]:9.4f}")
         if b == "startup":
             lines += [f"  {p:30} {g.startup_parts[p]:10.2f}" for p in STARTUP_PARTS]
@@ -193,6 +202,7 @@ def text(rep: Report) -> str:
                                                                                   for b in BUCKETS) for p in rep.parts]
         lines.append("total:")
     lines += table_lines(g)
+    lines += [] if g.known else [f"note: {UNTOLD}"]
     lines += [f"advice: {a}" for a in rep.advice]
     return "\n".join(lines)
 
