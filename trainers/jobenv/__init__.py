@@ -4,6 +4,10 @@ hpcjobs/backends/: the protocol is trainers.jobenv.base.JobEnv, one module per e
 `current()` chooses, here and nowhere else. No other module of the node side reads a scheduler's variables or runs
 its commands (tests/test_jobenv.py reads the sources). Torch-free.
 
+A launched rank chooses once, at its start (trainers.launch: the DistEnv's `job`, handed on as
+trainers.preemption.STATE.job): asked again after the launcher exported RANK/WORLD_SIZE, `current()` takes a single
+process for torchrun's rank (tests/test_jobenv_once.py). `current()` itself is the fallback outside a launch.
+
 A new scheduler: a module here whose class overrides what its variables and commands say (`applies(env)` and the
 class as ENVIRONMENT), and its name in hpcjobs.protocol.schedulers.JOB_ENVIRONMENTS (before torchrun's: a launcher
 inside a job is still that scheduler's job).
