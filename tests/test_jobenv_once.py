@@ -72,3 +72,18 @@ def test_a_launched_scripts_account_keeps_the_starts_choice(tmp_path: Path) -> N
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "source single" in out.stdout, out.stdout
+
+
+def test_the_process_group_takes_the_launchers_distenv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_task hands the launcher's DistEnv to distributed(): nothing is read again from os.environ (here a layout
+    that would be refused if it were)."""
+    from trainers.dist import distributed
+
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HPCJOBS_BACKEND", "gloo")
+    env = from_environ({})
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # rank 7 of 2: from_environ(os.environ) raises
+    with distributed(env=env) as ctx:
+        assert ctx.env is env and ctx.world_size == 1
