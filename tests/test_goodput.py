@@ -440,3 +440,25 @@ def test_a_script_that_reports_no_steps_gets_unknown_rows_not_0_s_productive(tmp
     assert "productive training                 unknown" in said and "start-up and training" in said, said
     assert "not told apart from its start-up" in said
     assert "productive time unknown of" in status_line(g) and "0.0 s productive" not in status_line(g)
+
+
+def test_each_fault_gets_a_line_with_its_detection_resume_and_redone_training(tmp_path: Path) -> None:
+    """Issue 40 item 5: per fault, the time to notice it, the step and tier the next start resumed from, the time
+    from the fault to the first step trained again, and the training done in vain."""
+    run = killed_and_resumed(tmp_path / "run")
+    startup = [json.loads(x) for x in (run / "startup.jsonl").read_text().splitlines()]
+    lines(run / "startup.jsonl", [dict(r, resumed_tier="local tier") if r["job_id"] == "B" else r for r in startup])
+    for job, submitted in (("A", 2000.0), ("B", 2050.0)):
+        JobStore().add(JobRecord(job, "lm", "local", "local", 1, 2, str(run), {}, {}, submitted))
+    rep = report(str(run), state_of=lambda _: JobState.COMPLETED)
+    (fault,) = rep.faults
+    assert (fault.job_id, fault.hang, fault.noticed_s, fault.resumed_step, fault.tier) == \
+        ("A", False, 0.0, 40, "local tier")
+    assert fault.to_first_step_s == 2059.0 - 2035.0 and fault.redone_s == 2035.0 - 2025.5
+    said = text(rep)
+    assert "fault: A start 0: fault after step 40, noticed at once; resumed from step 40 (local tier), training " \
+           "again 24.0 s after the fault, 9.5 s of training done again" in said, said
+    assert rep.as_dict()["faults"][0]["tier"] == "local tier"
+    lines(run / "failures.jsonl", [{"time": 2035.0, "job_id": "A", "restart": 0, "rank": 1, "idle_s": 8.0}])
+    (hang,) = report("A", state_of=lambda _: JobState.COMPLETED).faults  # one job asked: its fault, B's resume
+    assert (hang.hang, hang.noticed_s, hang.redone_s, hang.resumed_step) == (True, 8.0, 1.5, 40)

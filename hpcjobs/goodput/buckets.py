@@ -85,6 +85,9 @@ class Start:
     """finished | failed | stopped (at a checkpoint, when asked) | lost (no word: killed) | running."""
     saves: tuple[Save, ...] = ()
     stop_to_commit_s: float | None = None
+    tier: str | None = None
+    """Which checkpoint tier this start resumed from, where it said (trainers.localtier: local tier, peer replica,
+    shared storage)."""
     fault_at: float | None = None
     """When a failed or lost start stopped making progress (a hung rank's last progress, from its watchdog record),
     if that is known and before `end`: the rest of it is detection, not training."""

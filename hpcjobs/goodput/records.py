@@ -77,7 +77,8 @@ def read_starts(run: RunFolder) -> list[tuple[str, Start]]:
         own_saves = tuple(Save(int(s["step"]), float(s["time"]), max(0.0, float(s["blocking_s"])),
                                s.get("background") is True)
                           for s in saves if str(s.get("job_id")) == job and s.get("restart") == restart)
-        start = Start(restart, begin, marks, _start_step(mine), saves=own_saves)
+        tier = next((t for r in mine if isinstance(t := r.get("resumed_tier"), str)), None)
+        start = Start(restart, begin, marks, _start_step(mine), saves=own_saves, tier=tier)
         timed = [(float(m["time"]), m.get("step")) for m in metrics
                  if m.get("restart") == restart and begin <= m["time"] < until]
         if isinstance(heartbeat, dict) and heartbeat.get("restart") == restart and _num(heartbeat.get("time")):

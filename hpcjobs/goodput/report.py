@@ -16,6 +16,7 @@ from typing import Any
 from hpcjobs.backends import backend_for
 from hpcjobs.goodput.advice import advice, step_time
 from hpcjobs.goodput.buckets import BUCKETS, STARTUP_PARTS, AllocationTimes, Goodput, Start, compute, total
+from hpcjobs.goodput.incidents import Incident, incidents
 from hpcjobs.goodput.records import allocations, job_ids, job_times, read_starts, resumed_after
 from hpcjobs.jobs.store import JobRecord, JobStore
 from hpcjobs.profiles.slurmtime import parse_time
@@ -40,6 +41,7 @@ class Report:
     name: str
     parts: list[Goodput] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
+    faults: list[Incident] = field(default_factory=list)
 
     @property
     def total(self) -> Goodput:
@@ -47,7 +49,7 @@ class Report:
 
     def as_dict(self) -> dict[str, Any]:
         return {"target": self.name, "jobs": [p.as_dict() for p in self.parts], "total": self.total.as_dict(),
-                "advice": self.advice}
+                "faults": [f.as_dict() for f in self.faults], "advice": self.advice}
 
 
 # --- one run folder ------------------------------------------------------------------------------------------------
@@ -148,6 +150,8 @@ def report(target: str, store: JobStore | None = None, now: float | None = None,
     for run, job in folders:
         parts, starts = folder_report(run, job, store, now, runner, state_of)
         out.parts += parts
+        chosen = {j for j, _ in jobs_of(run, job, store)}  # the next start may be another job's: all are read
+        out.faults += [f for f in incidents(read_starts(run)) if f.job_id in chosen] if len(folders) == 1 else []
         if len(folders) == 1 and len(parts) >= 1:
             out.advice = advice(total(parts, target), starts, run_step_time(run), seconds_before_of(run),
                                 time_limit_of(run))
@@ -203,6 +207,7 @@ def text(rep: Report) -> str:
         lines.append("total:")
     lines += table_lines(g)
     lines += [] if g.known else [f"note: {UNTOLD}"]
+    lines += [f"fault: {f.line()}" for f in rep.faults]
     lines += [f"advice: {a}" for a in rep.advice]
     return "\n".join(lines)
 
