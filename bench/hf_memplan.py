@@ -9,8 +9,16 @@ trainer does (bench/memplan.py's two_steps: trainers.strategy.make, AdamW, clip,
 rank (the bare model) in this process; fsdp (FSDP2, as the trainer shards: each decoder layer, then the root) as rank
 0 of 2 or 4 under torch's fake process group, alone in a child process (real tensors, collectives that move
 nothing). fp32 and bf16 (autocast under ddp, FSDP2's cast under fsdp), with and without activation checkpointing. The
-plan is `plan(model_shape(config.json), Setup(..., gpu=False))`: tensors only. Writes bench/results/hf_memplan.json;
-the target (issue 41) is the plan within ±5% of each peak.
+plan is `plan(model_shape(config.json), Setup(..., gpu=False))`: tensors only. Writes bench/results/hf_memplan.json
+with each row's phase peaks (two_steps' `phases`: where the peak fell); the target (issue 41) is the plan within ±5%
+of each peak.
+
+AdamW is the fused one (two_steps' `fused`), as the trainer makes it on a GPU, the path the plan is for: it updates
+each parameter in place and makes no temporaries. On the CPU the trainer's AdamW is the unfused foreach one, whose
+whole-list temporaries (+45% of the weights' bytes: llama ddp, its step-2 optimizer phase 22.48 MB against the 20.20
+MB of weights, gradients and moments) made the optimizer step the peak of every checkpointed llama row (0.94 then).
+The harness also counts the model's weights from the start: before, a model built outside the count had its weights
+counted only once an op returned them (the foreach AdamW's in-place updates), so a fused measurement missed them.
 """
 
 from __future__ import annotations
@@ -82,15 +90,19 @@ def fsdp_worker(name: str, ranks: int, batch: int, seq_len: int, precision: str,
     cfg = TrainConfig(strategy="fsdp", batch_size=batch, activation_checkpointing=bool(ac), ac_mode=ac or "full",
                       meta_init=False)
     data = torch.randint(0, int(CONFIGS[name]["vocab_size"]), (batch, seq_len))
-    print("PEAK " + json.dumps(two_steps(build(name), ctx, cfg, precision, data, hf_loss)), flush=True)
+    phases: dict[str, Any] = {}
+    peak = two_steps(build(name), ctx, cfg, precision, data, hf_loss, phases, fused=True)
+    print("PEAK " + json.dumps({"peak": peak, "phases": phases}), flush=True)
 
 
 def hf_loss(net: Any, x: Any) -> Any:
     return net(input_ids=x, labels=x).loss
 
 
-def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int, precision: str, ac: str) -> int:
-    """Rank 0's peak live bytes over two steps: ddp here, fsdp in a child process (fsdp_worker)."""
+def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int, precision: str,
+                  ac: str) -> tuple[int, dict[str, Any]]:
+    """Rank 0's peak live bytes over two steps, with its phases (bench/memplan.py's two_steps): ddp here, fsdp in a
+    child process (fsdp_worker)."""
     if strategy == "fsdp":
         argv = [sys.executable, __file__, "--fsdp-worker", name, *map(str, (ranks, batch, seq_len)), precision,
                 ac or "none"]
@@ -99,7 +111,8 @@ def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PEAK ")), None)
         if line is None:
             raise SystemExit(f"{name} fsdp × {ranks} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-        return int(json.loads(line.removeprefix("PEAK ")))
+        found = json.loads(line.removeprefix("PEAK "))
+        return int(found["peak"]), found["phases"]
     import torch
     from memplan import two_steps
 
@@ -109,7 +122,8 @@ def measured_peak(name: str, strategy: str, ranks: int, batch: int, seq_len: int
                                 adopt=lambda groups: None)
     cfg = TrainConfig(strategy="ddp", batch_size=batch, activation_checkpointing=bool(ac), ac_mode=ac or "full")
     data = torch.randint(0, int(CONFIGS[name]["vocab_size"]), (batch, seq_len))
-    return two_steps(build(name), ctx, cfg, precision, data, hf_loss)
+    phases: dict[str, Any] = {}
+    return two_steps(build(name), ctx, cfg, precision, data, hf_loss, phases, fused=True), phases
 
 
 def measure(name: str, batch: int = 2, seq_len: int = 64, precision: str = "fp32", ac: str = "",
@@ -124,14 +138,15 @@ def measure(name: str, batch: int = 2, seq_len: int = 64, precision: str = "fp32
         path.write_text(json.dumps(CONFIGS[name]))
         shape, _ = model_shape(str(path))
     counted = sum(p.numel() for p in build(name).parameters())
-    measured = measured_peak(name, strategy, ranks, batch, seq_len, precision, ac)
+    measured, phases = measured_peak(name, strategy, ranks, batch, seq_len, precision, ac)
     planned = plan(shape, Setup(strategy=strategy, ranks=ranks, micro_batch=batch, seq_len=seq_len,
                                 precision=precision, activation_checkpointing=bool(ac), ac_mode=ac or "full",
                                 gpu=False))
     return {"model": name, "strategy": strategy, "ranks": ranks, "batch": batch, "seq_len": seq_len,
             "precision": precision, "activation_checkpointing": bool(ac), "ac_mode": ac or None, "params": counted,
             "params_planned": shape.params, "measured": measured, "planned": planned.tensors,
-            "ratio": planned.tensors / measured, "plan": planned.as_dict()}
+            "ratio": planned.tensors / measured, "plan": planned.as_dict(), "peak_phase": phases["peak_phase"],
+            "phase_peaks": phases["peaks"]}
 
 
 CASES: list[tuple[str, int, int, str, str, str, int]] = [

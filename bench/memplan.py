@@ -83,10 +83,17 @@ def live_bytes_mode() -> Any:
     return LiveBytes()
 
 
-def two_steps(model: Any, ctx: Any, cfg: Any, precision: str, data: Any, loss_fn: Any) -> int:
+def two_steps(model: Any, ctx: Any, cfg: Any, precision: str, data: Any, loss_fn: Any,
+              phases: dict[str, Any] | None = None, fused: bool = False) -> int:
     """The peak live bytes of two training steps as the shared trainer runs them (after the model is built and
-    wrapped: the plan is of training, not of building)."""
+    wrapped: the plan is of training, not of building). The model's parameters and buffers are counted from the
+    start: they were made before the count began, and only an op that returns one (the unfused AdamW's in-place
+    updates) would count it otherwise. `fused`: AdamW as the trainer makes it on a GPU (fused: one kernel updates
+    each parameter in place, no temporaries), else as on the CPU (foreach: whole-list temporaries). `phases`, if
+    given, gets by phase ("1 forward", "1 backward", "1 clip", "1 optimizer", "1 zero_grad", then step 2's) the live
+    bytes at its end (`live`) and its own peak (`peaks`), and the phase the peak fell in (`peak_phase`)."""
     import contextlib
+    import dataclasses
 
     import torch
 
@@ -94,22 +101,40 @@ def two_steps(model: Any, ctx: Any, cfg: Any, precision: str, data: Any, loss_fn
     from trainers.trainer import default_optimizer
 
     mode = live_bytes_mode()
+    live: dict[str, int] = {}
+    peaks: dict[str, int] = {}
     with mode:
         net = strategy.make(model, ctx, cfg, precision)
-        optimizer = default_optimizer(model, 1e-3, cfg)
+        for t in (*net.net.parameters(), *net.net.buffers()):
+            mode.track(t)
+        # default_optimizer reads cpu_offload only to pick the fused kernel (as it does on CUDA)
+        optimizer = default_optimizer(model, 1e-3, dataclasses.replace(cfg, cpu_offload=True) if fused else cfg)
         # As the trainer: autocast unless the strategy casts (FSDP2's MixedPrecisionPolicy).
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" and not net.mixed_precision
                     else contextlib.nullcontext())
-        mode.peak = mode.live
-        for _ in range(2):
+        loss: Any = None
+
+        def forward() -> None:
+            nonlocal loss
             with autocast:
                 loss = loss_fn(net.net, data)
+
+        def backward() -> None:
+            nonlocal loss
             loss.backward()
-            del loss
-            net.clip(1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return int(mode.peak)
+            loss = None
+
+        steps = (("forward", forward), ("backward", backward), ("clip", lambda: net.clip(1.0)),
+                 ("optimizer", optimizer.step), ("zero_grad", lambda: optimizer.zero_grad(set_to_none=True)))
+        for step in (1, 2):
+            for name, run in steps:
+                mode.peak = mode.live  # each phase's own peak
+                run()
+                live[f"{step} {name}"], peaks[f"{step} {name}"] = mode.live, mode.peak
+    top = max(peaks, key=lambda k: peaks[k])
+    if phases is not None:
+        phases.update(live=live, peaks=peaks, peak_phase=top)
+    return int(peaks[top])
 
 
 def worker(size: str, strategy_name: str, batch: int, ac: bool, precision: str) -> None:

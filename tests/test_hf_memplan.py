@@ -105,32 +105,37 @@ def test_plan_imports_no_torch() -> None:
     assert out.returncode == 0, out.stderr
 
 
-def test_every_recorded_measurement_without_checkpointing_is_within_5_percent() -> None:
-    """bench/hf_memplan.py's rows: four families, ddp and fsdp, fp32 and bf16, the parameters counted exactly. With
-    activation checkpointing (full or selective) the step peaks inside the first block's backward or the CPU's
-    unfused AdamW, whose temporaries the plan leaves out: within 7% there."""
+def test_every_recorded_measurement_is_within_5_percent() -> None:
+    """bench/hf_memplan.py's rows: four families, ddp and fsdp, fp32 and bf16, no, full and selective activation
+    checkpointing, the parameters counted exactly. With checkpointing the step peaks in the loss's forward or
+    backward or in a block's backward (the phases the plan counts: checkpointed_moments); every row names its
+    phase (issue 41: three checkpointed rows were at 0.938-1.059 when the plan had only the loss's backward and the
+    end of the backward, and the CPU's unfused AdamW was measured)."""
     rows = json.loads(RESULTS.read_text())["rows"]
     assert {r["model"] for r in rows} >= {"llama", "qwen2", "mistral", "gpt2"}
     assert {r["strategy"] for r in rows} == {"ddp", "fsdp"}
     assert all(r["params"] == r["params_planned"] for r in rows)
-    off = {f"{r['model']} {r['strategy']}×{r['ranks']} {r['precision']} AC={r['activation_checkpointing']} "
-           f"{r['batch']}×{r['seq_len']}": (round(r["ratio"], 3), r["activation_checkpointing"]) for r in rows}
-    assert sum(not ac for _, ac in off.values()) >= 12
-    assert all(abs(v - 1) <= (0.07 if ac else TOLERANCE) for v, ac in off.values()), off
+    off = {f"{r['model']} {r['strategy']}×{r['ranks']} {r['precision']} AC={r['ac_mode']} "
+           f"{r['batch']}×{r['seq_len']}": round(r["ratio"], 3) for r in rows}
+    assert sum(not r["activation_checkpointing"] for r in rows) >= 12
+    assert all(abs(v - 1) <= TOLERANCE for v in off.values()), off
     assert {r["ac_mode"] for r in rows} == {None, "full", "selective"}
+    assert all(r["peak_phase"] in r["phase_peaks"] and "optimizer" not in r["peak_phase"] for r in rows)
 
 
 @pytest.mark.train
 @pytest.mark.parametrize(("name", "precision", "strategy", "ranks"), [
     ("llama", "bf16", "ddp", 1), ("qwen2", "fp32", "ddp", 1), ("gpt2", "bf16", "ddp", 1),
-    ("mistral", "bf16", "fsdp", 2)])
+    ("mistral", "bf16", "fsdp", 2), ("llama", "fp32", "fsdp", 2)])
 def test_a_live_measurement_of_the_real_model_agrees(name: str, precision: str, strategy: str, ranks: int) -> None:
     """Measured now: transformers' own class built from the config, two training steps, peak live tensor bytes
-    (fsdp: rank 0 of 2 under torch's fake process group, in a child process)."""
+    (fsdp: rank 0 of 2 under torch's fake process group, in a child process); llama fsdp fp32 with full
+    checkpointing peaks in a block's backward beside the root's gathered weights and unsharded head gradients."""
     sys.path.insert(0, str(REPO / "bench"))
     import hf_memplan as bench
 
-    row = bench.measure(name, 2, 64, precision, strategy=strategy, ranks=ranks)
+    row = bench.measure(name, 2, 64, precision, "full" if name == "llama" and strategy == "fsdp" else "",
+                        strategy=strategy, ranks=ranks)
     assert row["params"] == row["params_planned"]
     assert abs(row["ratio"] - 1) <= TOLERANCE, row
 

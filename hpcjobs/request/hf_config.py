@@ -99,7 +99,8 @@ def swiglu_shape(cfg: dict[str, Any], path: str) -> Shape:
                  cast_params=cast, block=Saved(fp32=2 * d + 2, stream=2 * d, compute=2 * q + 2 * kv + 4 * inner,
                                                outs=2 * d, cast_outs=5 * d),
                  kept_selective=2 * q + 2 * kv + 2 * d + 2 * inner,  # q k v o gate up down, attention's output
-                 head=Saved(fp32=d + 1, stream=d, outs=d, cast_outs=d), logits_peak=True)
+                 head=Saved(fp32=d + 1, stream=d, outs=d, cast_outs=d), logits_peak=True,
+                 late_params=0 if tied else vocab * d)
 
 
 def gpt2_shape(cfg: dict[str, Any], path: str) -> Shape:
@@ -120,7 +121,7 @@ def gpt2_shape(cfg: dict[str, Any], path: str) -> Shape:
                  cast_params=cast, block=Saved(fp32=4, stream=2 * d, compute=4 * d + GELU_SAVES[act] * inner,
                                                outs=2 * d, cast_outs=2 * d),
                  kept_selective=6 * d + inner,  # c_attn, attn c_proj, c_fc, mlp c_proj, attention's output
-                 head=Saved(fp32=2, stream=d, outs=d, cast_outs=d), logits_peak=True)
+                 head=Saved(fp32=2, stream=d, outs=d, cast_outs=d), logits_peak=True, late_params=positions * d)
 
 
 def model_shape(path: str) -> tuple[Shape, dict[str, Any]]:

@@ -26,13 +26,16 @@ Torch-free arithmetic over the model's shapes and the trainer's settings. What a
                allocator's fragmentation (on an H200: reserved − allocated 0–3% of the peak, 12% for 1b fsdp
                without activation checkpointing)
 The peak is the larger of the start of the backward (everything saved, no gradient yet) and its end (every gradient,
-the first block's activations): gradients grow as saved activations are freed. bench/memplan.py measured the tensors'
-part within 5% on real CPU ranks (small and medium, ddp and fsdp, fp32 and bf16, with and without activation
-checkpointing) and on 7b's shapes under fake tensors (bench/results/memplan.json); on an H200 the tensors' part
-was 1.00–1.05 × the measured peak allocated (1b ddp, fsdp, fsdp + AC, --cpu-offload; 7b fsdp + AC: 99.1 against 98.0
-GiB) and the total 1.05–1.20 × the peak reserved (bench/results/gpu-h200-acceptance.json). A Hugging Face model's
-plan (its Shape) against transformers' own models on the CPU (bench/results/hf_memplan.json): 0.999–1.000 × the
-measured peak under ddp, 1.02–1.04 under fsdp, 0.94–1.06 with full or selective activation checkpointing.
+the first block's activations): gradients grow as saved activations are freed. A Hugging Face model with activation
+checkpointing is planned phase by phase (checkpointed_moments: the loss's forward and backward, the last, second and
+first block's backward, the fused AdamW step), as measured: its peak falls in any of the first five.
+bench/memplan.py measured the tensors' part within 5% on real CPU ranks (small and medium, ddp and fsdp, fp32 and
+bf16, with and without activation checkpointing) and on 7b's shapes under fake tensors (bench/results/memplan.json);
+on an H200 the tensors' part was 1.00–1.05 × the measured peak allocated (1b ddp, fsdp, fsdp + AC, --cpu-offload;
+7b fsdp + AC: 99.1 against 98.0 GiB) and the total 1.05–1.20 × the peak reserved
+(bench/results/gpu-h200-acceptance.json). A Hugging Face model's plan (its Shape) against transformers' own models
+on the CPU with the GPU's fused AdamW (bench/results/hf_memplan.json): 0.999–1.000 × the measured peak under ddp,
+1.02–1.04 under fsdp, 0.98–1.05 with full or selective activation checkpointing (41 rows, worst 1.047).
 """
 
 from __future__ import annotations
@@ -165,6 +168,9 @@ class Shape:
     vocabulary entry) beside every saved activation, in fp32 and bf16 alike (HF models with 1K-3K vocabularies,
     bench/results/hf_memplan.json). The bundled GPT's 256-entry vocabulary peaks later, in the last block's backward,
     with the logits' bf16 gradient beside the fp32 one (bench/results/memplan.json)."""
+    late_params: int = 0
+    """Parameters whose gradients are made after the first block's backward: the input embeddings when untied (a
+    tied head's gradient is made first), GPT-2's learned positions."""
 
 
 def gpt_shape(c: GPTConfig) -> Shape:
@@ -199,15 +205,21 @@ def block_bytes(c: GPTConfig | Shape, s: Setup) -> int:
     return b * t * m.block.bytes_per_token(stream_bytes(s), compute_bytes(s)) + b * m.n_head * t * 4
 
 
+def kept_bytes(m: Shape, s: Setup) -> int:
+    """What a checkpointed block keeps: its input; selective: its matmuls' and attention's outputs too."""
+    b, t = s.micro_batch, s.seq_len
+    kept = b * t * m.d_model * stream_bytes(s)
+    return kept + (b * t * m.kept_selective * compute_bytes(s) + b * m.n_head * t * 4 if s.ac_mode == "selective"
+                   else 0)
+
+
 def activation_bytes(c: GPTConfig | Shape, s: Setup) -> tuple[int, int]:
     """(saved activations at the start of the backward, the transient gradients then) for one micro-batch."""
     m = shape_of(c)
     low, r = compute_bytes(s), stream_bytes(s)
     b, t = s.micro_batch, s.seq_len
     block = block_bytes(m, s)
-    kept = b * t * m.d_model * r  # a checkpointed block's input; selective: its matmuls' and attention's outputs too
-    kept += b * t * m.kept_selective * low + b * m.n_head * t * 4 if s.ac_mode == "selective" else 0
-    blocks = m.n_layer * kept + block if s.activation_checkpointing else m.n_layer * block
+    blocks = m.n_layer * kept_bytes(m, s) + block if s.activation_checkpointing else m.n_layer * block
     head = b * t * m.head.bytes_per_token(r, low) + b * t * m.vocab * 4 + b * (t + 1) * 8  # fp32 log-softmax, batch
     # at the loss's backward: the log-softmax's fp32 gradient and the logits' beside the saved log-probabilities
     transient = b * t * m.vocab * (8 if m.logits_peak else low if low < 4 else 0)
@@ -241,18 +253,61 @@ def plan(c: GPTConfig | Shape, s: Setup) -> Plan:
     # gradients of the earlier micro-batches; under ddp over ranks, DDP's buckets (the gradients are views into
     # them) outlive zero_grad: +4 bytes a parameter all the step (measured: small, 2 CPU ranks, 0.90 -> 1.00)
     kept = grads + unsharded if s.grad_accum > 1 or (s.strategy == "ddp" and s.ranks > 1) else unsharded
-    moments = [Plan(weights, kept, optimizer, acts, working_bytes(m, s, s.activation_checkpointing), transient, 0)]
     if m.logits_peak and s.activation_checkpointing:
-        # the loss's backward (the recomputed block not yet there), then the last block's (the logits freed): apart
-        block, logits = block_bytes(m, s), s.micro_batch * s.seq_len * m.vocab * 4
-        moments = [Plan(weights, kept, optimizer, acts - block, working_bytes(m, s), transient, 0),
-                   Plan(weights, kept, optimizer, acts - logits, working_bytes(m, s, True), 0, 0)]
-    # the end: every gradient, the first block's activations and, under fsdp, its gradients being reduced
-    end = Plan(weights, grads + unsharded, optimizer, block_bytes(m, s),
-               working_bytes(m, s, backward=True, root=False) if s.strategy == "fsdp" else 0, 0, 0)
-    peak = max(*moments, end, key=lambda x: x.total)
+        moments = checkpointed_moments(m, s, Plan(weights, kept, optimizer, acts, 0, transient, 0), grads + unsharded)
+    else:
+        moments = [Plan(weights, kept, optimizer, acts, working_bytes(m, s, s.activation_checkpointing), transient, 0),
+                   # the end: every gradient, the first block's activations and, under fsdp, its gradients reduced
+                   Plan(weights, grads + unsharded, optimizer, block_bytes(m, s),
+                        working_bytes(m, s, backward=True, root=False) if s.strategy == "fsdp" else 0, 0, 0)]
+    peak = max(moments, key=lambda x: x.total)
     headroom = int(CONTEXT_BYTES + FRAGMENTATION * peak.total) if s.gpu else 0
     return dataclasses.replace(peak, headroom=headroom)
+
+
+def checkpointed_moments(m: Shape, s: Setup, start: Plan, grads: int) -> list[Plan]:
+    """A Hugging Face model's step with activation checkpointing, phase by phase (bench/memplan.py's two_steps
+    records each phase's peak; bench/results/hf_memplan.json): `start` holds the weights, the gradients kept all the
+    step, AdamW's moments, the saved activations (with one recomputed block) and the logits' gradients; `grads`
+    every gradient. Under ddp with autocast the cast copies live in the forward only (autocast's cache, freed as it
+    exits); in the backward a checkpointed block's recompute casts its own (and the head's matmul kept its)."""
+    b, t, low = s.micro_batch, s.seq_len, compute_bytes(s)
+    block = block_bytes(m, s)
+    autocast = s.strategy == "ddp" and low < 4
+    head = low * m.vocab * m.d_model if autocast else 0
+    fsdp = s.strategy == "fsdp"
+    return [
+        # the loss in the forward: every cast copy, the logits (and their fp32 upcast) beside the log-softmax
+        dataclasses.replace(start, activations=start.activations - block, working=working_bytes(m, s),
+                            transient=b * t * m.vocab * (4 + (low if low < 4 else 0))),
+        # the loss's backward: the log-softmax's and the logits' fp32 gradients, the recomputed block not yet there
+        dataclasses.replace(start, activations=start.activations - block,
+                            working=working_bytes(m, s) if fsdp else head),
+        # block k's backward (k = n, 2, 1: between them the bytes change linearly)
+        *(block_moment(m, s, start, grads, k) for k in sorted({m.n_layer, min(2, m.n_layer), 1})),
+        # the optimizer's step (fused AdamW, as on GPUs: no temporaries): every gradient
+        dataclasses.replace(start, gradients=grads, activations=0, working=0, transient=0)]
+
+
+def block_moment(m: Shape, s: Setup, start: Plan, grads: int, k: int) -> Plan:
+    """Block k's backward (k = 1 the first block): its activations recomputed, what blocks 1..k-1 kept, the
+    gradients of the head and of the blocks after k made. Under fsdp the root (embeddings, head) stays gathered and
+    its gradients unsharded until its own backward ends, the next block is prefetched (none before the first), and
+    the block's unsharded gradient and fp32 reduce-scatter input are made; under ddp with autocast, the block's own
+    cast copies; ddp counts the block's own gradients whole (made while its activations are freed)."""
+    low = compute_bytes(s)
+    outer = m.params - m.n_layer * m.block_params
+    acts = (k - 1) * kept_bytes(m, s) + block_bytes(m, s)  # block k keeps what it saved among its activations
+    if s.strategy == "fsdp":
+        gathered = (2 if k > 1 else 1) * low * m.block_params + m.block_params * (low + 4)
+        root = low * outer + low * (outer - m.late_params)
+        return dataclasses.replace(start, gradients=max(start.gradients, 4 * (m.n_layer - k) * m.block_params
+                                                         // s.ranks), activations=acts, working=gathered + root,
+                                   transient=0)
+    cast = low * m.block_params if low < 4 else 0
+    made = grads - 4 * m.late_params - 4 * (k - 1) * m.block_params
+    return dataclasses.replace(start, gradients=max(start.gradients, made), activations=acts, working=cast,
+                               transient=0)
 
 
 def suggestions(c: GPTConfig | Shape, s: Setup, gpu_bytes: int, gpus_per_node: int, most_nodes: int) -> list[str]:
