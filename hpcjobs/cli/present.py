@@ -61,7 +61,7 @@ def memory_text(spec: JobSpec, tasks_args: list[tuple[str, ...]]) -> str:
     """The memory plan's line for each task of the job (hpcjobs.request.gpu_fit), for the dry run."""
     from hpcjobs.request.gpu_fit import plan_line
 
-    lines = [plan_line(spec.profile, spec.entry.target, args, spec.ranks) for args in tasks_args]
+    lines = [plan_line(spec.profile, spec.entry.target, args, spec.ranks, spec.gpus_per_node) for args in tasks_args]
     known = f"# memory plan: none: a {spec.entry.kind}'s model is known on the node only"
     return "\n".join(dict.fromkeys(lines)) or known
 

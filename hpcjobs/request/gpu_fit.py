@@ -1,20 +1,31 @@
 """Will the job fit its GPUs? The memory plan (hpcjobs.protocol.planning.memory_plan) of a job of the bundled LM task,
 from its size's shapes and presets (hpcjobs.protocol.planning.lmsizes), its trainer flags and its world, against the
 profile's `gpu_memory`. `submit --dry-run` shows it; build_spec refuses, before anything is queued, a job that will not
-fit. A task whose shapes only the node knows (a user's own) gets no plan and is never refused here."""
+fit. A task whose shapes only the node knows (a user's own) gets no plan and is never refused here.
+With `--local-ckpt-every N` the node-local tier's host memory (hpcjobs.protocol.planning.host_plan: 4 copies of each
+rank's state a node) is checked the same way against the node's memory: the profile's mem_per_gpu × the GPUs of a
+node (what Slurm's cgroup allows the job, /dev/shm's pages included), or for `local` the size of the tier's folder
+(/dev/shm's tmpfs: half the machine's memory by default); neither known: not checked."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from hpcjobs.profiles.cluster_profile import ClusterProfile
+from hpcjobs.profiles.slurmtime import parse_mem_mb
 from hpcjobs.protocol.errors import UsageError
+from hpcjobs.protocol.planning.host_plan import TierPlan, gib, tier_plan
 from hpcjobs.protocol.planning.lmsizes import LM_TASK, SIZES, GPTConfig, n_params, size_defaults
 from hpcjobs.protocol.planning.memory_plan import GIB, Plan, Setup, Shape, parse_gpu_memory, plan, suggestions
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args, task_args_of
 from hpcjobs.request.checks import Check, Result
+
+TIER_DIR_ENV = "HPCJOBS_LOCAL_CKPT_DIR"
+"""The node-local folder the tier uses instead of /dev/shm (trainers.localtier.DIR_ENV; the submit side never
+imports trainers/)."""
 
 
 @dataclass(frozen=True)
@@ -83,9 +94,21 @@ def fixes_hint(c: GPTConfig | Shape, setup: Setup, room: int, gpus: int, most_no
     return "; or ".join(fixes) + " would fit" if fixes else f"no flag alone makes it fit: {otherwise}"
 
 
-def plan_line(profile: ClusterProfile, target: str, args: tuple[str, ...], ranks: int) -> str:
-    """The dry run's line about memory."""
+def plan_line(profile: ClusterProfile, target: str, args: tuple[str, ...], ranks: int, gpus: int = 0) -> str:
+    """The dry run's line about memory (and, with the node-local tier on, a second line about its host memory;
+    `gpus`: ranks a node, 0 for all `ranks` on one)."""
     found = job_plan(target, args, ranks)
+    tier = tier_of(target, args, ranks, gpus or ranks)
+    if tier is None:
+        return gpu_line(profile, target, found)
+    room = node_room(profile, gpus or ranks)
+    verdict = (f"; not checked: profile {profile.name} declares no mem_per_gpu" if room is None else
+               f" of {gib(room[0])} ({room[1]}): {'fits' if tier.per_node <= room[0] else 'does NOT fit'}")
+    return f"{gpu_line(profile, target, found)}\n# node-local tier: {tier.text()}{verdict}"
+
+
+def gpu_line(profile: ClusterProfile, target: str, found: JobPlan | None) -> str:
+    """The dry run's line about GPU memory."""
     if found is None:
         return (f"# memory plan: none: {target}'s model is known on the node only (the plan covers {LM_TASK}); "
                 "not checked")
@@ -101,15 +124,59 @@ def check_fits(profile: ClusterProfile, target: str, args: tuple[str, ...], node
                most_nodes: int) -> None:
     """Refuse, in one line, a job whose plan exceeds the profile's gpu_memory, naming flags that would fit."""
     found = job_plan(target, args, nodes * gpus)
-    if found is None or profile.gpu_memory is None:
+    if found is None:
+        return
+    if profile.gpu_memory is None or found.plan.total <= parse_gpu_memory(profile.gpu_memory):
+        check_tier(profile, target, args, nodes, gpus)
         return
     room = parse_gpu_memory(profile.gpu_memory)
-    if found.plan.total <= room:
-        return
     hint = fixes_hint(found.config, found.setup, room, gpus, most_nodes) + "; `submit --dry-run` shows the plan"
     raise UsageError(f"{found.what()} needs about {found.plan.total / GIB:.1f} GiB a GPU ({found.plan.text()}); "
                      f"valid: at most {room / GIB:.0f} GiB (gpu_memory of profile {profile.name}); nothing was "
                      "submitted.", hint)
+
+
+def tier_of(target: str, args: tuple[str, ...] | list[str], ranks: int, gpus: int) -> TierPlan | None:
+    """The node-local tier's host memory a node (`gpus` ranks) for the bundled LM task; None: off or not known."""
+    found = job_plan(target, args, ranks)
+    if found is None:
+        return None
+    try:
+        cfg, _ = parse_trainer_args(list(args), size_defaults(found.size))
+    except (ConfigError, ValueError):
+        return None
+    return tier_plan(cfg.local_ckpt_every, n_params(found.config), cfg.strategy, ranks, min(gpus, ranks))
+
+
+def node_room(profile: ClusterProfile, gpus: int) -> tuple[int, str] | None:
+    """The host memory a node gives the job's tier, and where that figure comes from; None: not known."""
+    if profile.mem_per_gpu is not None:
+        return (parse_mem_mb(profile.mem_per_gpu) * 2**20 * gpus,
+                f"mem_per_gpu {profile.mem_per_gpu} × {gpus} GPU{'s' * (gpus != 1)} of profile {profile.name}")
+    if profile.scheduler == "local":
+        folder = profile.env.get(TIER_DIR_ENV) or os.environ.get(TIER_DIR_ENV) or "/dev/shm"
+        try:
+            st = os.statvfs(folder)
+        except OSError:
+            return None
+        return st.f_blocks * st.f_frsize, f"the size of {folder} on this machine"
+    return None
+
+
+def check_tier(profile: ClusterProfile, target: str, args: tuple[str, ...], nodes: int, gpus: int) -> None:
+    """Refuse, in one line, a node-local tier whose copies do not fit the node's memory."""
+    tier = tier_of(target, args, nodes * gpus, gpus)
+    room = None if tier is None else node_room(profile, gpus)
+    if tier is None or room is None or tier.per_node <= room[0]:
+        return
+    fixes = ["--local-ckpt-every 0 turns the tier off"]
+    setup = job_plan(target, args, nodes * gpus)
+    if setup is not None and setup.setup.strategy != "fsdp" and nodes * gpus > 1:
+        fixes.append("--strategy fsdp shards each rank's state over the ranks")
+    fixes.append(f"{TIER_DIR_ENV} names a larger node-local folder" if profile.mem_per_gpu is None and
+                 profile.scheduler == "local" else "a larger mem_per_gpu in the profile")
+    raise UsageError(f"{tier.text()}; valid: at most {gib(room[0])} ({room[1]}); nothing was submitted.",
+                     "; or ".join(fixes) + "; `submit --dry-run` shows the figure")
 
 
 def doctor_check(profile: ClusterProfile, target: str, tasks_args: list[tuple[str, ...]], ranks: int) -> Check:
