@@ -12,6 +12,12 @@ line naming the cause that repeats. A task's own exception is never recovered: i
 Each recovery is a `stopped: fault` line in RUN/restarts.jsonl and a line in the job's log; each start gets its own
 number (RunFolder.next_restart, exported as HPCJOBS_RESTART), so no two starts share their logs.
 
+When the job ends for good here (failed, or ended by its ranks' own error; not a recovery, not a requeue, not a job
+Slurm is ending or requeueing), a job run with the node-local tier (`--local-ckpt-every N`) has its tier's files
+removed on every node of the allocation Slurm says is up (remove_tier: one `srun --overlap` step of `rm -rf`): its
+ranks remove their own only when they finish or stop at a shared checkpoint, and a failed job would leave up to 4
+copies of each rank's whole training state in /dev/shm until the node reboots. With the tier off nothing is run.
+
 Torch-free (it runs beside the ranks, in the batch step); the only Slurm words are in trainers/jobenv/slurm.py.
 """
 
@@ -34,8 +40,24 @@ from hpcjobs.protocol.faultpolicy.recoverable import REFUSED_EXIT, Decision, all
 from hpcjobs.protocol.faultpolicy.srunwords import srun_failures
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.states import FinalState
+from hpcjobs.protocol.tierfiles import job_folder, tier_on
 from trainers.jobenv.base import Runner
-from trainers.jobenv.slurm import allocation, job_fields, requeue_excluding, stated_end_env, step_again, unhealthy_nodes
+from trainers.jobenv.slurm import (
+    SlurmJobEnv,
+    allocation,
+    job_fields,
+    on_each_node,
+    requeue_excluding,
+    stated_end_env,
+    step_again,
+    unhealthy_nodes,
+)
+
+NOT_RUNNING = "the job is no longer RUNNING"
+"""Why the loop ends when Slurm ended, preempted or requeued the job while its step ended: its tier's files stay (a
+requeue may start it on the same nodes)."""
+CLEAN_TIMEOUT_S = 60
+"""How long the tier's removal step may take (srun's start, an `rm -rf` of a few files in memory)."""
 
 
 @dataclass
@@ -61,7 +83,7 @@ def decide(run: RunFolder, contract: LaunchContract, alloc: Allocation, restart:
     if job_fields(alloc.job_id, runner).get("JobState") != "RUNNING":
         # Cancelled, preempted, requeued or timed out while the step ended (Slurm decides), or no answer: a job
         # scancelled while its step waited was relaunched when a failed scontrol was taken for RUNNING
-        return Decision("end")
+        return Decision("end", NOT_RUNNING)
     down = unhealthy_nodes(alloc.nodes, runner)
     if down:  # a node that failed is the cause; its ranks' peers only noticed
         d = replace(d, why="; ".join(f"node {n} is {state}" for n, state in down.items()) + f" ({d.why})")
@@ -105,21 +127,46 @@ def supervise(argv: Sequence[str], runner: Runner = subprocess.run) -> int:
         said = output.srun_said()
         d = decide(run, contract, alloc, restart, rc, runner, said) if not _ended else Decision("end")
         if d.action == "end":
+            if rc != 0 and not _ended and d.why != NOT_RUNNING:
+                remove_tier(argv, alloc, runner)
             return rc
         if d.action == "fail":
             print(f"hpcjobs: job {alloc.job_id} ends failed: {d.why}", file=sys.stderr, flush=True)
             run.write_final(FinalState.FAILED, d.why, job_id=alloc.job_id)
+            remove_tier(argv, alloc, runner)
             return rc
         record(run, alloc.job_id, restart, d)
         if d.action == "requeue":
             complaint = requeue_excluding(alloc.job_id, list(d.exclude), runner)
             if complaint:
                 print(f"hpcjobs: the requeue failed ({complaint}); the job ends failed", file=sys.stderr, flush=True)
+                remove_tier(argv, alloc, runner)
                 return rc
             return 0
         restart = run.next_restart()
         output.step_begins()
         rc = launch(step_argv(argv, alloc, d.exclude), restart, run, alloc.job_id, job_end_env(contract, alloc, runner))
+
+
+def remove_tier(argv: Sequence[str], alloc: Allocation, runner: Runner) -> None:
+    """The job ends for good: its node-local tier's folder goes on every node of the allocation that is up (a down
+    node's memory went with it, or goes at its reboot). Nothing is run when the ranks' command has the tier off."""
+    if not tier_on(argv):
+        return
+    down = unhealthy_nodes(alloc.nodes, runner)
+    nodes = [n for n in alloc.nodes if n not in down]
+    if not nodes:
+        return
+    folder = job_folder(SlurmJobEnv(os.environ).job_id())
+    try:
+        out = runner(on_each_node(nodes, ["rm", "-rf", "--", str(folder)]), capture_output=True, text=True,
+                     timeout=CLEAN_TIMEOUT_S)
+        complaint = str(out.stderr).strip()[:200] if out.returncode else ""
+    except (OSError, subprocess.TimeoutExpired) as e:
+        complaint = str(e)
+    if complaint:
+        print(f"hpcjobs: the node-local tier's {folder} may be left on a node ({complaint})", file=sys.stderr,
+              flush=True)
 
 
 @dataclass

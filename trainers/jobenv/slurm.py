@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpcjobs.protocol.atomic import write_atomic
@@ -131,6 +131,13 @@ def step_again(argv: list[str], nodes: set[str]) -> list[str]:
     if not argv or Path(argv[0]).name != "srun":
         return argv
     return [argv[0], "--overlap", *([f"--exclude={','.join(sorted(nodes))}"] if nodes else []), *argv[1:]]
+
+
+def on_each_node(nodes: Sequence[str], command: list[str]) -> list[str]:
+    """`command` once on each of `nodes`, as a step of the running job (`--overlap`: beside a step that still holds
+    them, step_again says why)."""
+    return ["srun", "--overlap", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1", "--kill-on-bad-exit=0", *command]
 
 
 def requeue_excluding(job_id: str, nodes: list[str], runner: Runner = subprocess.run) -> str:

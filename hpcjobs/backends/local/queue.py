@@ -18,6 +18,7 @@ from hpcjobs.backends.local.ranks import Stopper, device_slice, group_code, rank
 from hpcjobs.backends.start_env import clean
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids
+from hpcjobs.protocol.tierfiles import remove_job_folder, tier_on
 from hpcjobs.request.render import launcher_argv
 from hpcjobs.request.spec import JobSpec
 
@@ -133,6 +134,14 @@ class LocalQueue:
         self.codes[i] = self.stopper.exit_code(code)
         del self.running[i]
         record_allocation(self.subs[i], self.started[i], code)
+        remove_tier(self.spec, self.subs[i])
+
+
+def remove_tier(spec: JobSpec, sub: Submitted) -> None:
+    """The job ended for good (nothing requeues a local job): its node-local tier's folder goes
+    (hpcjobs.protocol.tierfiles; a job that finished removed its files itself, a failed or stopped one did not)."""
+    if tier_on(ranks_argv(spec)):
+        remove_job_folder(sub.job_id, {**os.environ, **spec.env})
 
 
 def start_ranks(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int) -> Ranks:
