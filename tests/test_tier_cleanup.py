@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
+from test_recover import Slurm, step
 
 from conftest import REPO, hpcjobs
 from hpcjobs.protocol.tierfiles import job_folder, tier_on
-from test_recover import Slurm, step
 from trainers import recover
 
 
