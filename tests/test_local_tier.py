@@ -150,6 +150,7 @@ def test_a_torn_own_file_is_never_used_its_replica_is(tmp_path: Path, twin: Path
     assert_same(twin, tmp_path / "run")
 
 
+@pytest.mark.slow  # CI runs the torn own file's case above: the same check, one copy
 @pytest.mark.train
 def test_a_step_whose_both_copies_are_torn_is_never_used(tmp_path: Path, twin: Path) -> None:
     """Step 20 was removed once every rank had step 25: nothing else is left, so the start is a fresh one."""
