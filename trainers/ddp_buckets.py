@@ -21,7 +21,8 @@ first save after DDP rebuilt it, and a later start of the run builds its DDP wit
 DDP's own rebuild after that step finds the same ready order and lays the buckets out as they already are. Not
 covered: a resume from a save made before DDP rebuilt (a stop at the first step: nothing to record yet). The shared
 trainer keeps its own way (trainers/trainer.py's settle_ddp_buckets: one throwaway backward at every start, so every
-real step is reduced in the rebuilt layout), which covers that case too: it owns its loop, a user's script does not.
+real step is reduced in the rebuilt layout: `settle_ddp_buckets` below), which covers that case too: it owns its loop, a
+user's script does not.
 A model whose parameters differ from the saved key, a DDP built with `find_unused_parameters=True` (never rebuilt:
 its first layout is every start's) and a process outside a launched rank are left as torch builds them.
 """
@@ -38,10 +39,15 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder, write_json_atomic
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainers.task import Task
 
 Layout = list[list[int]]
 """The reducer's buckets in its own order, each the indices of its parameters in DDP's parameter list."""
@@ -139,3 +145,27 @@ def record() -> None:
         layout = [[int(i) for i in bucket.split()] for bucket in str(text).split(",")]
         with contextlib.suppress(OSError):  # a read-only run folder: later starts build DDP as torch does
             write_json_atomic(path, {"layouts": {**read(path), key: layout}})
+
+
+def settle_ddp_buckets(net: torch.nn.Module, task: Task, dataset: Any, micro: int, device: torch.device,
+                       autocast: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The shared trainer's way. DDP regroups its gradient buckets after the first backward, and the all-reduce sums
+    each element in an order that depends on that grouping (gloo's ring with more than two ranks). A run resumed at
+    step k would reduce step k+1 with the first grouping while the uninterrupted run used the regrouped one, and the
+    weights would drift by a few ULPs. So every run, fresh or resumed, does one throwaway backward first (RNG states
+    restored, gradients dropped): every real step then reduces with the settled grouping. (Imports torch when
+    called: this module is also loaded by the import hook, before a user's script has imported torch.)"""
+    from torch.utils.data import DataLoader
+
+    from trainers.checkpoint.state import rng_state, set_rng_state
+    from trainers.data import to_device
+
+    saved = rng_state(device)
+    batch = to_device(next(iter(DataLoader(dataset, batch_size=micro))), device)
+    net.eval()  # no running-statistics updates; the graph (and so the bucket order) is the same
+    with autocast:
+        loss = task.loss(net, batch)
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    net.train()
+    set_rng_state(saved, device)

@@ -1,6 +1,7 @@
 """How fast and how reproducibly the math runs on this rank: TF32, deterministic kernels, and the GPU's peak for MFU.
 
-One call, `configure_math`, before the model is built; it returns the words the start line shows, so a user can see
+The precision first (`resolve_precision`: what --precision auto means on this device), then one call,
+`configure_math`, before the model is built; it returns the words the start line shows, so a user can see
 from the log whether a run was deterministic and whether fp32 matmuls ran as TF32.
 """
 
@@ -47,6 +48,13 @@ def peak_key(name: str) -> str | None:
     """The first PEAK_TFLOPS key found in the device name as whole words ("NVIDIA RTX A1000" is no A100)."""
     return next((key for key in PEAK_TFLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name)),
                 None)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """--precision as the run uses it: 'auto' is bf16 on a GPU that supports it, else fp32; any other name as given."""
+    if name != "auto":
+        return name
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
 def configure_math(precision: str, deterministic: bool, device: torch.device) -> str:

@@ -1,7 +1,9 @@
 """The shared trainer. Reads top to bottom: build the model under its strategy (ddp | fsdp), resume from the newest
 readable finished checkpoint, loop, stop (at the end, or at a checkpoint when asked to). What each part holds lives
 in its own module: the strategy (trainers.strategy), the saved parts and how they are written, the position and
-RNG streams (trainers.checkpoint), the data order (trainers.data), the logging (trainers.meter)."""
+RNG streams (trainers.checkpoint), the data order (trainers.data), the logging (trainers.meter), the start line
+(trainers.startline), the default optimizer (trainers.optimizer), the validation pass (trainers.evaluation), the
+precision and math mode (trainers.perf), the DDP bucket settling (trainers.ddp_buckets)."""
 
 from __future__ import annotations
 
@@ -12,28 +14,30 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.utils.data import DataLoader, DistributedSampler
 
 from hpcjobs.protocol.contract import LaunchContract
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ConfigError
 from hpcjobs.protocol.states import FinalState, StopOutcome
-from trainers import activations, allocator, checkpoint, faults, memory, perf, preemption, startup, strategy, watchdog
+from trainers import checkpoint, faults, perf, preemption, startup, strategy, watchdog
 from trainers.agreement import Agreement, Cadence
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
 from trainers.checkpoint.sharded import Checkpointer
-from trainers.checkpoint.state import Position, RngState, reseed, rng_state, seed_all, set_rng_state
+from trainers.checkpoint.state import Position, RngState, reseed, seed_all
 from trainers.checkpoint.stateful import ModelState, OptimizerState, Place, Stateful
 from trainers.data import micro_batches, to_device
+from trainers.ddp_buckets import settle_ddp_buckets
 from trainers.dist import DistContext
+from trainers.evaluation import evaluate
 from trainers.localtier import SHARED, LocalTier
 from trainers.logtee import Tee
 from trainers.meter import Meter
+from trainers.optimizer import default_optimizer
 from trainers.progress import summary
+from trainers.startline import start_line
 from trainers.task import Task
 
 __all__ = ["Training", "default_optimizer", "train"]
@@ -46,59 +50,6 @@ SETTLE_S = 60.0
 def log(ctx: DistContext, msg: str) -> None:
     if ctx.is_main:
         print(f"[hpcjobs rank 0] {msg}", flush=True)
-
-
-def resolve_precision(name: str, device: torch.device) -> str:
-    if name != "auto":
-        return name
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def default_optimizer(model: nn.Module, lr: float, cfg: TrainConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # Fused: one launch per group on CUDA; under --cpu-offload a vectorised CPU kernel, not a per-parameter loop.
-    fused = cfg.cpu_offload or all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True if fused else None)
-
-
-def settle_ddp_buckets(net: nn.Module, task: Task, dataset: Any, micro: int, device: torch.device,
-                       autocast: Any, optimizer: torch.optim.Optimizer) -> None:
-    """DDP regroups its gradient buckets after the first backward, and the all-reduce sums each element in an
-    order that depends on that grouping (gloo's ring with more than two ranks). A run resumed at step k would
-    reduce step k+1 with the first grouping while the uninterrupted run used the regrouped one, and the weights
-    would drift by a few ULPs. So every run, fresh or resumed, does one throwaway backward first (RNG states
-    restored, gradients dropped): every real step then reduces with the settled grouping."""
-    saved = rng_state(device)
-    batch = to_device(next(iter(DataLoader(dataset, batch_size=micro))), device)
-    net.eval()  # no running-statistics updates; the graph (and so the bucket order) is the same
-    with autocast:
-        loss = task.loss(net, batch)
-    loss.backward()
-    optimizer.zero_grad(set_to_none=True)
-    net.train()
-    set_rng_state(saved, device)
-
-
-def evaluate(model: nn.Module, task: Task, dataset: Any, ctx: DistContext, micro: int, autocast: Any) -> float:
-    """The mean of the validation batches' losses over all ranks' shards. The training RNG streams are untouched
-    (no shuffling, the loader gets its own generator) and the raw module is used (no DDP hooks), so evaluating
-    changes nothing that a resumed run would have to reproduce."""
-    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank,
-                                                          shuffle=False)
-    loader = DataLoader(dataset, batch_size=micro, sampler=sampler, generator=torch.Generator())
-    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, batches
-    model.eval()
-    with torch.no_grad(), autocast:
-        for batch in loader:
-            totals[0] += task.loss(model, to_device(batch, ctx.device)).double()
-            totals[1] += 1
-            watchdog.alive()  # progress, though not a step: the hang watchdog's bound starts again
-    model.train()
-    if ctx.world_size > 1:
-        torch.distributed.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
 
 
 def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext, contract: LaunchContract | None = None,
@@ -123,14 +74,14 @@ class Training:
                               "--eval-every 0 for it. HINT: give the Task a val_data, or drop --eval-every")
         world = ctx.world_size
         self.micro = cfg.micro_batch(world)
-        self.precision = resolve_precision(cfg.precision, ctx.device)
+        self.precision = perf.resolve_precision(cfg.precision, ctx.device)
         self.lr = cfg.lr * cfg.lr_factor(world)
         self.math = perf.configure_math(self.precision, cfg.deterministic, ctx.device)
         why = strategy.compile_unavailable(ctx.device) if cfg.compile else None
         if why:
             log(ctx, f"--compile: {why}; running eager (same results, slower). HINT: install it, or drop --compile")
             self.cfg = cfg = dataclasses.replace(cfg, compile=False)
-        log(ctx, self.describe())
+        log(ctx, start_line(task, cfg, ctx, self.micro, self.lr, self.precision, self.math))
         # Without the frozen parameters (save_frozen=False), the model's state is partial: loaded not strictly.
         self.state_options = StateDictOptions(ignore_frozen_params=not task.save_frozen, strict=task.save_frozen)
         self.local = LocalTier(cfg.local_ckpt_every, ctx, run.path, cfg.steps)  # node-local tier: trainers.localtier
@@ -139,19 +90,6 @@ class Training:
         self.prepare()
         self.take_over_run_folder()
         startup.mark("ready")  # built, resumed (or not), data ready: the rest of start-up is the first step itself
-
-    def describe(self) -> str:
-        cfg, ctx, world = self.cfg, self.ctx, self.ctx.world_size
-        threads = torch.get_num_threads()  # trainers.dist.cpu_threads: within the CPUs this rank may run on
-        extras = (self.math, "compiled" * cfg.compile, "float8 linears" * cfg.fp8, activations.words(cfg),
-                  strategy.layout_words(cfg, world),
-                  "CPU offload" * cfg.cpu_offload, allocator.words(ctx.device),
-                  memory.plan_words(self.task, cfg, world, self.micro, self.precision, ctx.device))
-        return (f"task {self.task.name} | {world} rank(s), {cfg.strategy}, {ctx.backend} on {ctx.device.type}, "
-                f"{threads} thread{'s' * (threads != 1)} per rank | batch {self.micro}×{cfg.grad_accum} per rank, "
-                f"{self.micro * cfg.grad_accum * world} global | lr {cfg.lr:g} × {cfg.lr_factor(world):g} "
-                f"({cfg.lr_scaling} scaling) = {self.lr:g} | precision {self.precision}"
-                + "".join(f", {word}" for word in extras if word))
 
     def build(self) -> None:
         """The model (same initial weights on every rank) under its strategy, the optimizer and the GradScaler,
