@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from hpcjobs.protocol.contract import LaunchContract
-from hpcjobs.protocol.runfolder import RunFolder
+from hpcjobs.protocol.runfolder import FIRST_STEP, READY, RunFolder
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ConfigError
 from hpcjobs.protocol.states import FinalState, StopOutcome
@@ -89,7 +89,7 @@ class Training:
         self.resumed_from = self.resume()
         self.prepare()
         self.take_over_run_folder()
-        startup.mark("ready")  # built, resumed (or not), data ready: the rest of start-up is the first step itself
+        startup.mark(READY)  # built, resumed (or not), data ready: the rest of start-up is the first step itself
 
     def build(self) -> None:
         """The model (same initial weights on every rank) under its strategy, the optimizer and the GradScaler,
@@ -261,7 +261,7 @@ class Training:
 
     def first_step_done(self) -> None:
         """Start-up is over (compilation, loading, a cold node): a hung rank should now end the job quickly."""
-        startup.mark("first_step")
+        startup.mark(FIRST_STEP)
         startup.record(self.folder, self.ctx.env, self.first_step, resumed_tier=self.local.used)
         if self.cfg.async_save and self.checkpointer.every:
             self.checkpointer.reserve_in_background()
