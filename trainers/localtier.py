@@ -32,7 +32,6 @@ import copy
 import hashlib
 import os
 import re
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -43,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hpcjobs.protocol.settings.trainflags import ResumeError
+from trainers import ranklog
 from trainers.checkpoint import CheckpointRef, latest
 from trainers.checkpoint.resume import Resumed, ResumeRule
 from trainers.checkpoint.stateful import Stateful, gather
@@ -125,9 +125,9 @@ class LocalTier:
     def failed(self, step: int, e: BaseException) -> bool:
         if not self.warned:
             self.warned = True
-            print(f"hpcjobs: rank {self.rank}: local checkpoint step {step} not written to {self.root} ({e}); the "
-                  "shared checkpoints are unchanged. HINT: free node memory, or HPCJOBS_LOCAL_CKPT_DIR=another "
-                  "node-local folder", file=sys.stderr, flush=True)
+            ranklog.warn(f"hpcjobs: rank {self.rank}: local checkpoint step {step} not written to {self.root} ({e}); "
+                         "the shared checkpoints are unchanged. HINT: free node memory, or HPCJOBS_LOCAL_CKPT_DIR="
+                         "another node-local folder", every_rank=True)
         return False
 
     def exchange(self, data: bytes) -> bytes:
@@ -222,8 +222,8 @@ class LocalTier:
             why = f"rank {self.rank}: {e}"
         whys = [w for w in self.everyones(why) if w]
         if whys:
-            print(f"hpcjobs: local checkpoint step {step} cannot be used ({'; '.join(whys)}): resuming from shared "
-                  "storage", file=sys.stderr, flush=True)
+            ranklog.warn(f"hpcjobs: local checkpoint step {step} cannot be used ({'; '.join(whys)}): resuming from "
+                         "shared storage", every_rank=True)
             return None
         apply(states, payload)
         self.used = LOCAL if all(step in e[0] for e in everyone) else REPLICA
@@ -232,8 +232,8 @@ class LocalTier:
     def say(self, step: int) -> None:
         """After a resume: the one line saying which tier it came from (with the tier on)."""
         self.used = self.used or SHARED
-        if self.every and self.rank == 0:
-            print(f"[hpcjobs rank 0] resumed from step {step} ({self.used})", flush=True)
+        if self.every:
+            ranklog.rank0(f"resumed from step {step} ({self.used})", self.rank)
 
     def fetch(self, step: int, own: dict[int, Path], held: dict[int, Path], owns: list[list[int]]) -> bytes:
         """This rank's bytes of `step`: its own file, else a replica here, else the one its holder sends."""

@@ -8,7 +8,7 @@ import torch
 
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
-from trainers import allocator, tracking, watchdog
+from trainers import allocator, ranklog, tracking, watchdog
 from trainers.dist import DistContext
 from trainers.progress import Bar, Terminal
 from trainers.task import Task
@@ -81,8 +81,8 @@ class Meter:
         self.run.write_heartbeat(step, loss=loss, restart=self.restart)
         tokens = f" | {rec['tokens_per_s']:,.0f} tok/s" if self.tokens_per_sample else ""
         mfu = f" | MFU {rec['mfu']:.1%}" if self.peak_flops else ""
-        print(f"[hpcjobs rank 0] step {step} | loss {loss:.4f} | lr {lr:.3g} | {samples_s:,.1f} samples/s{tokens}"
-              f"{mfu}", flush=True)
+        ranklog.rank0(f"step {step} | loss {loss:.4f} | lr {lr:.3g} | {samples_s:,.1f} samples/s{tokens}{mfu}",
+                      self.ctx.rank)
         values = {k: v for k, v in rec.items() if k not in ("step", "time", "restart")}
         for tracker in self.trackers:
             tracker.log(values, step)
@@ -92,7 +92,7 @@ class Meter:
             return
         append_jsonl(self.run.metrics, {"step": step, "val_loss": val_loss, "time": time.time(),
                                         "restart": self.restart})
-        print(f"[hpcjobs rank 0] step {step} | val_loss {val_loss:.4f}", flush=True)
+        ranklog.rank0(f"step {step} | val_loss {val_loss:.4f}", self.ctx.rank)
         for tracker in self.trackers:
             tracker.log({"val_loss": val_loss}, step)
 

@@ -1,6 +1,7 @@
-"""The node's one logger for its own lines (`hpcjobs: ...`): what the launcher, the stop protocol, the watchdog, the
-fault injector and the integrations say, with the wording and the stream each line had as a print (tests and
-bench/kill_campaign.py's regexes read them).
+"""The node's one logger for its own lines (`hpcjobs: ...`, `[hpcjobs rank 0] ...`): what the launcher, the stop
+protocol, the watchdog, the fault injector, the integrations, the shared trainer (its log lines, the meter's step and
+val_loss lines), the checkpoint manager and the node-local tier say, with the wording and the stream each line had
+as a print (tests and bench/kill_campaign.py's regexes read them).
 
 Why a logger and not prints: which rank speaks was decided five ways (an `if rank == 0` around a print, a helper
 reading RANK, a helper that sends other ranks' lines to their log file only); here one filter decides it (rank 0,
@@ -113,3 +114,10 @@ def say(line: str, every_rank: bool = False, rank: int | None = None) -> None:
 def warn(line: str, every_rank: bool = False, rank: int | None = None) -> None:
     """`line` on stderr, as `say`."""
     LOGGER.log(WARN, "%s", line, extra={"every_rank": every_rank, "rank": rank})
+
+
+def rank0(line: str, rank: int) -> None:
+    """The shared trainer's `[hpcjobs rank 0] {line}` on stdout, said by rank 0 only: every rank reaches the same
+    line, and the prefix names rank 0, so other ranks' copies go nowhere (not to their log file either)."""
+    if rank == 0:
+        say(f"[hpcjobs rank 0] {line}", rank=rank)

@@ -21,7 +21,7 @@ from hpcjobs.protocol.runfolder import FIRST_STEP, READY, RunFolder
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ConfigError
 from hpcjobs.protocol.states import FinalState, StopOutcome
-from trainers import checkpoint, faults, perf, preemption, startup, strategy, watchdog
+from trainers import checkpoint, faults, perf, preemption, ranklog, startup, strategy, watchdog
 from trainers.agreement import Agreement, Cadence
 from trainers.checkpoint import saves
 from trainers.checkpoint.resume import Resumed, check_compatible, lr_anchor, lr_lambda, newest_readable, trim_metrics
@@ -48,8 +48,7 @@ SETTLE_S = 60.0
 
 
 def log(ctx: DistContext, msg: str) -> None:
-    if ctx.is_main:
-        print(f"[hpcjobs rank 0] {msg}", flush=True)
+    ranklog.rank0(msg, ctx.rank)  # "[hpcjobs rank 0] msg" on stdout, from rank 0 only
 
 
 def train(task: Task, cfg: TrainConfig, run: RunFolder, ctx: DistContext, contract: LaunchContract | None = None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from hpcjobs.protocol.atomic import write_atomic
 from hpcjobs.protocol.runfolder import RunFolder
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ResumeError
-from trainers import checkpoint
+from trainers import checkpoint, ranklog
 from trainers.checkpoint import CheckpointRef, CorruptCheckpoint
 from trainers.dist import DistContext
 from trainers.task import Task
@@ -200,8 +199,8 @@ def newest_readable(run: RunFolder, ctx: DistContext, check: ResumeRule, load: L
                 bad = [str(e)]  # the same on every rank: DCP gathers each rank's error
         if ctx.is_main:
             moved = checkpoint.move_aside(run.checkpoints, ref)
-            print(f"hpcjobs: checkpoint {ref.path} cannot be loaded ({'; '.join(bad)}); moved it to {moved} and "
-                  "trying the next newest", file=sys.stderr, flush=True)
+            ranklog.warn(f"hpcjobs: checkpoint {ref.path} cannot be loaded ({'; '.join(bad)}); moved it to {moved} and "
+                         "trying the next newest", rank=ctx.rank)
         ctx.barrier()
 
 

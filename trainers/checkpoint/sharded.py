@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -41,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcjobs.protocol.settings.trainflags import ResumeError
-from trainers import checkpoint
+from trainers import checkpoint, ranklog
 from trainers.checkpoint import saves
 from trainers.checkpoint.dcp_files import METADATA, SafeReader, Writer, flat, mismatch, unreadable, written_here
 from trainers.checkpoint.staging import reserve, specs, stage
@@ -95,14 +94,14 @@ class Checkpointer:
         except Exception as e:
             if background:
                 raise
-            print(f"hpcjobs: rank {self.ctx.rank}: the background save before step {step} failed ({e}); saving step "
-                  f"{step} in the foreground", file=sys.stderr, flush=True)
+            ranklog.warn(f"hpcjobs: rank {self.ctx.rank}: the background save before step {step} failed ({e}); saving "
+                         f"step {step} in the foreground", every_rank=True)
         self.waited_s = time.monotonic() - began
         if background and self.previous and self.waited_s > saves.WAIT_ADVICE_S and not self.advised:
             self.advised = True
             if self.ctx.rank == 0:
-                print(saves.wait_advice(step, self.previous[0], began - self.previous[1], self.waited_s),
-                      file=sys.stderr, flush=True)
+                ranklog.warn(saves.wait_advice(step, self.previous[0], began - self.previous[1], self.waited_s),
+                             rank=self.ctx.rank)
         self.previous = (step, began)
         tmp = checkpoint.begin(self.root, step, self.ctx.rank, self.ctx.barrier, self.keep)
         parts = gather(self.states)
