@@ -13,7 +13,8 @@ from hpcjobs.profiles.cluster_profile import ClusterProfile, parse_profile
 from hpcjobs.protocol.errors import UsageError
 from hpcjobs.protocol.planning.host_plan import COPIES, state_bytes
 from hpcjobs.protocol.planning.lmsizes import SIZES, n_params
-from hpcjobs.request.gpu_fit import check_fits, tier_of
+from hpcjobs.request import gpu_fit
+from hpcjobs.request.gpu_fit import check_fits, check_tier, tier_of
 
 LM = "trainers.tasks.lm"
 
@@ -72,3 +73,24 @@ def test_dry_run_shows_the_tiers_host_memory(tmp_path: Path) -> None:
     assert line.endswith(": fits"), line
     off = hpcjobs("submit", "--profile", profile_file(tmp_path), "--dry-run", "--no-snapshot", LM, cwd=REPO)
     assert "# node-local tier" not in off.stdout
+
+
+def test_a_local_tier_is_checked_against_its_folders_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = parse_profile({"scheduler": "local", "gpus_per_node": 8}, "local", "test")
+    args = ("--size", "small", "--local-ckpt-every", "5")  # 2 ranks × 4 × 9.6 MiB = 77 MiB
+    check_tier(local, LM, args, 1, 2, str(tmp_path))
+
+    class Small:
+        f_blocks, f_frsize = 16, 2**20  # a 16 MiB folder
+    monkeypatch.setattr(gpu_fit.os, "statvfs", lambda _: Small())
+    with pytest.raises(UsageError) as e:
+        check_tier(local, LM, args, 1, 2, str(tmp_path))
+    assert f"the size of {tmp_path} on this machine" in e.value.one_line()
+    assert "HPCJOBS_LOCAL_CKPT_DIR names a larger node-local folder" in str(e.value.hint)
+
+
+def test_the_local_backend_refuses_a_tier_larger_than_dev_shm(tmp_path: Path) -> None:
+    out = hpcjobs("submit", "--profile", str(REPO / "cluster_profiles" / "local.yaml"), "--gpus", "8", "--dry-run",
+                  "--no-snapshot", LM, "--size", "1b", "--strategy", "ddp", "--local-ckpt-every", "5", cwd=REPO)
+    assert out.returncode == 2 and out.stdout == "", out  # 8 × 4 × 13.6 GiB = 434 GiB
+    assert "the size of /dev/shm on this machine" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -5,7 +5,8 @@ fit. A task whose shapes only the node knows (a user's own) gets no plan and is 
 With `--local-ckpt-every N` the node-local tier's host memory (hpcjobs.protocol.planning.host_plan: 4 copies of each
 rank's state a node) is checked the same way against the node's memory: the profile's mem_per_gpu × the GPUs of a
 node (what Slurm's cgroup allows the job, /dev/shm's pages included), or for `local` the size of the tier's folder
-(/dev/shm's tmpfs: half the machine's memory by default); neither known: not checked."""
+(/dev/shm's tmpfs: half the machine's memory by default; the local backend's check passes it); neither known: not
+checked."""
 
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ from hpcjobs.protocol.planning.lmsizes import LM_TASK, SIZES, GPTConfig, n_param
 from hpcjobs.protocol.planning.memory_plan import GIB, Plan, Setup, Shape, parse_gpu_memory, plan, suggestions
 from hpcjobs.protocol.settings.trainconfig import TrainConfig
 from hpcjobs.protocol.settings.trainflags import ConfigError, parse_trainer_args, task_args_of
+from hpcjobs.protocol.tierfiles import DIR_ENV as TIER_DIR_ENV
 from hpcjobs.request.checks import Check, Result
-
-TIER_DIR_ENV = "HPCJOBS_LOCAL_CKPT_DIR"
-"""The node-local folder the tier uses instead of /dev/shm (trainers.localtier.DIR_ENV; the submit side never
-imports trainers/)."""
 
 
 @dataclass(frozen=True)
@@ -94,15 +92,17 @@ def fixes_hint(c: GPTConfig | Shape, setup: Setup, room: int, gpus: int, most_no
     return "; or ".join(fixes) + " would fit" if fixes else f"no flag alone makes it fit: {otherwise}"
 
 
-def plan_line(profile: ClusterProfile, target: str, args: tuple[str, ...], ranks: int, gpus: int = 0) -> str:
+def plan_line(profile: ClusterProfile, target: str, args: tuple[str, ...], ranks: int, gpus: int = 0,
+              folder: str | None = None) -> str:
     """The dry run's line about memory (and, with the node-local tier on, a second line about its host memory;
-    `gpus`: ranks a node, 0 for all `ranks` on one)."""
+    `gpus`: ranks a node, 0 for all `ranks` on one; `folder`: node_room's)."""
     found = job_plan(target, args, ranks)
     tier = tier_of(target, args, ranks, gpus or ranks)
     if tier is None:
         return gpu_line(profile, target, found)
-    room = node_room(profile, gpus or ranks)
-    verdict = (f"; not checked: profile {profile.name} declares no mem_per_gpu" if room is None else
+    room = node_room(profile, gpus or ranks, folder)
+    verdict = (f"; not checked here: profile {profile.name} declares no mem_per_gpu (a local job is checked against "
+               "its tier folder's size)" if room is None else
                f" of {gib(room[0])} ({room[1]}): {'fits' if tier.per_node <= room[0] else 'does NOT fit'}")
     return f"{gpu_line(profile, target, found)}\n# node-local tier: {tier.text()}{verdict}"
 
@@ -148,33 +148,36 @@ def tier_of(target: str, args: tuple[str, ...] | list[str], ranks: int, gpus: in
     return tier_plan(cfg.local_ckpt_every, n_params(found.config), cfg.strategy, ranks, min(gpus, ranks))
 
 
-def node_room(profile: ClusterProfile, gpus: int) -> tuple[int, str] | None:
-    """The host memory a node gives the job's tier, and where that figure comes from; None: not known."""
+def node_room(profile: ClusterProfile, gpus: int, folder: str | None = None) -> tuple[int, str] | None:
+    """The host memory a node gives the job's tier, and where that figure comes from: the profile's mem_per_gpu × the
+    GPUs of a node, else the size of `folder` where it is this machine's (the local backend passes it); None: not
+    known."""
     if profile.mem_per_gpu is not None:
         return (parse_mem_mb(profile.mem_per_gpu) * 2**20 * gpus,
                 f"mem_per_gpu {profile.mem_per_gpu} × {gpus} GPU{'s' * (gpus != 1)} of profile {profile.name}")
-    if profile.scheduler == "local":
-        folder = profile.env.get(TIER_DIR_ENV) or os.environ.get(TIER_DIR_ENV) or "/dev/shm"
-        try:
-            st = os.statvfs(folder)
-        except OSError:
-            return None
-        return st.f_blocks * st.f_frsize, f"the size of {folder} on this machine"
-    return None
+    if folder is None:
+        return None
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, f"the size of {folder} on this machine"
 
 
-def check_tier(profile: ClusterProfile, target: str, args: tuple[str, ...], nodes: int, gpus: int) -> None:
-    """Refuse, in one line, a node-local tier whose copies do not fit the node's memory."""
+def check_tier(profile: ClusterProfile, target: str, args: tuple[str, ...], nodes: int, gpus: int,
+               folder: str | None = None) -> None:
+    """Refuse, in one line, a node-local tier whose copies do not fit the node's memory (`folder`: the tier's folder
+    where it is on this machine, node_room)."""
     tier = tier_of(target, args, nodes * gpus, gpus)
-    room = None if tier is None else node_room(profile, gpus)
+    room = None if tier is None else node_room(profile, gpus, folder)
     if tier is None or room is None or tier.per_node <= room[0]:
         return
     fixes = ["--local-ckpt-every 0 turns the tier off"]
     setup = job_plan(target, args, nodes * gpus)
     if setup is not None and setup.setup.strategy != "fsdp" and nodes * gpus > 1:
         fixes.append("--strategy fsdp shards each rank's state over the ranks")
-    fixes.append(f"{TIER_DIR_ENV} names a larger node-local folder" if profile.mem_per_gpu is None and
-                 profile.scheduler == "local" else "a larger mem_per_gpu in the profile")
+    fixes.append(f"{TIER_DIR_ENV} names a larger node-local folder" if profile.mem_per_gpu is None
+                 else "a larger mem_per_gpu in the profile")
     raise UsageError(f"{tier.text()}; valid: at most {gib(room[0])} ({room[1]}); nothing was submitted.",
                      "; or ".join(fixes) + "; `submit --dry-run` shows the figure")
 

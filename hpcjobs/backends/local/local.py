@@ -33,11 +33,14 @@ from hpcjobs.protocol.folderlock import in_use
 from hpcjobs.protocol.nodecall import LAUNCHER_MODULE
 from hpcjobs.protocol.runfolder import RunFolder, array_ids, lines_of, read_jsonl, resolve_run_dir, write_json_atomic
 from hpcjobs.protocol.states import JobState, StopReason
+from hpcjobs.protocol.tierfiles import tier_base
 from hpcjobs.protocol.versions import CHECK as TORCH_CHECK
 from hpcjobs.protocol.versions import FLOOR_TEXT
 from hpcjobs.request.checks import Check, Result
 from hpcjobs.request.credentials import states
+from hpcjobs.request.gpu_fit import check_tier
 from hpcjobs.request.spec import JobSpec
+from hpcjobs.request.sweep import tasks_args
 
 JOB_ID_PLACEHOLDER = "local-<id>"
 """How a dry run names the job id that only a real run gets."""
@@ -73,6 +76,16 @@ def check_python(spec: JobSpec) -> None:
                          "set python: in the profile to such a Python, or leave it out to use this one.")
 
 
+def check_tier_memory(spec: JobSpec) -> None:
+    """The node-local tier's copies against the size of its folder here (/dev/shm, or HPCJOBS_LOCAL_CKPT_DIR from the
+    profile's env or this shell's: what the ranks will get), refused in one line (hpcjobs.request.gpu_fit)."""
+    if spec.entry.kind != "task":
+        return
+    folder = tier_base({**os.environ, **spec.env})
+    for args in tasks_args(spec.entry.args, spec.points):
+        check_tier(spec.profile, spec.entry.target, args, 1, spec.ranks, folder)
+
+
 def describe(spec: JobSpec, job_id: str) -> str:
     """The request as text: what each rank would run, with the variables hpcjobs sets for it."""
     argv = " ".join(shlex.quote(w) for w in ranks_argv(spec))
@@ -106,6 +119,7 @@ class LocalBackend(RunFolderLogs):
         if spec.nodes != 1:
             raise UsageError(f"--nodes {spec.nodes} with profile {spec.profile.name} (local): valid: 1.",
                              "use a Slurm profile for more than one node.")
+        check_tier_memory(spec)
         slots = spec.profile.gpus_per_node
         if spec.max_parallel and spec.max_parallel * spec.ranks > slots:
             raise UsageError(f"--max-parallel {spec.max_parallel} × {spec.ranks} ranks with profile "
