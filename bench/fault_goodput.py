@@ -120,5 +120,6 @@ def write_result(job: str, folder: Path, run: Path, steps: int, injected: list[d
           json.dumps(total["buckets_s"]))
     return 0 if result["state"] == "COMPLETED" else 1
 
+
 if __name__ == "__main__":
     raise SystemExit(main())

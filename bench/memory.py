@@ -79,7 +79,6 @@ def worker(size: str, strategy_name: str, meta_init: bool) -> None:
     release_groups()
 
 
-
 def measure(size: str, strategy: str, ranks: int, meta_init: bool = True) -> dict[str, Any]:
     env = {**os.environ, "HPCJOBS_BACKEND": "gloo", "PYTHONPATH": str(Path(__file__).parent.parent)}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",

@@ -264,5 +264,6 @@ def report(path: Path, cases: list[Any], measure: Any, tolerance: float, keys: t
                                 "rows": rows}, indent=1) + "\n")
     print(f"worst |plan/measured - 1| = {worst:.3f} (target ≤ {tolerance}) -> {path}")
 
+
 if __name__ == "__main__":
     main()

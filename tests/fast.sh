@@ -13,6 +13,8 @@ for tool in ruff mypy pytest; do
     fi
 done
 .venv/bin/ruff check .
+# pycodestyle's blank-line rules: ruff has them only in preview, whose other changes stay off
+.venv/bin/ruff check --preview --select E301,E302,E303,E304,E305,E306 .
 .venv/bin/mypy
 HPCJOBS_FAST_TIER=1 exec .venv/bin/pytest -p no:cacheprovider -q --durations=5 -m "not cluster and not slow and not gpu and not train" \
     --ignore=tests/cluster "$@"

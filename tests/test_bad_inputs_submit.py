@@ -151,7 +151,6 @@ def test_the_warning_counts_this_run_folder_s_measured_start_up(tmp_path: Path) 
         out.stderr
 
 
-
 def test_a_submission_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, sbatch_log: Path) -> None:
     """sbatch's refusal (an account or qos the cluster does not take) left the code snapshot and the runs folder
     it was made in; now the submission that made them takes them away (and its run folder, as before)."""

@@ -43,8 +43,6 @@ def test_the_readme_is_short_and_leads_to_the_docs() -> None:
     assert linked and missing == []
 
 
-
-
 def nav_pages(nav: list) -> list[str]:
     found: list[str] = []
     for item in nav:

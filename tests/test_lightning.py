@@ -165,7 +165,6 @@ def test_fit_runs_with_lightnings_own_stop_handling_off_and_gives_the_signals_ba
     assert {n: signal.getsignal(n) for n in before} == before
 
 
-
 @pytest.fixture(autouse=True)
 def _signals_given_back() -> Any:
     """A stop ends fit() with SystemExit and the protocol's handlers still in place (the rank's process ends there);
@@ -175,6 +174,7 @@ def _signals_given_back() -> Any:
     yield
     for n, handler in saved.items():
         signal.signal(n, handler)
+
 
 @pytest.mark.train
 @pytest.mark.parametrize(("asked", "saved"), [(13, 13), (10, 11)])

@@ -58,7 +58,6 @@ release_groups()  # not left to the interpreter's shutdown, where a gloo thread 
 """
 
 
-
 def probe(run: Path, ranks: int, *extra: str) -> dict[str, Any]:
     script = run.parent / "probe.py"
     script.write_text(PROBE)

@@ -265,7 +265,6 @@ def test_ctrl_c_then_the_same_command_resumes_a_stopguard_script(tmp_path: Path)
     assert "done at step 3000" in again.stdout and run_folders(tmp_path) == [run]
 
 
-
 def test_on_slurm_a_queued_or_untold_job_is_not_joined_and_a_forgotten_one_is_continued(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """squeue says PENDING (a requeued job waits too): refused; squeue cannot reach the controller: refused, it may be

@@ -22,7 +22,6 @@ def one_line(e: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-
 def describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
 

@@ -81,7 +81,6 @@ class Parser(argparse.ArgumentParser):
         stop = "" if message.endswith(("?", ".")) else "."
         self.exit(2, f"{self.prog}: error: {message}{stop} HINT: {self.prog} --help shows the flags and examples.\n")
 
-
     def did_you_mean(self, message: str) -> str:
         """`--profil local` said only that --profile is required: a typed word close to a missing flag is named."""
         import difflib

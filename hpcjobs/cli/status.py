@@ -112,6 +112,7 @@ def run_logs(ns: argparse.Namespace) -> int:
     if not ns.follow:
         sys.stdout.write(path.read_text(errors="replace"))
         return 0
+
     def out(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()

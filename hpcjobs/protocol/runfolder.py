@@ -77,6 +77,8 @@ def array_ids(job_id: str) -> dict[str, str]:
     if index is not None:
         return {"SLURM_ARRAY_JOB_ID": array, "SLURM_ARRAY_TASK_ID": str(index), "HPCJOBS_JOB_ID": job_id}
     return {"SLURM_JOB_ID": job_id, "HPCJOBS_JOB_ID": job_id}
+
+
 _FIELD = re.compile("|".join(RUN_DIR_FIELDS))
 
 

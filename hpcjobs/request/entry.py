@@ -37,7 +37,6 @@ class Entry:
         return " ".join([head, *self.args])
 
 
-
 def resolve_entry(entry: str, args: tuple[str, ...], module: bool, workdir: Path) -> Entry:
     """Decide what kind of entry this is and check it exists (finding, not importing, a module)."""
     hint = ("e.g. `hpcjobs submit --profile local trainers.tasks.lm --steps 50`, `... train.py --config x.yaml` "

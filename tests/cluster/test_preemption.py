@@ -34,6 +34,8 @@ CONFIG = ["trainers.tasks.lm", "--size", "tiny", "--dropout", "0.1", "--seed", "
 def config(strategy: str) -> list[str]:
     steps = STEPS[strategy]
     return [*CONFIG, "--steps", str(steps), "--ckpt-every", str(steps // 5), "--strategy", strategy]
+
+
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 

@@ -9,6 +9,7 @@ import errno
 class CheckpointSpaceError(RuntimeError):
     """A checkpoint did not fit: the disk or the quota is full."""
 
+
 def full_disk(e: BaseException) -> OSError | None:
     """The full disk or quota error inside `e` (torch.save turns it into a RuntimeError whose __context__ it is, DCP
     gathers each rank's into a CheckpointException), None when `e` is something else."""
@@ -17,6 +18,7 @@ def full_disk(e: BaseException) -> OSError | None:
         inner = dcp_failures(cause)
         cause = inner[0][1] if inner else cause.__cause__ or cause.__context__
     return cause if isinstance(cause, OSError) else None
+
 
 def dcp_failures(e: BaseException) -> list[tuple[int, BaseException]]:
     """(rank, what it raised) for each rank that failed inside DCP, whose CheckpointException gathers them as
@@ -27,8 +29,10 @@ def dcp_failures(e: BaseException) -> list[tuple[int, BaseException]]:
     inner = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(wrapped.items())]
     return [(rank, x) for rank, x in inner if isinstance(x, BaseException)]
 
+
 class CorruptCheckpoint(Exception):
     """A finished checkpoint that cannot be read; the message says which file and why, on one line."""
+
 
 def corrupt(name: str, e: BaseException) -> CorruptCheckpoint:
     """`name` (a file of the checkpoint) and the first sentence of what reading it raised, on one line."""

@@ -51,6 +51,7 @@ def _write(obj: Any, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
 
+
 def write_files(root: Path, tmp: Path, step: int, rank: int, shared: Any, per_rank: Any) -> None:
     """Step 2's own files: shared.pt (rank 0) and rank-R.pt, each fsynced."""
     with full_disk_explained(root, tmp, step, rank):
@@ -58,12 +59,14 @@ def write_files(root: Path, tmp: Path, step: int, rank: int, shared: Any, per_ra
             _write(shared, tmp / SHARED)
         _write(per_rank, tmp / f"rank-{rank}.pt")
 
+
 def load_checkpoint(ref: CheckpointRef, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(shared state, this rank's state), loaded without executing pickled code."""
     shared = torch.load(ref.path / SHARED, map_location="cpu", weights_only=True)
     mine = ref.path / f"rank-{rank}.pt"
     per_rank = torch.load(mine, map_location="cpu", weights_only=True) if mine.exists() else {}
     return shared, per_rank
+
 
 def read_states(ref: CheckpointRef, rank: int, shared_keys: tuple[str, ...] = (),
                 own_keys: tuple[str, ...] = (), own: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:

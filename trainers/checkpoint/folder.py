@@ -50,6 +50,7 @@ def latest(root: Path) -> CheckpointRef | None:
     refs = finished(root)
     return refs[-1] if refs else None
 
+
 def begin(root: Path, step: int, rank: int, barrier: Callable[[], None], keep: int) -> Path:
     """Step 1 of a save, on every rank: rank 0 clears a stale `.step-N.tmp` and makes it anew; all wait for it."""
     if keep < 2:
@@ -63,6 +64,7 @@ def begin(root: Path, step: int, rank: int, barrier: Callable[[], None], keep: i
         tmp.mkdir()
     barrier()
     return tmp
+
 
 def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int) -> None:
     """Step 3, rank 0, once every rank's files are written: meta.json and FINISHED, the rename, the pruning."""
@@ -82,6 +84,7 @@ def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int) ->
     maybe_die("save-renamed", step)
     prune(root, keep)
 
+
 @contextlib.contextmanager
 def full_disk_explained(root: Path, tmp: Path, step: int, rank: int) -> Iterator[None]:
     """Writes of a checkpoint: a full disk or quota inside becomes a CheckpointSpaceError; anything else passes."""
@@ -92,6 +95,7 @@ def full_disk_explained(root: Path, tmp: Path, step: int, rank: int) -> Iterator
         if full is None:
             raise
         raise full from None
+
 
 def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -> CheckpointSpaceError | None:
     """The error to raise when `e` (or what it wraps) is a full disk or quota, None otherwise. The unfinished folder
@@ -111,6 +115,7 @@ def space_error(e: BaseException, root: Path, tmp: Path, step: int, rank: int) -
         + (f"a checkpoint of this run takes {size:,} bytes, {previous.path.name} is intact and the run resumes from "
            "it" if previous and size else "no finished checkpoint yet") +
         "). HINT: free space there (or lower --keep), then submit the same run again")
+
 
 def prune(root: Path, keep: int) -> None:
     """Delete all but the newest `keep` finished checkpoints, and the best one (best.json) if any."""
@@ -133,6 +138,7 @@ def mark_best(root: Path, step: int, metric: str, value: float) -> None:
     a kill leaves the old or the new record, and the checkpoint it names is always a finished one."""
     write_atomic(root / BEST, json.dumps({"step": step, "metric": metric, "value": value}), durable=True)
 
+
 def read_meta(ref: CheckpointRef) -> dict[str, Any]:
     """meta.json of a finished checkpoint; raises CorruptCheckpoint."""
     try:
@@ -142,6 +148,7 @@ def read_meta(ref: CheckpointRef) -> dict[str, Any]:
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         raise CorruptCheckpoint(f"meta.json holds no step: {str(meta)[:100]!r}")
     return meta
+
 
 def move_aside(root: Path, ref: CheckpointRef) -> Path:
     """Rank 0: rename an unreadable checkpoint to root/corrupt/step-N (step-N.1, ... if that is taken), atomically:

@@ -212,7 +212,6 @@ RECOVER_COMMAND = f"{NODE_PYTHON} -u -m {RECOVERY_MODULE} --"
 FLAGS RANK-COMMAND` follows it (submitit's path runs the same through hpcjobs.protocol.nodecall.SupervisedStep)."""
 
 
-
 def ranks_step(spec: JobSpec) -> list[str]:
     """The ranks' srun step as the rendered script and the recovery run it."""
     return ["srun", *srun_flags(spec), *rank_argv(spec, launcher_argv(spec, python=NODE_PYTHON))]
