@@ -29,6 +29,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hpcjobs.protocol.contract import LaunchContract
@@ -38,10 +39,18 @@ from hpcjobs.protocol.states import StopOutcome, StopReason
 from trainers import jobenv, preemption
 from trainers.jobenv.base import JobEnv
 
-_contract: list[LaunchContract] = []
-"""Set by stand_by(): what the handler reads (a handler takes no arguments of ours)."""
-_timers: list[threading.Timer] = []
-"""The deadline's timer (arm_deadline), cancelled by disarm() once the rank's work is over."""
+
+@dataclass
+class StandbyState:
+    """This rank's standby, one object (as preemption.STATE), not module-global cells."""
+
+    contract: LaunchContract | None = None
+    """Set by stand_by(): what the handler reads (a handler takes no arguments of ours)."""
+    timers: list[threading.Timer] = field(default_factory=list)
+    """The deadline's timer (arm_deadline), cancelled by disarm() once the rank's work is over."""
+
+
+STANDBY = StandbyState()
 
 
 def stand_by(contract: LaunchContract) -> None:
@@ -51,7 +60,7 @@ def stand_by(contract: LaunchContract) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     num = preemption.signal_number(contract.preemption.signal)
     if num not in (signal.SIGTERM, signal.SIGINT):
-        _contract[:] = [contract]
+        STANDBY.contract = contract
         signal.signal(num, _handler)
         arm_deadline(contract)
 
@@ -70,7 +79,7 @@ def arm_deadline(contract: LaunchContract, env: Mapping[str, str] | None = None)
 def _start_timer(due: float, contract: LaunchContract) -> threading.Timer:
     timer = threading.Timer(max(0.0, due - time.time()), overdue, (contract, due))
     timer.daemon = True  # never keeps a finished script's process alive
-    _timers[:] = [timer]
+    STANDBY.timers[:] = [timer]
     timer.start()
     return timer
 
@@ -78,9 +87,9 @@ def _start_timer(due: float, contract: LaunchContract) -> threading.Timer:
 def disarm() -> None:
     """The rank's work is over: a deadline passing while the interpreter shuts down must not requeue a job that
     just finished (the launcher calls this where it ignores the late signals, preemption.ignore_from_now)."""
-    for timer in _timers:
+    for timer in STANDBY.timers:
         timer.cancel()
-    _timers.clear()
+    STANDBY.timers.clear()
 
 
 def overdue(contract: LaunchContract, due: float, env: Mapping[str, str] | None = None,
@@ -122,8 +131,8 @@ def _handler(signum: int, frame: Any) -> None:
     run folder. Under Slurm the job is requeued once, however many signals come."""
     first = not preemption.STATE.requested
     preemption.request_stop(signum)  # first_request() names it, and the launcher writes no FINISHED for the start
-    if first or not preemption.job_env().scheduler_job_id():
-        act(signum, _contract[0])
+    if (first or not preemption.job_env().scheduler_job_id()) and STANDBY.contract is not None:
+        act(signum, STANDBY.contract)
 
 
 def act(signum: int, contract: LaunchContract, env: Mapping[str, str] | None = None,
@@ -167,4 +176,4 @@ def _say(line: str) -> None:
 
 def reset() -> None:
     disarm()
-    _contract.clear()
+    STANDBY.contract = None
