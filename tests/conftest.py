@@ -130,6 +130,17 @@ def shared_tmp() -> Any:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def profile_folder(path: Path) -> Path:
+    """`path` made as a folder every node sees, holding profile.yaml: the test cluster's profile with its run folders
+    under `path/runs`."""
+    path.mkdir(exist_ok=True)
+    path.chmod(0o755)
+    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
+    data["runs_dir"] = str(path / "runs")
+    (path / "profile.yaml").write_text(yaml.safe_dump(data))
+    return path
+
+
 @pytest.fixture
 def cluster_profile(shared_tmp: Path) -> Path:
     """The test cluster's profile, with its run folders in this test's own folder."""

@@ -32,7 +32,6 @@ import copy
 import hashlib
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hpcjobs.protocol.settings.trainflags import ResumeError
+from hpcjobs.protocol.tierfiles import DIR_ENV, job_folder_name, tier_base
 from trainers import ranklog
 from trainers.checkpoint import CheckpointRef, latest
 from trainers.checkpoint.resume import Resumed, ResumeRule
@@ -49,17 +49,16 @@ from trainers.checkpoint.stateful import Stateful, gather
 from trainers.dist import DistContext
 from trainers.localtier_state import apply, decode, encode, intact, same_shape, templates, to_cpu, write_atomic
 
-DIR_ENV = "HPCJOBS_LOCAL_CKPT_DIR"
-"""A node-local folder for the tier (default /dev/shm): memory that outlives the rank process, not the node."""
 LOCAL, REPLICA, SHARED = "local tier", "peer replica", "shared storage"
 """Which tier a start resumed from (the log line and startup.jsonl's `resumed_tier`)."""
 NAME = re.compile(r"(peer-of-)?rank-(\d+)-of-(\d+)\.step-(\d+)\.pt")
 
 
 def tier_root(job_id: str, run_dir: Path, environ: Mapping[str, str] = os.environ) -> Path:
-    base = environ.get(DIR_ENV) or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
-    job = re.sub(r"[^\w.-]", "_", job_id or "nojob")
-    return Path(base) / f"hpcjobs-{job}" / hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    """The run's folder in the tier: the job's folder (hpcjobs.protocol.tierfiles names it for both sides: the end
+    of a failed job removes it), then a key of the run folder."""
+    key = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return Path(tier_base(environ)) / job_folder_name(job_id) / key
 
 
 def file_name(rank: int, world: int, step: int, replica: bool = False) -> str:

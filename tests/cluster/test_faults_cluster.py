@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, TESTCLUSTER, hpcjobs, on_every_node, slurm, wait_for_state
+from conftest import REPO, TESTCLUSTER, hpcjobs, on_every_node, profile_folder, slurm, wait_for_state
 from hpcjobs.protocol.runfolder import RunFolder
 from trainers import checkpoint
 from trainers.checkpoint.dcp_files import model_weights
@@ -31,12 +31,7 @@ LM = ["trainers.tasks.lm", "--size", "tiny", "--steps", "100000", "--log-every",
 
 @pytest.fixture(scope="module")
 def folder() -> Iterator[Path]:
-    path = Path(f"/tmp/hpcjobs-faults-{os.getpid()}")
-    path.mkdir(exist_ok=True)
-    path.chmod(0o755)
-    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
-    data["runs_dir"] = str(path / "runs")
-    (path / "profile.yaml").write_text(yaml.safe_dump(data))
+    path = profile_folder(Path(f"/tmp/hpcjobs-faults-{os.getpid()}"))
     yield path
     if not os.environ.get("HPCJOBS_TEST_KEEP"):  # set it to look at the run folders after a failure
         shutil.rmtree(path, ignore_errors=True)

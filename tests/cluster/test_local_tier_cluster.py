@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, hpcjobs, wait_for_state
+from conftest import REPO, hpcjobs, profile_folder, wait_for_state
 from trainers import checkpoint
 from trainers.checkpoint.dcp_files import model_weights
 
@@ -42,13 +42,7 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = Path("/tmp") / f"hpcjobs-tier-{tmp_path_factory.getbasetemp().name}"
-    path.mkdir(exist_ok=True)
-    path.chmod(0o755)
-    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
-    data["runs_dir"] = str(path / "runs")
-    (path / "profile.yaml").write_text(yaml.safe_dump(data))
-    return path
+    return profile_folder(Path("/tmp") / f"hpcjobs-tier-{tmp_path_factory.getbasetemp().name}")
 
 
 def test_a_killed_rank_resumes_from_the_local_tier_in_the_allocation(folder: Path) -> None:

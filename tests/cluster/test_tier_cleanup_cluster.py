@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import REPO, hpcjobs, wait_for_state
+from conftest import REPO, hpcjobs, profile_folder, wait_for_state
 
 pytestmark = pytest.mark.cluster
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -21,12 +20,7 @@ LM = ["trainers.tasks.lm", "--size", "tiny", "--steps", "100", "--log-every", "5
 
 
 def test_a_failed_jobs_tier_files_are_removed_on_every_node(tmp_path_factory: pytest.TempPathFactory) -> None:
-    folder = Path("/tmp") / f"hpcjobs-tierclean-{tmp_path_factory.getbasetemp().name}"
-    folder.mkdir(exist_ok=True)
-    folder.chmod(0o755)
-    data = yaml.safe_load((REPO / "cluster_profiles" / "testcluster.yaml").read_text())
-    data["runs_dir"] = str(folder / "runs")
-    (folder / "profile.yaml").write_text(yaml.safe_dump(data))
+    folder = profile_folder(Path("/tmp") / f"hpcjobs-tierclean-{tmp_path_factory.getbasetemp().name}")
     run = folder / "runs" / "failed"
     out = hpcjobs("submit", "--profile", str(folder / "profile.yaml"), "--nodes", "2", "--gpus", "2", "--run-dir",
                   str(run), "--env=HPCJOBS_FAULT_INJECT=step@30:3", "--env=HPCJOBS_FAULT_ACTION=raise", "--json", *LM,
