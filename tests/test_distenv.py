@@ -94,7 +94,7 @@ def test_the_rank_variables_a_rank_exports_are_the_ones_never_inherited() -> Non
     from hpcjobs.protocol.rankvars import RENDEZVOUS
 
     env = from_environ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
-                        "NCCL_SOCKET_IFNAME": "eth", "NCCL_DEBUG": "WARN"})
+                        "NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"})  # lo: an interface every host has
     exported = {k for k in env.as_env() if not k.startswith(("NCCL_", "GLOO_"))}
     assert exported <= set(RENDEZVOUS), exported - set(RENDEZVOUS)
     assert set(RENDEZVOUS) - exported == {"GROUP_RANK", "ROLE_RANK", ENV_VAR}
