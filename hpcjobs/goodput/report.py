@@ -75,14 +75,16 @@ def scheduler_state(rec: JobRecord) -> JobState:
 
 def folder_report(run: RunFolder, record: JobRecord | None, store: JobStore, now: float,
                   runner: Callable[[Sequence[str]], Any] | None = None, state_of: StateOf = scheduler_state,
-                  ) -> tuple[list[Goodput], list[Start]]:
-    """Each job on the run folder (with `record`: only that job's): its Goodput, and the starts it read.
+                  ) -> tuple[list[Goodput], list[Start], list[Incident]]:
+    """Each job on the run folder (with `record`: only that job's): its Goodput, the starts it read, and its faults
+    (the start that resumed one may be another job's: all the folder's starts are read).
     `state_of`: the job's state (whether it still runs), by default status_of's."""
     starts = read_starts(run)
+    jobs = jobs_of(run, record, store)
     resumed = resumed_after([s for _, s in starts], run.newest_checkpoint())
     out: list[Goodput] = []
     mine: list[Start] = []
-    for job, rec in jobs_of(run, record, store):
+    for job, rec in jobs:
         state = state_of(rec) if rec is not None else None
         running, waiting = state in RUNNING, state is not None and state in WAITING
         allocs = allocations(run, job)
@@ -95,7 +97,8 @@ def folder_report(run: RunFolder, record: JobRecord | None, store: JobStore, now
         g.job_id = rec.job_id if rec is not None else job
         out.append(g)
         mine += times.starts
-    return out, mine
+    chosen = {j for j, _ in jobs}
+    return out, mine, [f for f in incidents(starts) if f.job_id in chosen]
 
 
 def jobs_of(run: RunFolder, record: JobRecord | None, store: JobStore) -> list[tuple[str, JobRecord | None]]:
@@ -148,10 +151,9 @@ def report(target: str, store: JobStore | None = None, now: float | None = None,
         folders = [(RunFolder(r.run_dir), r) for r in records_for(target, store)]
     out = Report(target)
     for run, job in folders:
-        parts, starts = folder_report(run, job, store, now, runner, state_of)
+        parts, starts, faults = folder_report(run, job, store, now, runner, state_of)
         out.parts += parts
-        chosen = {j for j, _ in jobs_of(run, job, store)}  # the next start may be another job's: all are read
-        out.faults += [f for f in incidents(read_starts(run)) if f.job_id in chosen] if len(folders) == 1 else []
+        out.faults += faults if len(folders) == 1 else []
         if len(folders) == 1 and len(parts) >= 1:
             out.advice = advice(total(parts, target), starts, run_step_time(run), seconds_before_of(run),
                                 time_limit_of(run))
@@ -216,7 +218,7 @@ def job_goodput(rec: JobRecord, state: JobState | None, store: JobStore | None =
     """One job's Goodput for `status` and `compare` (its state already known: the scheduler is not asked again);
     None before any start. Never raises for what a run folder holds: a line of status must not cost the status."""
     try:
-        parts, _ = folder_report(RunFolder(rec.run_dir), rec, store or JobStore(), time.time(), None,
+        parts, _, _ = folder_report(RunFolder(rec.run_dir), rec, store or JobStore(), time.time(), None,
                                  lambda _: state)
     except (OSError, ValueError, TypeError, KeyError):
         return None
