@@ -30,7 +30,9 @@ def test_the_tier_is_four_copies_of_each_ranks_state_a_node() -> None:
     fsdp = tier_of(LM, ("--size", "1b", "--strategy", "fsdp", "--local-ckpt-every", "5"), 16, 8)
     assert ddp is not None and ddp.per_node == 8 * COPIES * 12 * params
     assert fsdp is not None and fsdp.per_node == 8 * COPIES * state_bytes(params, "fsdp", 16) == ddp.per_node // 16
-    assert tier_of(LM, ("--size", "1b"), 16, 8) is None  # off by default
+    assert tier_of(LM, ("--size", "1b", "--local-ckpt-every", "0"), 16, 8) is None  # off
+    auto = tier_of(LM, ("--size", "1b", "--local-ckpt-every", "auto"), 16, 8)  # the same copies
+    assert auto is not None and auto.every == "auto" and auto.per_node == ddp.per_node
     assert tier_of("mypkg.task", ("--local-ckpt-every", "5"), 16, 8) is None  # a user's own model: not known
 
 
@@ -71,8 +73,23 @@ def test_dry_run_shows_the_tiers_host_memory(tmp_path: Path) -> None:
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("# node-local tier"))
     assert "8 ranks × 4 copies" in line and "of 128.00 GiB (mem_per_gpu 16G × 8 GPUs" in line, line
     assert line.endswith(": fits"), line
-    off = hpcjobs("submit", "--profile", profile_file(tmp_path), "--dry-run", "--no-snapshot", LM, cwd=REPO)
+    off = hpcjobs("submit", "--profile", profile_file(tmp_path), "--dry-run", "--no-snapshot", LM,
+                  "--local-ckpt-every", "0", cwd=REPO)
     assert "# node-local tier" not in off.stdout
+
+
+def test_auto_that_does_not_fit_is_not_refused_it_leaves_the_tier_off(tmp_path: Path) -> None:
+    """`auto` for 1b ddp on 2 × 8 (434 GiB a node, 128 GiB there): submitted, the dry run says the tier stays off;
+    an explicit interval of the same job is refused (above)."""
+    check_fits(slurm(), LM, ("--size", "1b", "--strategy", "ddp", "--local-ckpt-every", "auto"), 2, 8, 64)
+    out = hpcjobs("submit", "--profile", profile_file(tmp_path), "--nodes", "2", "--gpus", "8", "--dry-run",
+                  "--no-snapshot", LM, "--size", "1b", "--strategy", "ddp", "--local-ckpt-every", "auto", cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("# node-local tier"))
+    assert line.startswith("# node-local tier: --local-ckpt-every auto: 8 ranks × 4 copies"), line
+    assert line.endswith("does NOT fit: auto leaves the tier off"), line
+    fits = tier_of(LM, ("--size", "1b", "--strategy", "fsdp", "--local-ckpt-every", "auto"), 16, 8)
+    assert fits is not None and fits.every == "auto"
 
 
 def test_a_local_tier_is_checked_against_its_folders_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

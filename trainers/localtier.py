@@ -47,7 +47,9 @@ from trainers.checkpoint import CheckpointRef, latest
 from trainers.checkpoint.resume import Resumed, ResumeRule
 from trainers.checkpoint.stateful import Stateful, gather
 from trainers.dist import DistContext
-from trainers.localtier_state import apply, decode, encode, intact, same_shape, templates, to_cpu, write_atomic
+from trainers.localtier_auto import FIRST, AutoInterval, room_for
+from trainers.localtier_copy import HostCopy
+from trainers.localtier_state import apply, decode, encode, intact, nbytes, same_shape, templates, write_atomic
 
 LOCAL, REPLICA, SHARED = "local tier", "peer replica", "shared storage"
 """Which tier a start resumed from (the log line and startup.jsonl's `resumed_tier`)."""
@@ -68,8 +70,11 @@ def file_name(rank: int, world: int, step: int, replica: bool = False) -> str:
 class LocalTier:
     """One rank's side of the tier: `save` every `every` steps, `resume` at a start, `close` at the job's end."""
 
-    def __init__(self, every: int, ctx: DistContext, run_dir: Path, last_step: int) -> None:
-        self.every, self.ctx, self.last_step = every, ctx, last_step
+    def __init__(self, every: int | str, ctx: DistContext, run_dir: Path, last_step: int) -> None:
+        self.auto = every == "auto"
+        self.every = FIRST if self.auto else int(every)
+        """The interval in force (auto: FIRST until the ranks agree on a measured one, localtier_auto)."""
+        self.ctx, self.last_step = ctx, last_step
         self.rank, self.world = ctx.rank, ctx.world_size
         self.root = tier_root(ctx.env.job_id, run_dir)
         self.per_node = max(1, ctx.env.local_world_size)
@@ -77,34 +82,81 @@ class LocalTier:
         self.peer, self.source = (self.rank + self.per_node) % self.world, (self.rank - self.per_node) % self.world
         self.holds = self.rank if self.one_node else self.source
         """Whose replica this rank keeps: its own on one node, else the rank ranks-per-node before it."""
-        self.group = dist.new_group(backend="gloo") if every and self.world > 1 and dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo") if self.every and self.world > 1 and dist.is_initialized() else None
         self.pending: threading.Thread | None = None
         self.used: str | None = None
         """Which tier this start resumed from (None: it started at step 0)."""
         self.tried = False
         self.warned = False
+        self.copy = HostCopy(ctx.device)
+        self.meter = AutoInterval()
+        self.next_at: int | None = None  # auto: the step of the next save
+        self.agreed: tuple[int, float, float] | None = None  # auto: (interval, cost s, step s) the ranks agreed on
+        self.said = False
 
     def holder_of(self, rank: int) -> int:
         return rank if self.one_node else (rank + self.per_node) % self.world
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step < self.last_step
+        """Whether to save after `step` (called once after every step: auto times the steps here)."""
+        if not self.every:
+            return False
+        if not self.auto:
+            return step % self.every == 0 and step < self.last_step
+        self.meter.tick(self.pending is not None and self.pending.is_alive())
+        if self.next_at is None:
+            self.next_at = step - 1 + FIRST
+        return step == self.next_at and step < self.last_step
 
     def save(self, step: int, states: Mapping[str, Stateful], meta: Callable[[], dict[str, Any]]) -> None:
-        """Copy this rank's state to the CPU now (the loop waits for that copy), write it in a thread. At most one
-        write in flight: the next save waits for the one before."""
+        """Take this rank's state for a thread to copy and write (localtier_copy: the loop does not wait for the copy
+        of what only the optimizer's step changes). At most one write in flight: the next save waits for the one
+        before."""
         self.join()
         parts = gather(states)
+        if self.auto and self.meter.saves == 0 and not self.fits(parts.tensors):
+            return
+        proposal = self.plan_next(step) if self.auto else (0, 0.0, 0.0)
         payload = {"step": step, "world_size": self.world, "rank": self.rank,
-                   "meta": {"world_size": self.world, "step": step, **meta()}, "tensors": to_cpu(parts.tensors),
+                   "meta": {"world_size": self.world, "step": step, **meta()},
+                   "tensors": self.copy.start(parts.tensors, parts.now, states),
                    "shared": copy.deepcopy(parts.shared), "own": copy.deepcopy(parts.own)}
-        self.pending = threading.Thread(target=self.write, args=(step, payload), name=f"hpcjobs-local-{step}",
-                                        daemon=True)
+        self.pending = threading.Thread(target=self.write, args=(step, payload, proposal),
+                                        name=f"hpcjobs-local-{step}", daemon=True)
         self.pending.start()
 
-    def write(self, step: int, payload: dict[str, Any]) -> None:
+    def plan_next(self, step: int) -> tuple[int, float, float]:
+        """auto, at a save (every rank at the same step, the last writer joined): the interval agreed in the save
+        before applied, the next save's step set, and this rank's proposal from its measured costs."""
+        if self.agreed is not None:
+            self.every, cost, step_s = self.agreed
+            if not self.said:
+                self.said = True
+                ranklog.rank0(f"local checkpoints every {self.every} step(s) (--local-ckpt-every auto: a save costs "
+                              f"the loop {cost * 1000:.1f} ms, a step takes {step_s * 1000:.1f} ms; slowest rank's: "
+                              f"{cost / (self.every * step_s) * 100 if step_s else 0:.1f}% of the step time)",
+                              self.rank)
+        self.next_at = step + self.every
+        proposal = self.meter.propose()
+        self.meter.saved()
+        return proposal
+
+    def fits(self, tensors: dict[str, Any]) -> bool:
+        """auto, at the first save: the tier's copies must fit the free space of its folder on every rank
+        (localtier_auto.room_for), else the tier is off, said once."""
+        mine, why = room_for(nbytes(tensors), self.per_node, self.root)
+        ok = torch.tensor([int(mine)], dtype=torch.int64)
+        if self.group is not None:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if not ok.item():
+            self.every = 0
+            ranklog.rank0(why or "--local-ckpt-every auto: the tier does not fit another rank's node: off", self.rank)
+        return bool(ok.item())
+
+    def write(self, step: int, payload: dict[str, Any], proposal: tuple[int, float, float]) -> None:
         data, ok = b"", True
         try:
+            self.copy.finish()
             data = encode(payload)
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / file_name(self.rank, self.world, step), data)
@@ -117,7 +169,7 @@ class LocalTier:
             ok = ok and bool(got)
         except Exception as e:  # noqa: BLE001
             ok = self.failed(step, e)
-        agreed = self.reduce_min(step if ok else -1)
+        agreed = self.agree(step if ok else -1, proposal)
         if agreed >= 0:
             self.prune(below=agreed)
 
@@ -147,12 +199,16 @@ class LocalTier:
             if r is not None:
                 r.wait()
 
-    def reduce_min(self, value: int) -> int:
-        if self.group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+    def agree(self, step: int, proposal: tuple[int, float, float]) -> int:
+        """One all-reduce (MAX) over the ranks: the step every rank completed (MIN, as -MAX of its negation; -1
+        when one failed), and for auto the interval the ranks proposed, the cost and step time (their MAX)."""
+        every, cost, step_s = proposal
+        t = torch.tensor([-step, every, round(cost * 1e6), round(step_s * 1e6)], dtype=torch.int64)
+        if self.group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if t[1] > 0:
+            self.agreed = (int(t[1]), int(t[2]) / 1e6, int(t[3]) / 1e6)
+        return -int(t[0])
 
     def listing(self, check: bool = True) -> tuple[dict[int, Path], dict[int, Path]]:
         """This rank's own files and the replicas it holds, by step, of this world size: only whole ones (`check`:
@@ -259,6 +315,7 @@ class LocalTier:
         """At the job's end (finished, or stopped at a shared checkpoint, which is newer): this rank's files go, and
         the job's folder once empty."""
         self.join()
+        self.copy.close()
         if not self.every:
             return
         own, held = self.listing(check=False)

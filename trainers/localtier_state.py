@@ -58,6 +58,50 @@ def to_cpu(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def nbytes(obj: Any) -> int:
+    """The bytes of a state tree's tensors (this rank's shard of a DTensor)."""
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    return obj.nbytes if isinstance(obj, torch.Tensor) else 0
+
+
+def free_room(root: Path) -> tuple[int, str]:
+    """The bytes the tier may still take, and where that limit comes from: the free space of the file system of
+    `root` (its nearest existing folder; tmpfs /dev/shm: half the node's memory by default), or less, the headroom of
+    the process's memory cgroup (Slurm's --mem: /dev/shm's pages are charged to it)."""
+    folder = root
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    st = os.statvfs(folder)
+    room, where = st.f_bavail * st.f_frsize, f"{folder} (free space)"
+    headroom = cgroup_headroom()
+    return (headroom, "the job's memory cgroup (limit less usage)") if headroom is not None and headroom < room \
+        else (room, where)
+
+
+def cgroup_headroom(proc: Path = Path("/proc/self/cgroup"), fs: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory cgroup's limit less its usage (cgroup v2, else v1's memory controller); None: no limit."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        pairs = [(fs / path.lstrip("/"), "memory.max", "memory.current")] if controllers == "" else \
+            [(fs / "memory" / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes")] \
+            if "memory" in controllers.split(",") else []
+        for folder, limit, usage in pairs:
+            try:
+                most, used = (folder / limit).read_text().strip(), (folder / usage).read_text().strip()
+            except OSError:
+                continue
+            if most.isdigit() and int(most) < 2**60:
+                return max(0, int(most) - int(used))
+    return None
+
+
 def same_shape(template: Any, saved: Any, key: str = "") -> str:
     """Why `saved` cannot fill `template` ("" when it can): other keys, shapes or dtypes."""
     if isinstance(template, dict):

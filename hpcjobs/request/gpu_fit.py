@@ -2,11 +2,12 @@
 from its size's shapes and presets (hpcjobs.protocol.planning.lmsizes), its trainer flags and its world, against the
 profile's `gpu_memory`. `submit --dry-run` shows it; build_spec refuses, before anything is queued, a job that will not
 fit. A task whose shapes only the node knows (a user's own) gets no plan and is never refused here.
-With `--local-ckpt-every N` the node-local tier's host memory (hpcjobs.protocol.planning.host_plan: 4 copies of each
-rank's state a node) is checked the same way against the node's memory: the profile's mem_per_gpu × the GPUs of a
-node (what Slurm's cgroup allows the job, /dev/shm's pages included), or for `local` the size of the tier's folder
-(/dev/shm's tmpfs: half the machine's memory by default; the local backend's check passes it); neither known: not
-checked."""
+With `--local-ckpt-every N` (or `auto`, the default) the node-local tier's host memory
+(hpcjobs.protocol.planning.host_plan: 4 copies of each rank's state a node) is checked the same way against the
+node's memory: the profile's mem_per_gpu × the GPUs of a node (what Slurm's cgroup allows the job, /dev/shm's pages
+included), or for `local` the size of the tier's folder (/dev/shm's tmpfs: half the machine's memory by default; the
+local backend's check passes it); neither known: not checked. `auto` that does not fit is not refused: the tier
+is then off."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def plan_line(profile: ClusterProfile, target: str, args: tuple[str, ...], ranks
     room = node_room(profile, gpus or ranks, folder)
     verdict = (f"; not checked here: profile {profile.name} declares no mem_per_gpu (a local job is checked against "
                "its tier folder's size)" if room is None else
-               f" of {gib(room[0])} ({room[1]}): {'fits' if tier.per_node <= room[0] else 'does NOT fit'}")
+               f" of {gib(room[0])} ({room[1]}): {'fits' if tier.per_node <= room[0] else 'does NOT fit'}"
+               + ("" if tier.per_node <= room[0] or tier.every != "auto" else ": auto leaves the tier off"))
     return f"{gpu_line(profile, target, found)}\n# node-local tier: {tier.text()}{verdict}"
 
 
@@ -170,8 +172,8 @@ def check_tier(profile: ClusterProfile, target: str, args: tuple[str, ...], node
     where it is on this machine, node_room)."""
     tier = tier_of(target, args, nodes * gpus, gpus)
     room = None if tier is None else node_room(profile, gpus, folder)
-    if tier is None or room is None or tier.per_node <= room[0]:
-        return
+    if tier is None or room is None or tier.per_node <= room[0] or tier.every == "auto":
+        return  # auto that does not fit: off (the dry run and rank 0 say so)
     fixes = ["--local-ckpt-every 0 turns the tier off"]
     setup = job_plan(target, args, nodes * gpus)
     if setup is not None and setup.setup.strategy != "fsdp" and nodes * gpus > 1:

@@ -8,6 +8,8 @@ the fp32 weights (the trainer keeps its parameters in fp32 under every precision
 AdamW's two fp32 moments, 12 bytes a parameter, 1/ranks of them under fsdp; the RNG streams and the position are a
 few KB. /dev/shm is tmpfs: its pages are the node's memory and, under Slurm, are charged to the job's cgroup
 (`--mem`/`--mem-per-gpu`), so a tier larger than the request ends the job by the OOM killer, not with a line.
+An explicit interval that does not fit is refused; `auto` (the default) that does not fit leaves the tier off, said in
+one line by `submit --dry-run` and by rank 0 (which checks its tier folder's free space at its first save).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ STATE_BYTES_PER_PARAM = 4 + 8
 class TierPlan:
     """The tier's host memory on one node: `ranks_per_node` ranks × COPIES × `state` bytes."""
 
-    every: int
+    every: int | str
+    """The interval, or "auto" (trainers.localtier_auto: measured; off where the copies do not fit)."""
     state: int
     """One rank's state in bytes (weights + AdamW moments; 1/ranks under fsdp)."""
     ranks_per_node: int
@@ -49,8 +52,8 @@ def state_bytes(params: int, strategy: str, ranks: int) -> int:
     return STATE_BYTES_PER_PARAM * params // shard
 
 
-def tier_plan(every: int, params: int, strategy: str, ranks: int, ranks_per_node: int) -> TierPlan | None:
+def tier_plan(every: int | str, params: int, strategy: str, ranks: int, ranks_per_node: int) -> TierPlan | None:
     """The tier's plan, None when it is off (every 0)."""
-    if every <= 0:
+    if every != "auto" and int(every) <= 0:
         return None
     return TierPlan(every, state_bytes(params, strategy, ranks), ranks_per_node)

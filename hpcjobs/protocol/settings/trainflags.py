@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | No
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
             continue
-        kind = {"int": int, "float": float, "str": str}[str(f.type)]
-        choices = None if f.metadata.get("multiple") else f.metadata.get("choices")
+        kind = {"int": int, "float": float, "str": str, "int | str": str}[str(f.type)]
+        choices = None if f.metadata.get("multiple") or _either(f.name) else f.metadata.get("choices")
         parser.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
 
 
@@ -51,6 +51,8 @@ def reference_table() -> str:
 
 def _kind(name: str) -> str:
     meta = _meta(name)
+    if _either(name):
+        return "whole number or " + ", ".join(meta["choices"])
     if "choices" in meta:
         return "choices" if meta.get("multiple") else "choice"
     return {"int": "whole number", "float": "number", "bool": "switch", "str": "text"}[_fields()[name]]
@@ -59,6 +61,8 @@ def _kind(name: str) -> str:
 def _range(name: str) -> str:
     """The valid values as the reference table shows them (the errors' `valid:` part says the same with the flag)."""
     meta, bounds = _meta(name), _bounds(name)
+    if _either(name) and bounds is not None:
+        return f"{bounds.describe('N')}, or " + ", ".join(f"`{c}`" for c in meta["choices"])
     if "choices" in meta:
         some = "one or more" if meta.get("multiple") else "one"
         return f"{some} of {', '.join(f'`{c}`' for c in meta['choices'])}" + (
@@ -109,7 +113,12 @@ def _meta(name: str) -> Mapping[str, Any]:
 
 
 def _letter(name: str) -> str:
-    return "N" if _fields()[name] == "int" else "X"
+    return "N" if _fields()[name] in ("int", "int | str") else "X"
+
+
+def _either(name: str) -> bool:
+    """A whole number or one of its words (`--local-ckpt-every 5|auto`)."""
+    return _fields()[name] == "int | str"
 
 
 def _flags() -> dict[str, tuple[str, bool | None]]:
@@ -136,6 +145,8 @@ def _quoted(text: str, quote: bool = True) -> str:
 def _valid(name: str) -> str:
     """The `valid:` part for a setting."""
     meta, flag, bounds = _meta(name), _flag(name), _bounds(name)
+    if _either(name) and bounds is not None:
+        return f"{flag} N with {bounds.describe('N')}, or {flag} {'|'.join(meta['choices'])}"
     if "choices" in meta:
         return f"{flag} {'|'.join(meta['choices'])}" + (", or several joined by commas" if meta.get("multiple") else "")
     if _fields()[name] == "bool":
@@ -157,14 +168,15 @@ def _convert(name: str, text: str) -> Any:
     if meta.get("multiple"):
         return _convert_multi(name, text)
     if "choices" in meta:
-        if text not in meta["choices"]:
+        if text in meta["choices"]:
+            return text
+        if not _either(name):
             raise _error(f"{flag} {_quoted(text)} is not a choice", _valid(name), _hint(name))
-        return text
     try:
-        value = int(text) if kind == "int" else float(text)
+        value = int(text) if kind in ("int", "int | str") else float(text)
     except ValueError:
         digits = text.strip().lstrip("+-")
-        wrong = (f"is not {'a whole number' if kind == 'int' else 'a number'}" if not digits.isdigit() else
+        wrong = (f"is not {'a whole number' if kind != 'float' else 'a number'}" if not digits.isdigit() else
                  "has more digits than Python reads (4300)")
         raise _error(f"{flag} {_quoted(text)} {wrong}", _valid(name), _hint(name)) from None
     if not math.isfinite(value):
@@ -188,7 +200,7 @@ def _convert_multi(name: str, text: str) -> str:
 
 def _check_range(name: str, value: Any, given: str) -> None:
     bounds = _bounds(name)
-    if bounds is not None and not bounds.holds(value):
+    if bounds is not None and not isinstance(value, str) and not bounds.holds(value):
         side = "too large" if bounds.high is not None and value > bounds.high else "too small"
         raise _error(f"{given} is {side}", _valid(name), _hint(name))
 
