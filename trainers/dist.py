@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcjobs.protocol.runfolder import IMPORTED, JOINED
+from hpcjobs.protocol.runfolder import IMPORTED, JOINED, RunFolder
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers import allocator, startup, versions
+from trainers import allocator, rejoin, startup, versions
 from trainers.distenv import CONTROL_TIMEOUT_MIN_S, DistEnv, from_environ, job_of, setting_seconds
 
 
@@ -163,12 +163,14 @@ def cpu_threads(env: DistEnv, usable: int | None = None) -> int:
 @contextlib.contextmanager
 def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None,
                 group_of_one: bool = False, cpu_collectives: bool = False,
-                env: DistEnv | None = None) -> Iterator[DistContext]:
+                env: DistEnv | None = None, again: tuple[RunFolder, int] | None = None) -> Iterator[DistContext]:
     """Join the job's process group (if more than one rank, or `group_of_one`: FSDP2 needs one even alone) and
     always leave it, whatever happens inside. `trace_prefix`: where NCCL's flight recorder dumps
     (RUN/nccl-trace/rank-) unless the environment says. `cpu_collectives`: the default group also reduces CPU
     tensors (gloo beside NCCL), as FSDP2's CPU offload needs for the gradient norm of host-held shards. `env`: the
-    launcher's (its job environment chosen at the start); read from os.environ where none is given."""
+    launcher's (its job environment chosen at the start); read from os.environ where none is given. `again`: the
+    run folder and generation of a group formed again after a rank's replacement (trainers.rejoin), whose store is
+    that generation's own."""
     startup.mark(IMPORTED)  # torch, the trainer and the task are loaded: what is left is the rendezvous
     env = env or from_environ(os.environ)
     backend, device = pick_backend(env)
@@ -186,8 +188,9 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
         backend = "cpu:gloo,cuda:nccl"
     if env.world_size > 1:
         try:
-            dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                    rank=env.rank, world_size=env.world_size,
+            where = {"store": rejoin.store(again[0], env, again[1], timeout_s)} if again and again[1] else \
+                {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+            dist.init_process_group(backend, **where, rank=env.rank, world_size=env.world_size,  # type: ignore[arg-type]
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=device if device.type == "cuda" else None)
         except Exception as e:  # noqa: BLE001 - torch raises several types (DistStoreError, RuntimeError, TimeoutError)
@@ -199,6 +202,8 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
         control_s = max(timeout_s, CONTROL_TIMEOUT_MIN_S)
         ctx.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_s))
         ctx.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_s))
+        if again:
+            rejoin.joined(again[0], env, again[1])
     elif group_of_one:  # an in-process store: no port, no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -208,6 +213,9 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
     startup.mark(JOINED)
     try:
         yield ctx
+    except rejoin.PeerLost:
+        rejoin.abort()  # NCCL's communicators wait on the dead peer: aborted, not destroyed
+        raise
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):

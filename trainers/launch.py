@@ -25,10 +25,11 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 
-from hpcjobs.protocol import access, userstop
+from hpcjobs.protocol import access, rejoin, userstop
 from hpcjobs.protocol.contract import ContractError, LaunchContract
 from hpcjobs.protocol.errors import StartRefused
 from hpcjobs.protocol.faultpolicy import restartcap
@@ -85,7 +86,7 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
     if kind == "task":
         from trainers.run import run_task  # torch is imported from here on
 
-        return run_task(entry, args, run, contract, env)
+        return run_task(entry, args, run, contract, env, again=lambda e: started_again(e, run))
     sys.argv = [entry, *args]
     enter_submit_dir(contract.submit_dir)
     try:
@@ -105,6 +106,26 @@ def run_entry(kind: str, entry: str, args: list[str], run: RunFolder, contract: 
     finally:
         end_process_group()
     return 0
+
+
+def started_again(env: DistEnv, run: RunFolder) -> None:
+    """A rank that kept its process through a peer's replacement (trainers.rejoin) begins the launcher's new start
+    `env.restart`: that start's log file, its start-up stages from now, and (rank 0) its record in restarts.jsonl,
+    as a start in a new process would write them."""
+    os.environ["HPCJOBS_RESTART"] = str(env.restart)
+    startup.again(time.time())
+    if Tee.active is not None:
+        Tee.active.switch(run.rank_log(env.restart, env.rank))
+    if env.rank == 0:
+        run.record_start(env.restart, env.job_id, env.world_size, host=os.uname().nodename,
+                         master=f"{env.master_addr}:{env.master_port}", **replaced(run))
+
+
+def replaced(run: RunFolder) -> dict[str, list[int]]:
+    """A start record's word on a start that replaced lost ranks in place (hpcjobs.protocol.rejoin): which ranks
+    are new processes (the others kept theirs); nothing for a start of every rank."""
+    call = rejoin.read_call(run) if rejoin.on() else None
+    return {"replaced": list(call.ranks)} if call is not None else {}
 
 
 def enter_submit_dir(folder: str) -> None:
@@ -250,7 +271,8 @@ def run_rank(ns: argparse.Namespace, env: DistEnv, run: RunFolder, contract: Lau
     """Record the start, refuse a start past the restart cap, run the entry; returns the rank's exit code."""
     if env.rank == 0:
         run.record_start(env.restart, env.job_id, env.world_size, host=os.uname().nodename,
-                         master=f"{env.master_addr}:{env.master_port}", **({"point": dict(point)} if point else {}))
+                         master=f"{env.master_addr}:{env.master_port}", **({"point": dict(point)} if point else {}),
+                         **(replaced(run) if rejoin.generation() else {}))
     ranklog.say(f"hpcjobs: rank {env.rank}/{env.world_size} (local {env.local_rank}) on {os.uname().nodename}, "
                 f"job {env.job_id} restart {env.restart}, rendezvous {env.master_addr}:{env.master_port}, "
                 f"run folder {run.path}", every_rank=True)

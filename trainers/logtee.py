@@ -89,6 +89,16 @@ class Tee:
                 return
             time.sleep(0.005)
 
+    def switch(self, path: Path) -> None:
+        """Go on in another log file (a rank that kept its process through a replacement: the new start's log)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._drain()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            old, self.file, self.path = self.file, open(path, "ab", buffering=0), path
+        old.close()
+
     def close(self) -> None:
         Tee.active = None
         self.terminal_hook = None

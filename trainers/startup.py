@@ -26,6 +26,18 @@ def mark(name: str) -> None:
         watchdog.alive()  # a stage of start-up done: the hang watchdog's start-up bound starts again
 
 
+def again(now: float) -> None:
+    """A rank that kept its process through a replacement (trainers.rejoin) starts again now: its stages are
+    marked anew, from here."""
+    _marks.clear()
+    _cpu.clear()
+    _again.append(now)
+
+
+_again: list[float] = []
+"""When this process started again in place, if it did (the newest last): its start's beginning."""
+
+
 def process_started() -> float | None:
     """When this process was started (exec'd by srun or the launcher), from /proc: Linux only, 10 ms resolution."""
     try:
@@ -55,7 +67,7 @@ def record(run: RunFolder, env: DistEnv, start_step: int | None = None, **extra:
     show which stage's own work grows). `start_step`: the step this start began at (the one it resumed from; 0
     fresh), which tells `hpcjobs goodput` which steps the start before it trained in vain; `extra`: more fields
     (`resumed_tier`: trainers.localtier's word for where it resumed from)."""
-    append_jsonl(run.startup, {"restart": env.restart, "rank": env.rank, "job_id": env.job_id,
-                               "host": os.uname().nodename, LAUNCHED: process_started(),
+    append_jsonl(run.startup, {"restart": env.restart, "rank": env.rank, "job_id": env.job_id, "pid": os.getpid(),
+                               "host": os.uname().nodename, LAUNCHED: _again[-1] if _again else process_started(),
                                "cpu_s": round(time.process_time(), 3), "cpu_at": dict(_cpu), "start_step": start_step,
                                **_marks, **extra})

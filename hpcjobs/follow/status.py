@@ -122,7 +122,8 @@ def recoveries(history: list[dict[str, Any]], job_id: str) -> tuple[int, str | N
     if not found:
         return 0, None
     last = found[-1]
-    how = {"allocation": "relaunched in the allocation", "requeue": "requeued"}.get(str(last.get("how")),
+    how = {"allocation": "relaunched in the allocation", "requeue": "requeued",
+            "rejoin": "lost ranks replaced, the others kept their processes"}.get(str(last.get("how")),
                                                                                   str(last.get("how") or "?"))
     left = [str(n) for n in last.get("exclude") or []]
     step = last.get("step")

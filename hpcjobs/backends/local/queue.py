@@ -15,7 +15,10 @@ from dataclasses import replace
 
 from hpcjobs.backends import Submitted
 from hpcjobs.backends.local.ranks import Stopper, device_slice, group_code, rank_preexec, recovered
+from hpcjobs.backends.local.tiers import sweep_here
+from hpcjobs.backends.local.replace import replace_lost, replaceable
 from hpcjobs.backends.start_env import clean
+from hpcjobs.protocol import rejoin
 from hpcjobs.protocol.ports import free_port
 from hpcjobs.protocol.runfolder import RunFolder, append_jsonl, array_ids
 from hpcjobs.protocol.tierfiles import remove_job_folder, tier_on
@@ -32,6 +35,8 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, base: dict[str, str], resta
     common = {**clean(base), **spec.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
               "WORLD_SIZE": str(spec.ranks), "LOCAL_WORLD_SIZE": str(spec.ranks), "HPCJOBS_JOB_ID": job_id,
               "HPCJOBS_RESTART": str(restart), **ids}
+    if replaceable(spec, base):
+        common.setdefault(rejoin.ON_ENV, "1")  # its ranks outlive a lost peer (hpcjobs.backends.local.replace)
     return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks)]
 
 
@@ -77,6 +82,7 @@ class LocalQueue:
         self.warned: set[int] = set()
         self.limit = time_limit(spec)
         self.warn_signal = getattr(signal, f"SIG{spec.profile.preemption.signal}")
+        self.replaces = replaceable(spec, dict(os.environ))
         self.stopper = Stopper([], self.warn_signal, spec.entry.kind,
                                lambda: [(RunFolder(subs[i].run_dir), subs[i].job_id, self.restarts[i])
                                         for i in self.running])
@@ -85,6 +91,7 @@ class LocalQueue:
         old = {s: signal.signal(s, self.stopper.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         for said in ignored(self.spec):
             print(f"hpcjobs: {said}", file=sys.stderr, flush=True)
+        sweep_here([sub.job_id for sub in self.subs], {**os.environ, **self.spec.env})  # folders killed jobs left
         try:
             pending = list(range(len(self.subs)))
             while pending or self.running:
@@ -110,6 +117,14 @@ class LocalQueue:
         self.stopper.procs += self.running[i][1]
         self.began.setdefault(i, time.monotonic())
 
+    def _one(self, i: int, rank: int, restart: int, gen: int) -> subprocess.Popen[bytes]:
+        """Rank `rank` of job i started alone, as start `restart` of generation `gen` (a lost rank's replacement)."""
+        slot = self.running[i][0]
+        p = start_rank(self.spec, self.subs[i], slot if self.width > 1 else None, self.stdout_to_stderr, restart,
+                       rank, {rejoin.GEN_ENV: str(gen)})
+        self.stopper.procs.append(p)
+        return p
+
     def _watch(self, i: int) -> None:
         """One look at job i's ranks: the time limit's warning and end as Slurm's, then its end or its recovery."""
         procs = self.running[i][1]
@@ -125,9 +140,13 @@ class LocalQueue:
             for p in procs:
                 if p.poll() is None:
                     p.send_signal(self.warn_signal)
+        asked = self.stopper.count or (limit is not None and age >= limit)  # Ctrl-C, the time limit
+        if not asked and self.replaces and (new := replace_lost(self.spec, self.subs[i], procs, self.restarts[i],
+                                                                lambda r, n, g: self._one(i, r, n, g))) is not None:
+            self.restarts[i] = new
+            return
         if (code := group_code(procs)) is None:
             return
-        asked = self.stopper.count or (limit is not None and age >= limit)  # Ctrl-C, the time limit
         if code and not asked and recovered(self.spec, self.subs[i], self.restarts[i], code, procs):
             self._start(i, self.running[i][0])
             return
@@ -147,12 +166,19 @@ def remove_tier(spec: JobSpec, sub: Submitted) -> None:
 def start_ranks(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int) -> Ranks:
     print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
           file=sys.stderr, flush=True)
+    rejoin.clear(RunFolder(sub.run_dir))  # every rank starts anew: no earlier generation's call is left
+    port = free_port()
+    return [start_rank(spec, sub, slot, stdout_to_stderr, restart, r, port=port) for r in range(spec.ranks)]
+
+
+def start_rank(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int, rank: int,
+               extra: dict[str, str] | None = None, port: int | None = None) -> subprocess.Popen[bytes]:
+    """One rank's process. Each rank in a session of its own (rank_preexec says why not only a process group): the
+    terminal's Ctrl-C reaches only this process, which turns it into one stop request per rank (a rank hit by the
+    terminal's signal as well would get two)."""
     base = dict(os.environ)
     if slot is not None:
         base.update(device_slice(slot, spec.ranks, base))
-    envs = rank_envs(spec, sub.job_id, free_port(), base, restart)
-    # Each rank in a session of its own (rank_preexec says why not only a process group): the terminal's Ctrl-C
-    # reaches only this process, which turns it into one stop request per rank (a rank hit by the terminal's
-    # signal as well would get two).
-    return [subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=rank_preexec,
-                             stdout=sys.stderr if stdout_to_stderr else None) for env in envs]
+    env = rank_envs(spec, sub.job_id, port or free_port(), base, restart)[rank]
+    return subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env={**env, **(extra or {})},
+                            preexec_fn=rank_preexec, stdout=sys.stderr if stdout_to_stderr else None)

@@ -118,7 +118,8 @@ def all_said(run: RunFolder, job_id: str, restart: int) -> bool:
     return all(ranks <= said or not ranks & said for ranks in where.values())
 
 
-WHERE = {"allocation": "in the allocation", "requeue": "by a requeue", "local": "on this machine"}
+WHERE = {"allocation": "in the allocation", "requeue": "by a requeue", "local": "on this machine",
+         "rejoin": "in place (only the lost ranks are new processes; the others keep theirs)"}
 """restarts.jsonl's `how` of a recovery, as the job's log says it."""
 
 

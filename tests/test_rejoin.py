@@ -1,0 +1,88 @@
+"""Survivors keep their process (issue 40 item 4: hpcjobs.protocol.rejoin, trainers/rejoin.py,
+hpcjobs/backends/local/replace.py): a local job of 2 gloo ranks, one SIGKILLed after step 30. Only the lost rank is
+started again; the other keeps its process (its pid is the same before and after, restarts.jsonl says
+which ranks it `replaced`, the recovery's `how` is `rejoin`), joins the new group and resumes from the newest step both have:
+the node-local tier's step 25, or (tier off) the beginning. Either way the final weights are bit-identical to an
+uninterrupted run's. Also when the lost rank is rank 0, which hosts the new generation's store; and with
+HPCJOBS_REJOIN=0 every rank starts again as before (a negative control: the survivor's pid changes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, hpcjobs
+from trainers import checkpoint
+from trainers.checkpoint.dcp_files import model_weights
+
+STEPS = 40
+ARGS = ["trainers.tasks.classifier", "--samples", "512", "--hidden", "32", "--steps", str(STEPS), "--log-every", "5",
+        "--ckpt-every", "200", "--batch-size", "4", "--seed", "3"]
+
+
+def submit(tmp: Path, fault: str = "", tier: int = 5, env: dict[str, str] | None = None) -> Path:
+    run = tmp / "run"
+    out = hpcjobs("submit", "--profile", str(REPO / "cluster_profiles" / "local.yaml"), "--gpus", "2",
+                  "--run-dir", str(run), *ARGS, "--local-ckpt-every", str(tier), cwd=REPO, timeout=400,
+                  env={"HPCJOBS_LOCAL_CKPT_DIR": str(tmp / "shm"), "HPCJOBS_FAULT_INJECT": fault,
+                       "HPCJOBS_FAULT_ACTION": "kill", "HPCJOBS_FAULT_RESTART": "0", "OMP_NUM_THREADS": "1",
+                       **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    ref = checkpoint.latest(run / "checkpoints")
+    assert ref is not None and ref.step == STEPS
+    return model_weights(ref)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pids(run: Path, rank: int) -> dict[int, int]:
+    """Each start's pid of `rank`, from its log's first line (`hpcjobs: rank R/W ... pid`)."""
+    found = {}
+    for r in rows(run / "startup.jsonl"):
+        if r["rank"] == rank:
+            found[r["restart"]] = r["pid"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    return weights(submit(tmp_path_factory.mktemp("twin")))
+
+
+@pytest.mark.parametrize(("lost", "tier", "resumed"), [(1, 5, 25), (0, 0, 0)], ids=["rank1-tier", "rank0-no-tier"])
+def test_a_lost_rank_is_replaced_and_the_other_keeps_its_process(
+        tmp_path: Path, twin: dict[str, torch.Tensor], lost: int, tier: int, resumed: int) -> None:
+    run = submit(tmp_path, f"step@30:{lost}", tier)
+    starts = rows(run / "restarts.jsonl")
+    fault = [r for r in starts if r.get("stopped") == "fault"]
+    assert len(fault) == 1 and fault[0]["how"] == "rejoin", starts
+    kept = [r for r in starts if "replaced" in r]
+    assert [(r["restart"], r["replaced"]) for r in kept] == [(1, [lost])], starts
+    survivor = 1 - lost
+    by_start = pids(run, survivor)
+    assert by_start[0] == by_start[1], f"rank {survivor} was started again: {by_start}"
+    assert pids(run, lost)[0] != pids(run, lost)[1]
+    again = [r for r in rows(run / "startup.jsonl") if r["restart"] == 1]
+    assert {r["start_step"] for r in again} == {resumed}, again
+    got = weights(run)
+    assert got.keys() == twin.keys() and all(torch.equal(got[k], twin[k]) for k in got)
+
+
+def test_without_rejoin_every_rank_starts_again(tmp_path: Path, twin: dict[str, torch.Tensor]) -> None:
+    """The negative control: HPCJOBS_REJOIN=0 takes the old path (both ranks are new processes)."""
+    run = submit(tmp_path, "step@30:1", 5, {"HPCJOBS_REJOIN": "0"})
+    starts = rows(run / "restarts.jsonl")
+    assert not any("replaced" in r for r in starts)
+    assert [r["how"] for r in starts if r.get("stopped") == "fault"] == ["local"]
+    assert pids(run, 0)[0] != pids(run, 0)[1]
+    got = weights(run)
+    assert all(torch.equal(got[k], twin[k]) for k in got)
