@@ -183,10 +183,12 @@ def test_local_doctor() -> None:
     showed one for trainers.tasks.lm --size tiny); with the task named, its plan."""
     out = hpcjobs("doctor", "--profile", "local", "--gpus", "2", "--json", cwd=REPO)
     said = json.loads(out.stdout)
-    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder"], said
+    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder",
+                                                                           "node-local tier"], said
     out = hpcjobs("doctor", "--profile", "local", "--gpus", "2", "--json", "trainers.tasks.lm", cwd=REPO)
     said = json.loads(out.stdout)
-    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder", "memory plan"]
+    assert out.returncode == 0 and [c["name"] for c in said["checks"]] == ["scheduler", "runs folder",
+                                                                           "node-local tier", "memory plan"]
     assert said["checks"][-1]["result"] == "skip" and "declares no gpu_memory" in said["checks"][-1]["found"]
 
 

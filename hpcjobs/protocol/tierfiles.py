@@ -3,7 +3,9 @@ the ranks remove their own files when they finish or stop at a shared checkpoint
 but a job that ends failed leaves each rank's own files and replicas, up to 4 copies of its whole training state, in
 /dev/shm on every node, memory the node gets back only at a reboot. Whoever decides the job's end removes them: the
 batch step's recovery loop on every node of the allocation (trainers.recover), the local backend on this machine
-(hpcjobs.backends.local). Torch-free: the same names as trainers.localtier.tier_root, which this side cannot import.
+(hpcjobs.backends.local). A job killed as a whole reaches neither: the next start of one of the user's jobs on the
+node sweeps what it left (hpcjobs.protocol.tiersweep). Torch-free: the same names as trainers.localtier.tier_root,
+which this side cannot import.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 DIR_ENV = "HPCJOBS_LOCAL_CKPT_DIR"
 """The node-local folder the tier uses instead of /dev/shm (trainers.localtier.DIR_ENV)."""
 FLAG = "--local-ckpt-every"
+PREFIX = "hpcjobs-"
+"""The start of every job's folder in the tier's base (hpcjobs.protocol.tiersweep finds them by it)."""
 
 
 def tier_on(argv: Sequence[str]) -> bool:
@@ -37,7 +41,7 @@ def tier_base(environ: Mapping[str, str] = os.environ) -> str:
 
 def job_folder_name(job_id: str) -> str:
     """The job's folder in the tier's base (trainers.localtier.tier_root's first part)."""
-    return "hpcjobs-" + re.sub(r"[^\w.-]", "_", job_id or "nojob")
+    return PREFIX + re.sub(r"[^\w.-]", "_", job_id or "nojob")
 
 
 def job_folder(job_id: str, environ: Mapping[str, str] = os.environ) -> Path:

@@ -46,6 +46,28 @@ def job_fields(job_id: str, runner: Runner = subprocess.run) -> dict[str, str]:
     return parse_show_job(out.stdout or "")
 
 
+ENDED_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+                          "TIMEOUT"})
+"""A job's states once it ended for good (PREEMPTED is not among them: a requeue may follow)."""
+
+
+def job_alive(job_id: str, runner: Runner = subprocess.run) -> bool | None:
+    """Whether Slurm still has job `job_id` (`57` or an array task's `57_1`) in any state but an ended one; False
+    too once Slurm forgot it ("Invalid job id": MinJobAge after its end); None where Slurm cannot be asked or the id
+    is no Slurm job's (hpcjobs.protocol.tiersweep's stale tier folders)."""
+    if not job_id.replace("_", "", 1).isdigit() or job_id.startswith("_") or job_id.endswith("_"):
+        return None
+    try:
+        out = runner(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                     timeout=SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = parse_show_job(out.stdout or "").get("JobState")
+    if state:
+        return state not in ENDED_STATES
+    return False if "invalid job id" in str(out.stderr or "").lower() else None
+
+
 def end_time(fields: dict[str, str]) -> float | None:
     """`EndTime` of `scontrol show job` (local time) as epoch seconds; None when absent or not a time
     (`Unknown` for a pending job)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from hpcjobs.backends import Script, SubmitRequest, Submitted, Times
 from hpcjobs.backends.common import RunFolderLogs, check_run_folder, prepare_run_folder
+from hpcjobs.backends.local import tiers
 from hpcjobs.backends.local.queue import LocalQueue, ignored, ranks_argv
 from hpcjobs.backends.start_env import clean
 from hpcjobs.jobs.store import JobRecord
@@ -136,7 +137,8 @@ class LocalBackend(RunFolderLogs):
             check_run_folder(spec.run_dir)
         except UsageError as e:
             return [*checks, Check("runs folder", Result.FAIL, e.one_line(), "another --run-dir or runs_dir")]
-        return [*checks, Check("runs folder", Result.PASS, f"{spec.run_dir} can be made")]
+        return [*checks, Check("runs folder", Result.PASS, f"{spec.run_dir} can be made"),
+                tiers.doctor_check({**os.environ, **spec.env})]
 
     def script(self, spec: JobSpec) -> Script:
         raise UsageError(f"profile {spec.profile.name} is local: there is no sbatch script to render.",
