@@ -6,7 +6,9 @@ not, and the flags that would fit (hpcjobs.request.gpu_fit's suggestions). Witho
 is a few hundred bytes, the weights tens of GB. Exit 0 when it fits (or nothing to judge against), 1 when not, 2 on
 bad input. Measured against the peak live tensor bytes of transformers' own models in a CPU training step
 (bench/results/hf_memplan.json): without activation checkpointing 0.999-1.000 × under ddp, 1.02-1.04 × under fsdp;
-with it 0.94-1.06 ×."""
+with it 0.94-1.06 ×. With `--local-ckpt-every N` the node-local tier's host memory a node too (host_plan: 4 copies of
+each rank's state, 12 bytes a parameter, 1/ranks under fsdp), against the profile's mem_per_gpu × the GPUs of a node,
+as `submit --dry-run` shows it; a tier that does not fit exits 1 as well."""
 
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ from hpcjobs.cli.parser import Parser, command_parser, whole_number
 
 if TYPE_CHECKING:
     from hpcjobs.cli.parser import Subparsers
+    from hpcjobs.profiles.cluster_profile import ClusterProfile
 
-TRAINER_FLAGS = ("strategy", "batch_size", "global_batch_size", "grad_accum", "precision", "ac_mode", "ac_every")
+TRAINER_FLAGS = ("strategy", "batch_size", "global_batch_size", "grad_accum", "precision", "ac_mode", "ac_every",
+                 "local_ckpt_every")
 SWITCHES = ("activation_checkpointing", "cpu_offload", "no_reduce_each_micro_batch")
 ROWS = (("parameters", "weights"), ("gradients", "gradients"), ("optimizer (AdamW)", "optimizer"),
         ("activations", "activations"), ("buffers: working copies", "working"),
@@ -75,7 +79,40 @@ def planned(ns: argparse.Namespace) -> dict[str, Any]:
     return {"model": ns.model, "model_type": found.model_type, "what": found.what(), "checkpoint_bytes": size,
             "checkpoint_warning": window, "parameters": shape.params, "setup": dataclasses.asdict(setup),
             "plan": found.plan.as_dict(), "logits": setup.micro_batch * setup.seq_len * shape.vocab * 4,
-            "gpu_memory": room, "profile": profile.name if profile else None, "fits": fits, "hint": hint}
+            "gpu_memory": room, "profile": profile.name if profile else None, "fits": fits, "hint": hint,
+            "local_tier": local_tier(ns, profile, shape.params, setup.strategy, gpus)}
+
+
+def local_tier(ns: argparse.Namespace, profile: ClusterProfile | None, params: int, strategy: str, gpus: int,
+               ) -> dict[str, Any] | None:
+    """The node-local tier's host memory a node with `--local-ckpt-every N` (hpcjobs.protocol.planning.host_plan, as
+    `submit --dry-run` shows it) against the profile's mem_per_gpu × the GPUs of a node; None with the tier off."""
+    from hpcjobs.protocol.planning.host_plan import tier_plan
+    from hpcjobs.protocol.settings.trainflags import parse_trainer_args
+    from hpcjobs.request.gpu_fit import node_room
+
+    every = parse_trainer_args(trainer_args(ns))[0].local_ckpt_every  # checked by model_job_plan already
+    tier = tier_plan(every if isinstance(every, int) else 1, params, strategy, ns.nodes * gpus, gpus)
+    if tier is None:
+        return None
+    room = node_room(profile, gpus) if profile else None
+    text = tier.text() if isinstance(every, int) else \
+        f"--local-ckpt-every {every}" + "".join(tier.text().partition(":")[1:])
+    return {"every": every, "ranks_per_node": tier.ranks_per_node, "state": tier.state, "per_node": tier.per_node,
+            "text": text, "node_memory": room[0] if room else None, "node_memory_from": room[1] if room else None,
+            "fits": None if room is None else tier.per_node <= room[0]}
+
+
+def tier_text(tier: dict[str, Any], profile: str | None) -> str:
+    """The tier's line, in the words of the dry run's `# node-local tier: …`."""
+    from hpcjobs.protocol.planning.host_plan import gib
+
+    if tier["node_memory"] is None:
+        why = f"profile {profile} declares no mem_per_gpu" if profile else "no --profile (its mem_per_gpu)"
+        return f"node-local tier: {tier['text']}; not checked: {why}"
+    verdict = "fits" if tier["fits"] else "does NOT fit" + ("" if isinstance(tier["every"], int) else
+                                                             ": auto leaves the tier off")
+    return f"node-local tier: {tier['text']} of {gib(tier['node_memory'])} ({tier['node_memory_from']}): {verdict}"
 
 
 def text(found: dict[str, Any]) -> str:
@@ -93,6 +130,8 @@ def text(found: dict[str, Any]) -> str:
               "; not checked: " + (f"profile {found['profile']} declares no gpu_memory" if found["profile"] else
                                    "no --profile (its gpu_memory)"))
     lines.append(f"  {'total':<26}{plan['total'] / GIB:>8.2f} GiB{judged}")
+    if found["local_tier"]:
+        lines.append(tier_text(found["local_tier"], found["profile"]))
     if found["hint"]:
         lines.append(f"HINT: {found['hint']}")
     if found["checkpoint_warning"]:
@@ -106,5 +145,6 @@ def run_plan(ns: argparse.Namespace) -> int:
         present.print_json(found)
     else:
         print(text(found))
-    return 1 if found["fits"] is False else 0
+    tier = found["local_tier"] or {}
+    return 1 if found["fits"] is False or (tier.get("fits") is False and isinstance(tier["every"], int)) else 0
 
