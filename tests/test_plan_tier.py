@@ -58,3 +58,10 @@ def test_a_bad_interval_is_one_line() -> None:
     out = hpcjobs("plan", "--model", MODEL, "--local-ckpt-every", "-1")
     assert out.returncode == 2 and out.stdout == "" and len(out.stderr.splitlines()) == 1, out
     assert "--local-ckpt-every -1" in out.stderr and "HINT:" in out.stderr, out
+
+
+def test_auto_shows_the_figure_and_a_tier_that_does_not_fit_is_left_off_not_refused(tmp_path: Path) -> None:
+    out = hpcjobs("plan", "--model", MODEL, "--profile", profile(tmp_path, "16G"), *FSDP, "--local-ckpt-every", "auto")
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("node-local tier: "))
+    assert out.returncode == 0 and line.startswith("node-local tier: --local-ckpt-every auto: 8 ranks"), out
+    assert f"= {gib(per_node())} " in line and line.endswith("does NOT fit: auto leaves the tier off"), line
