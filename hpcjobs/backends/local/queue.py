@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from hpcjobs.backends import Submitted
 from hpcjobs.backends.local.ranks import Stopper, device_slice, group_code, rank_preexec, recovered
-from hpcjobs.backends.local.tiers import sweep_here
 from hpcjobs.backends.local.replace import replace_lost, replaceable
+from hpcjobs.backends.local.tiers import sweep_here
 from hpcjobs.backends.start_env import clean
 from hpcjobs.protocol import rejoin
 from hpcjobs.protocol.ports import free_port
