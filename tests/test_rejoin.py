@@ -1,14 +1,16 @@
 """Survivors keep their process (issue 40 item 4: hpcjobs.protocol.rejoin, trainers/rejoin.py,
 hpcjobs/backends/local/replace.py): a local job of 2 gloo ranks, one SIGKILLed after step 30. Only the lost rank is
-started again; the other keeps its process (its pid is the same before and after, restarts.jsonl says
-which ranks it `replaced`, the recovery's `how` is `rejoin`), joins the new group and resumes from the newest step both have:
-the node-local tier's step 25, or (tier off) the beginning. Either way the final weights are bit-identical to an
-uninterrupted run's. Also when the lost rank is rank 0, which hosts the new generation's store; and with
-HPCJOBS_REJOIN=0 every rank starts again as before (a negative control: the survivor's pid changes)."""
+replaced (by the launcher's warm spare, a process that imported torch and waited); the other keeps its process (its
+pid is the same before and after; restarts.jsonl says which ranks the start `replaced`, the recovery's `how` is
+`rejoin`), joins the new group and resumes from the newest step both have: the node-local tier's step 25, or (tier
+off) the beginning. Either way the final weights are bit-identical to an uninterrupted run's. Also when the lost rank
+is rank 0, which hosts the new generation's store; and with HPCJOBS_REJOIN=0 every rank starts again as before (a
+negative control: the survivor's pid changes)"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,11 @@ def test_a_lost_rank_is_replaced_and_the_other_keeps_its_process(
     by_start = pids(run, survivor)
     assert by_start[0] == by_start[1], f"rank {survivor} was started again: {by_start}"
     assert pids(run, lost)[0] != pids(run, lost)[1]
+    # The replacement meets its peers' start: the same rendezvous in its first line (with another, it waited for a
+    # rank 0 holding the run folder under its own start's name, 60 s, before going on).
+    said = [re.search(r"rendezvous (\S+),", (run / "logs" / f"restart-{n}" / f"rank-{lost}.log").read_text())
+            for n in (0, 1)]
+    assert said[0] and said[1] and said[0][1] == said[1][1], said
     again = [r for r in rows(run / "startup.jsonl") if r["restart"] == 1]
     assert {r["start_step"] for r in again} == {resumed}, again
     got = weights(run)

@@ -190,7 +190,7 @@ def distributed(timeout_s: float | None = None, trace_prefix: Path | None = None
         try:
             where = {"store": rejoin.store(again[0], env, again[1], timeout_s)} if again and again[1] else \
                 {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
-            dist.init_process_group(backend, **where, rank=env.rank, world_size=env.world_size,  # type: ignore[arg-type]
+            dist.init_process_group(backend, **where, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=device if device.type == "cuda" else None)
         except Exception as e:  # noqa: BLE001 - torch raises several types (DistStoreError, RuntimeError, TimeoutError)

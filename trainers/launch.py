@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from hpcjobs.protocol import access, rejoin, userstop
 from hpcjobs.protocol.contract import ContractError, LaunchContract
@@ -39,7 +40,7 @@ from hpcjobs.protocol.runfolder import RunDirPatternError, RunFolder
 from hpcjobs.protocol.settings.taskargs import TaskArgError
 from hpcjobs.protocol.states import FinalState
 from hpcjobs.protocol.timeouts import COLLECTIVE_TIMEOUT, INIT_TIMEOUT
-from trainers import integrations, preemption, ranklog, runlock, standby, startup
+from trainers import integrations, preemption, ranklog, runlock, standby, startup, tiersweep
 from trainers.distenv import DistEnv, from_environ, setting_seconds
 from trainers.failures import describe_failure, failed_in_this_start, one_line, record_failure, record_rank_failure
 from trainers.logtee import Tee
@@ -117,6 +118,8 @@ def started_again(env: DistEnv, run: RunFolder) -> None:
     if Tee.active is not None:
         Tee.active.switch(run.rank_log(env.restart, env.rank))
     if env.rank == 0:
+        for lock in _held:
+            runlock.restate(lock, env)  # the new start's other ranks wait until their rank 0 holds the folder
         run.record_start(env.restart, env.job_id, env.world_size, host=os.uname().nodename,
                          master=f"{env.master_addr}:{env.master_port}", **replaced(run))
 
@@ -157,8 +160,29 @@ def end_process_group() -> None:
             dist.destroy_process_group()
 
 
+def wait_as_spare(ns: argparse.Namespace, spare: str) -> None:
+    """A warm spare (hpcjobs.protocol.rejoin.SPARE_ENV): import what a rank of this entry imports, then wait until
+    the launcher makes this process a lost rank's replacement; its start begins then (startup.again). Ended by the
+    launcher with the job when it was never needed."""
+    import importlib
+
+    import torch  # noqa: F401 - the import a replacement would otherwise wait for
+
+    import trainers.run  # noqa: F401
+    if ns.kind == "task":
+        with contextlib.suppress(Exception):  # loaded again (and judged) by the rank as usual
+            importlib.import_module(ns.entry)
+    try:
+        os.environ.update(rejoin.await_assignment(Path(spare)))
+    except KeyboardInterrupt:
+        raise SystemExit(0) from None
+    startup.again(time.time())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
+    if spare := os.environ.pop(rejoin.SPARE_ENV, ""):
+        wait_as_spare(ns, spare)
     try:
         require_torch()
         for setting in (INIT_TIMEOUT, COLLECTIVE_TIMEOUT):  # a typo refused now, not after the first step
@@ -186,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refused
     tee = Tee(run.rank_log(env.restart, env.rank))
     ranklog.log_only_to(tee.log_only)  # the lines the rank filter keeps off the terminal: this rank's log file
+    tiersweep.at_start(env)  # local rank 0: this user's tier folders of jobs that ended without removing them
     try:
         return run_rank(ns, env, run, contract, point)
     except StartRefused as e:  # a refused start (a flag, a resume that would not continue the run): not a run's end

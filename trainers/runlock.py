@@ -82,11 +82,20 @@ def take(run: RunFolder, env: DistEnv) -> RunLock:
             raise
         ranklog.warn(f"hpcjobs: the filesystem of {run.path} cannot lock files ({e.strerror}): nothing stops a second "
                      "job from using this run folder at the same time", every_rank=True)
-    # Rewritten in place, never replaced: the lock belongs to this file's inode.
+    lock = RunLock(fd)
+    restate(lock, env)
+    return lock
+
+
+def restate(lock: RunLock, env: DistEnv) -> None:
+    """Say who holds the lock: this start's rank 0 (again, for a rank 0 that kept its process through a peer's
+    replacement: the new start's ranks wait for it). Rewritten in place, never replaced: the lock belongs to the
+    file's inode."""
+    if lock.fd is None:
+        return
     text = json.dumps(holder_of(env), sort_keys=True).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, text, 0)
-    return RunLock(fd)
+    os.ftruncate(lock.fd, 0)
+    os.pwrite(lock.fd, text, 0)
 
 
 def wait_for_rank0(run: RunFolder, env: DistEnv, timeout_s: float, stop_requested: Callable[[], bool],

@@ -134,3 +134,24 @@ def clear(run: RunFolder) -> None:
     """The launcher, before it starts every rank: no call or address of an earlier start is left to be taken."""
     for path in folder(run).glob("*") if folder(run).is_dir() else ():
         path.unlink(missing_ok=True)
+
+
+SPARE_ENV = "HPCJOBS_SPARE"
+"""Set (to the file it waits for) in a warm spare: a process the launcher starts beside the ranks, which imports
+torch, the trainer and the task and then waits; a lost rank's replacement is this process when one is ready, so
+the new group waits for no import (hpcjobs.backends.local.replace). The launcher writes the file, whole, with the
+variables that make the spare that rank."""
+
+
+def assign(path: Path, env: Mapping[str, str]) -> None:
+    """The launcher: the spare waiting on `path` becomes the rank `env` describes."""
+    _write(path, json.dumps(dict(env)))
+
+
+def await_assignment(path: Path, poll_s: float = 0.02) -> dict[str, str]:
+    """The spare: block until the launcher has assigned it (it is killed with the job otherwise)."""
+    while True:
+        try:
+            return {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError):
+            time.sleep(poll_s)

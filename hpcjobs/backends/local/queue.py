@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from hpcjobs.backends import Submitted
 from hpcjobs.backends.local.ranks import Stopper, device_slice, group_code, rank_preexec, recovered
@@ -78,6 +79,8 @@ class LocalQueue:
         self.started: dict[int, float] = {}
         self.restarts: dict[int, int] = {}  # task -> the number of its running start
         self.running: dict[int, tuple[int, Ranks]] = {}  # task -> (slot, ranks)
+        self.ports: dict[int, int] = {}  # task -> its running start's rendezvous port
+        self.spares: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}  # task -> its warm spare and its file
         self.began: dict[int, float] = {}  # monotonic, for the time limit
         self.warned: set[int] = set()
         self.limit = time_limit(spec)
@@ -112,18 +115,46 @@ class LocalQueue:
 
     def _start(self, i: int, slot: int) -> None:
         self.restarts[i] = RunFolder(self.subs[i].run_dir).next_restart()
+        self.ports[i] = free_port()
+        self._end_spare(i)
         self.running[i] = slot, start_ranks(self.spec, self.subs[i], slot if self.width > 1 else None,
-                                            self.stdout_to_stderr, self.restarts[i])
+                                            self.stdout_to_stderr, self.restarts[i], self.ports[i])
+        self._spare(i)
         self.stopper.procs += self.running[i][1]
         self.began.setdefault(i, time.monotonic())
 
     def _one(self, i: int, rank: int, restart: int, gen: int) -> subprocess.Popen[bytes]:
-        """Rank `rank` of job i started alone, as start `restart` of generation `gen` (a lost rank's replacement)."""
-        slot = self.running[i][0]
-        p = start_rank(self.spec, self.subs[i], slot if self.width > 1 else None, self.stdout_to_stderr, restart,
-                       rank, {rejoin.GEN_ENV: str(gen)})
+        """Rank `rank` of job i, as start `restart` of generation `gen` (a lost rank's replacement): the warm spare
+        when one is ready, else a new process; then a new spare for the next."""
+        slot = self.running[i][0] if self.width > 1 else None
+        env = rank_env(self.spec, self.subs[i], slot, restart, rank, self.ports[i])  # the rendezvous its peers know
+        env[rejoin.GEN_ENV] = str(gen)
+        spare = self.spares.pop(i, None)
+        if spare is not None and spare[0].poll() is None:
+            rejoin.assign(spare[1], env)
+            p = spare[0]
+        else:
+            p = spawn(self.spec, env, self.stdout_to_stderr)
         self.stopper.procs.append(p)
+        self._spare(i)
         return p
+
+    def _spare(self, i: int) -> None:
+        """A warm spare for job i's next lost rank (hpcjobs.protocol.rejoin.SPARE_ENV): torch and the task imported,
+        waiting; the one before it (if any) ended."""
+        self._end_spare(i)
+        if not self.replaces:
+            return
+        slot = self.running[i][0] if self.width > 1 else None
+        path = rejoin.folder(RunFolder(self.subs[i].run_dir)) / f"spare-{time.monotonic_ns()}.json"
+        env = rank_env(self.spec, self.subs[i], slot, self.restarts[i], 0, self.ports[i])
+        self.spares[i] = spawn(self.spec, {**env, rejoin.SPARE_ENV: str(path)}, self.stdout_to_stderr), path
+
+    def _end_spare(self, i: int) -> None:
+        spare = self.spares.pop(i, None)
+        if spare is not None and spare[0].poll() is None:
+            spare[0].kill()
+            spare[0].wait()
 
     def _watch(self, i: int) -> None:
         """One look at job i's ranks: the time limit's warning and end as Slurm's, then its end or its recovery."""
@@ -151,6 +182,7 @@ class LocalQueue:
             self._start(i, self.running[i][0])
             return
         self.codes[i] = self.stopper.exit_code(code)
+        self._end_spare(i)
         del self.running[i]
         record_allocation(self.subs[i], self.started[i], code)
         remove_tier(self.spec, self.subs[i])
@@ -163,22 +195,24 @@ def remove_tier(spec: JobSpec, sub: Submitted) -> None:
         remove_job_folder(sub.job_id, {**os.environ, **spec.env})
 
 
-def start_ranks(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int) -> Ranks:
+def start_ranks(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int,
+                port: int) -> Ranks:
     print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
           file=sys.stderr, flush=True)
     rejoin.clear(RunFolder(sub.run_dir))  # every rank starts anew: no earlier generation's call is left
-    port = free_port()
-    return [start_rank(spec, sub, slot, stdout_to_stderr, restart, r, port=port) for r in range(spec.ranks)]
+    return [spawn(spec, rank_env(spec, sub, slot, restart, r, port), stdout_to_stderr) for r in range(spec.ranks)]
 
 
-def start_rank(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stderr: bool, restart: int, rank: int,
-               extra: dict[str, str] | None = None, port: int | None = None) -> subprocess.Popen[bytes]:
-    """One rank's process. Each rank in a session of its own (rank_preexec says why not only a process group): the
-    terminal's Ctrl-C reaches only this process, which turns it into one stop request per rank (a rank hit by the
-    terminal's signal as well would get two)."""
+def rank_env(spec: JobSpec, sub: Submitted, slot: int | None, restart: int, rank: int, port: int) -> dict[str, str]:
     base = dict(os.environ)
     if slot is not None:
         base.update(device_slice(slot, spec.ranks, base))
-    env = rank_envs(spec, sub.job_id, port or free_port(), base, restart)[rank]
-    return subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env={**env, **(extra or {})},
-                            preexec_fn=rank_preexec, stdout=sys.stderr if stdout_to_stderr else None)
+    return rank_envs(spec, sub.job_id, port, base, restart)[rank]
+
+
+def spawn(spec: JobSpec, env: dict[str, str], stdout_to_stderr: bool) -> subprocess.Popen[bytes]:
+    """One rank's process. Each rank in a session of its own (rank_preexec says why not only a process group): the
+    terminal's Ctrl-C reaches only this process, which turns it into one stop request per rank (a rank hit by the
+    terminal's signal as well would get two)."""
+    return subprocess.Popen(ranks_argv(spec), cwd=spec.workdir, env=env, preexec_fn=rank_preexec,
+                            stdout=sys.stderr if stdout_to_stderr else None)
