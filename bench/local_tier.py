@@ -14,6 +14,15 @@ steps redone × the resumed start's step time (from its metrics lines). The tier
     .venv/bin/python bench/local_tier.py --rounds 3
 
 Writes bench/results/local_tier.json (every run, and the medians per arm).
+
+`--cost`: what the tier costs a step (issue 40's target: <= 2% of the step time at the default interval): 2 gloo
+ranks on the CPU started as the local backend starts them (`python -m trainers.launch` each), the classifier
+(COST_ARGS), COST_STEPS steps, no shared saves (`--ckpt-every 0`), the tier off / every 5 / auto, interleaved
+rounds, the tier in a fresh folder of /dev/shm. A run's step time comes from its metrics.jsonl lines (one every 5
+steps): `step_ms` over steps WINDOW (auto's interval measured and agreed: its saves at steps 10, 20 and 30 come
+before it), `step_ms_all` over steps 5 to the end (those three saves in). Writes bench/results/local_tier_cost.json.
+
+    .venv/bin/python bench/local_tier.py --cost --rounds 6
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,6 +78,76 @@ def one_run(arm: str, tmp: Path) -> dict[str, Any]:
             else round(f["to_first_step_s"] + redone * step_s, 3)}
 
 
+COST = REPO / "bench" / "results" / "local_tier_cost.json"
+COST_STEPS = 400
+WINDOW = (35, COST_STEPS)
+COST_ARGS = ["trainers.tasks.classifier", "--samples", "512", "--hidden", "32", "--batch-size", "4", "--seed", "3",
+             "--log-every", "5", "--ckpt-every", "0", "--steps", str(COST_STEPS)]
+COST_ARMS = {"off": "0", "every 5": "5", "auto": "auto"}
+SHM = "/dev/shm" if Path("/dev/shm").is_dir() else None
+"""The tier's folder as the ranks use it by default: tmpfs (a folder on disk adds each file's fsync)."""
+
+
+def cost_run(arm: str, tmp: Path, shm: Path) -> dict[str, Any]:
+    """One job of 2 CPU ranks with the tier at `arm`: its step time over WINDOW, and auto's chosen interval."""
+    from hpcjobs.protocol.ports import free_port
+
+    port, procs, outs = free_port(), [], []
+    drop = ("SLURM_", "HPCJOBS_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    for r in range(2):
+        env = {**base, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "HPCJOBS_JOB_ID": "bench-cost", "HPCJOBS_LOCAL_CKPT_DIR": str(shm)}
+        outs.append(tmp / f"rank{r}.out")
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainers.launch", "--run-dir", str(tmp / "run"), "--",
+                                       *COST_ARGS, "--local-ckpt-every", COST_ARMS[arm]], cwd=REPO, env=env,
+                                      stdout=open(outs[-1], "w"), stderr=subprocess.STDOUT))
+    codes = [p.wait(timeout=900) for p in procs]
+    said = "".join(o.read_text() for o in outs)
+    if codes != [0, 0]:
+        return {"arm": arm, "error": said[-800:], "codes": codes}
+    rows = [r for r in rows_of(tmp / "run" / "metrics.jsonl") if "time" in r]
+    chosen = re.search(r"local checkpoints every (\d+) step\(s\) \(--local-ckpt-every auto: a save costs the loop "
+                       r"([\d.]+) ms, a step takes ([\d.]+) ms", said)
+    return {"arm": arm, "step_ms": ms_a_step([r for r in rows if WINDOW[0] <= r["step"] <= WINDOW[1]]),
+            "step_ms_all": ms_a_step(rows),
+            "auto_every": int(chosen[1]) if chosen else None, "auto_save_cost_ms": float(chosen[2]) if chosen else None,
+            "auto_step_ms": float(chosen[3]) if chosen else None}
+
+
+def ms_a_step(rows: list[dict[str, Any]]) -> float:
+    return round(1000 * (rows[-1]["time"] - rows[0]["time"]) / (rows[-1]["step"] - rows[0]["step"]), 3)
+
+
+def cost_main(rounds: int) -> int:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    runs: list[dict[str, Any]] = []
+    for i in range(rounds):
+        for arm in (COST_ARMS if i % 2 == 0 else reversed(list(COST_ARMS))):
+            with tempfile.TemporaryDirectory(prefix="hpcjobs-bench-tier-cost-") as tmp, \
+                    tempfile.TemporaryDirectory(prefix="bench-tier-", dir=SHM) as shm:
+                runs.append({"round": i, **cost_run(arm, Path(tmp), Path(shm))})
+            print(json.dumps(runs[-1]), flush=True)
+    medians = {arm: median_of(runs, arm, "step_ms") for arm in COST_ARMS}
+    medians_all = {arm: median_of(runs, arm, "step_ms_all") for arm in COST_ARMS}
+    off = medians["off"]
+    per_round = {arm: [round(r["step_ms"] / o["step_ms"], 4) for r in runs for o in runs if r["arm"] == arm and
+                       o["arm"] == "off" and r["round"] == o["round"] and "step_ms" in r and "step_ms" in o]
+                 for arm in COST_ARMS if arm != "off"}
+    out = {"commit": commit.strip(), "args": COST_ARGS, "window": WINDOW, "runs": runs, "median_step_ms": medians,
+           "median_step_ms_all": medians_all,
+           "ratio_of_medians_all": {a: round(m / medians_all["off"], 4) if m and medians_all["off"] else None
+                                    for a, m in medians_all.items()},
+           "ratio_of_medians": {a: round(m / off, 4) if m and off else None for a, m in medians.items()},
+           "median_of_round_ratios": {a: statistics.median(v) if v else None for a, v in per_round.items()},
+           "load_average": os.getloadavg()}
+    COST.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: out[k] for k in ("median_step_ms", "ratio_of_medians", "median_of_round_ratios",
+                                          "ratio_of_medians_all")}))
+    return 0 if all("error" not in r for r in runs) else 1
+
+
 def rows_of(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
@@ -88,7 +168,10 @@ def median_of(runs: list[dict[str, Any]], arm: str, key: str) -> float | None:
 def main() -> int:
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cost", action="store_true", help="the tier's cost a step (off / every 5 / auto)")
     ns = p.parse_args()
+    if ns.cost:
+        return cost_main(ns.rounds)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     runs: list[dict[str, Any]] = []
     for i in range(ns.rounds):

@@ -64,15 +64,16 @@ def test_a_down_node_is_left_out_of_the_removal(tier: Path) -> None:
 @pytest.mark.parametrize("case", ["tier off", "recovered", "scancelled"])
 def test_nothing_is_removed_when_the_job_goes_on_or_the_tier_is_off(tier: Path, tmp_path: Path, case: str) -> None:
     plan = {"tier off": ["task"], "recovered": ["peer", "ok"], "scancelled": ["peer"]}[case]
-    flags = [] if case == "tier off" else ["--local-ckpt-every", "5"]
+    flags = ["--local-ckpt-every", "0" if case == "tier off" else "5"]
     slurm = Nodes(state="CANCELLED" if case == "scancelled" else "RUNNING")
     recover.supervise([*step(tmp_path / "run", plan), *flags], slurm)
     assert srun_asked(slurm) == [] and tier.exists()
 
 
-def test_the_tier_is_on_only_with_a_positive_interval() -> None:
+def test_the_tier_is_on_only_with_a_positive_interval_or_auto() -> None:
     assert tier_on(["x", "--local-ckpt-every", "5"]) and tier_on(["--local-ckpt-every=1"])
-    assert not tier_on(["--local-ckpt-every", "0"]) and not tier_on([]) and not tier_on(["--ckpt-every", "5"])
+    assert tier_on([]) and tier_on(["--ckpt-every", "5"]) and tier_on(["--local-ckpt-every", "auto"])  # the default
+    assert not tier_on(["--local-ckpt-every", "0"]) and not tier_on(["--local-ckpt-every=0"])
     assert not tier_on(["--local-ckpt-every", "5", "--local-ckpt-every", "0"])
 
 

@@ -53,7 +53,8 @@ class HostCopy:
         self.queued = threading.Event()
         """Set when the copies of the save in flight are done (CPU) or queued on the side stream (GPU)."""
         self.queued.set()
-        self.later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.later: list[tuple[dict[str, Any], str, str, torch.Tensor]] = []
+        """What the writer copies: (the payload's dict, its key, the buffer's key, the live tensor)."""
         self.ready: Any = None  # GPU: the training stream's event at the save
         self.done: Any = None  # GPU: the side stream's event after the copies
         self.stream: Any = None
@@ -75,6 +76,8 @@ class HostCopy:
         out: dict[str, Any] = {}
         for name, part in tensors.items():
             out[name] = self.plan(part, name, name, now.get(name, frozenset()))
+            if isinstance(part, torch.Tensor):  # a part that is one tensor: never changed by a forward
+                self.later.append((out, name, name, local(part)))
         if self.cuda:
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(self.device))
@@ -84,26 +87,33 @@ class HostCopy:
 
     def plan(self, state: Any, key: str, name: str, now: frozenset[str], top: str = "") -> Any:
         if isinstance(state, dict):
-            return {k: self.plan(v, f"{key}.{k}", name, now, top or k) for k, v in state.items()}
+            out: dict[str, Any] = {}
+            for k, v in state.items():
+                out[k] = self.plan(v, f"{key}.{k}", name, now, top or k)
+                if isinstance(v, torch.Tensor) and (top or k) not in now:
+                    self.later.append((out, k, key + "." + k, local(v)))  # its buffer: the writer's to fill in
+            return out
         if not isinstance(state, torch.Tensor):
             return state
+        if top not in now:
+            return None
         t = local(state)
         buf = self.buffer(key, t)
-        if top in now:
-            buf.copy_(t, non_blocking=self.cuda)  # on the training stream, before the next forward
-        else:
-            self.later.append((buf, t))
+        buf.copy_(t, non_blocking=self.cuda)  # on the training stream, before the next forward
         return buf
 
     def finish(self) -> None:
-        """The writer thread (or `start`, unguarded): copy the rest; on a GPU, queue it on the side stream and wait
-        for it here, after letting the optimizer's step go on. Never leaves `queued` unset."""
+        """The writer thread (or `start`, unguarded): the buffers of the rest allocated (the first time: pinning a
+        large state takes seconds) and filled; on a GPU, the copies queued on the side stream and waited for here,
+        after letting the optimizer's step go on. Never leaves `queued` unset."""
         try:
+            for tree, k, key, t in self.later:
+                tree[k] = self.buffer(key, t)
             if self.cuda and self.later:
                 self.queue_on_side_stream()
             else:
-                for buf, t in self.later:
-                    buf.copy_(t)
+                for tree, k, _, t in self.later:
+                    tree[k].copy_(t)
         finally:
             self.later = []
             self.queued.set()
@@ -116,8 +126,8 @@ class HostCopy:
             self.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.ready)
-            for buf, t in self.later:
-                buf.copy_(t, non_blocking=True)
+            for tree, k, _, t in self.later:
+                tree[k].copy_(t, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record(self.stream)
 

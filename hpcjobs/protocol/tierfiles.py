@@ -25,14 +25,15 @@ PREFIX = "hpcjobs-"
 
 
 def tier_on(argv: Sequence[str]) -> bool:
-    """The ranks' command line turns the tier on (`--local-ckpt-every N`, N > 0; the last one given wins)."""
-    value = "0"
+    """The ranks' command line turns the tier on (`--local-ckpt-every N`, N > 0, or `auto`, the default; the last
+    one given wins)."""
+    value = "auto"
     for i, word in enumerate(argv):
         if word == FLAG and i + 1 < len(argv):
             value = argv[i + 1]
         elif word.startswith(FLAG + "="):
             value = word.split("=", 1)[1]
-    return value.isdigit() and int(value) > 0
+    return value == "auto" or (value.isdigit() and int(value) > 0)
 
 
 def tier_base(environ: Mapping[str, str] = os.environ) -> str:

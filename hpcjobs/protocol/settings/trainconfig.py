@@ -60,7 +60,7 @@ class TrainConfig:
     ckpt_every: int = field(default=100, metadata={"min": 0, "note": "0: only at the end and on a stop",
                                                    "example": "100"})
     """Steps between periodic checkpoints (0: only at the end and on a stop request)."""
-    local_ckpt_every: int | str = field(default=0, metadata={"min": 0, "note": "0: off", "choices": ("auto",),
+    local_ckpt_every: int | str = field(default="auto", metadata={"min": 0, "note": "0: off", "choices": ("auto",),
                                                              "example": "5"})
     """Steps between node-local checkpoints (/dev/shm, a replica on a peer node; 0: off): a fault in the allocation
     resumes from the newest step every rank has there when it is newer than the shared checkpoint. auto: the most
