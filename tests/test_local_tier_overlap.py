@@ -156,6 +156,9 @@ def test_on_a_gpu_the_copy_is_queued_on_a_side_stream_and_the_step_waits_on_its_
     assert torch.equal(out["optimizer"]["state"]["w"], torch.ones(3))
     copy.hold()  # the optimizer's pre-hook: the training stream waits on the copies' event, the host does not
     assert fake.calls[-1] == ("training", "waits on", "event1")
+    calls = len(fake.calls)
+    copy.hold()  # the next steps: nothing in flight, nothing to wait for
+    assert len(fake.calls) == calls
     assert list(copy.hooked) == [id(opt)]
 
 

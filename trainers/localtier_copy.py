@@ -59,6 +59,8 @@ class HostCopy:
         self.done: Any = None  # GPU: the side stream's event after the copies
         self.stream: Any = None
         self.hooked: dict[int, RemovableHandle] = {}
+        self.guard = False
+        """A save's copy may still be in flight: the next optimizer step waits for it."""
 
     def buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get(key)
@@ -72,7 +74,7 @@ class HostCopy:
         `finish`. Returns without waiting for the rest only when a pre-hook guards every optimizer."""
         hooked = self.hook(optimizers_of(states))
         self.queued.clear()
-        self.later, self.done = [], None
+        self.later, self.done, self.guard = [], None, True
         out: dict[str, Any] = {}
         for name, part in tensors.items():
             out[name] = self.plan(part, name, name, now.get(name, frozenset()))
@@ -132,10 +134,14 @@ class HostCopy:
             self.done.record(self.stream)
 
     def hold(self, *_: Any) -> None:
-        """Before an optimizer step: the save in flight must have read the tensors the step changes."""
+        """Before an optimizer step: the save in flight must have read the tensors the step changes (once a save:
+        the other steps pass on a flag)."""
+        if not self.guard:
+            return
         self.queued.wait()
         if self.cuda and self.done is not None:
             torch.cuda.current_stream(self.device).wait_event(self.done)
+        self.guard = False
 
     def hook(self, optimizers: list[Optimizer]) -> bool:
         """Register `hold` once on each optimizer; whether there is at least one."""
