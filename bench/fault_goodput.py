@@ -31,6 +31,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "fault_goodput.json"
 FAULTS = ("kill", "stop", "preempt", "kill", "stop")
+LOCAL = False
+"""--profile local: the same campaign on this machine, 2 ranks (no preemption: nothing requeues a local job)."""
+LOCAL_STATE = ["RUNNING"]
 
 
 def hpcjobs(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
@@ -39,12 +42,29 @@ def hpcjobs(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 
 
 def state(job: str) -> str:
+    if LOCAL:
+        return LOCAL_STATE[0]
     out = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"], capture_output=True, text=True).stdout
     return out.split()[0] if out.split() else ""
 
 
+def local_rank_pids() -> list[int]:
+    """A local job's ranks: this user's `trainers.launch` processes, not a warm spare (hpcjobs.protocol.rejoin)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd, env = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"trainers.launch" in cmd and b"hpcjobs-fault-goodput-" in cmd and b"HPCJOBS_SPARE=" not in env:
+            pids.append(int(proc.name))
+    return pids
+
+
 def rank_pids() -> list[int]:
     """The ranks' processes on the nodes (each node is a network namespace of the test cluster)."""
+    if LOCAL:
+        return local_rank_pids()
     pids = []
     for node in ("node1", "node2"):
         listed = subprocess.run(["ip", "netns", "pids", f"hpcj-{node}"], capture_output=True, text=True).stdout
@@ -78,7 +98,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--every", type=float, default=90.0, help="seconds between faults once the job trains")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local-ckpt-every", default="0", help="the node-local tier's interval (0: off)")
+    p.add_argument("--profile", choices=("testcluster", "local"), default="testcluster")
     ns = p.parse_args()
+    if ns.profile == "local":
+        return local_campaign(ns)
     rng = random.Random(ns.seed)
     folder = Path(tempfile.mkdtemp(prefix="hpcjobs-fault-goodput-", dir="/tmp"))
     folder.chmod(0o755)
@@ -89,7 +113,7 @@ def main() -> int:
     run = folder / "runs" / "campaign"
     out = hpcjobs("submit", "--profile", str(folder / "profile.yaml"), "--nodes", "2", "--gpus", "2", "--run-dir",
                   str(run), "--json", "trainers.tasks.lm", "--size", "tiny", "--steps", str(ns.steps),
-                  "--log-every", "50", "--ckpt-every", "100", home=folder)
+                  "--log-every", "50", "--ckpt-every", "100", "--local-ckpt-every", ns.local_ckpt_every, home=folder)
     assert out.returncode == 0, out.stderr
     job = json.loads(out.stdout)["job_id"]
     while not (run / "heartbeat.json").exists():
@@ -106,16 +130,47 @@ def main() -> int:
     return write_result(job, folder, run, ns.steps, injected)
 
 
-def write_result(job: str, folder: Path, run: Path, steps: int, injected: list[dict[str, Any]]) -> int:
+def local_campaign(ns: argparse.Namespace) -> int:
+    """The campaign on the `local` profile: kill, stop, kill, stop (a lost rank is replaced while the other keeps
+    its process, hpcjobs.protocol.rejoin; a hang is ended by the watchdog and every rank starts again)."""
+    global LOCAL
+    LOCAL = True
+    rng = random.Random(ns.seed)
+    folder = Path(tempfile.mkdtemp(prefix="hpcjobs-fault-goodput-", dir="/tmp"))
+    run = folder / "runs" / "campaign"
+    argv = [str(Path(sys.executable).parent / "hpcjobs"), "submit", "--profile", "local", "--gpus", "2", "--run-dir",
+            str(run), "trainers.tasks.lm", "--size", "tiny", "--steps", str(ns.steps), "--log-every", "50",
+            "--ckpt-every", "100", "--local-ckpt-every", ns.local_ckpt_every]
+    job_proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "HPCJOBS_HOME": str(folder)},
+                                stdout=subprocess.DEVNULL, stderr=open(folder / "submit.err", "w"))
+    while not (run / "heartbeat.json").exists():
+        time.sleep(1)
+    injected: list[dict[str, Any]] = []
+    for fault in [f for f in FAULTS if f != "preempt"]:
+        time.sleep(ns.every)
+        if job_proc.poll() is not None:
+            break
+        injected.append({"time": time.time(), "fault": fault, "how": inject(fault, "", rng)})
+        print(f"injected {injected[-1]}", flush=True)
+    code = job_proc.wait()
+    LOCAL_STATE[0] = "COMPLETED" if code == 0 else f"FAILED ({code})"
+    job = json.loads((run / "final.json").read_text()).get("job_id", "")
+    return write_result(job, folder, run, ns.steps, injected, ns.local_ckpt_every)
+
+
+def write_result(job: str, folder: Path, run: Path, steps: int, injected: list[dict[str, Any]],
+                 tier: str = "0") -> int:
     """`hpcjobs goodput`'s report of the campaign's job, with the faults injected, into RESULTS."""
-    report = json.loads(hpcjobs("goodput", job, "--json", home=folder).stdout)
+    report = json.loads(hpcjobs("goodput", str(run) if LOCAL else job, "--json", home=folder).stdout)
     total = report["total"]
-    result = {"date": time.strftime("%Y-%m-%d"), "job": job, "state": state(job), "steps": steps, "faults": injected,
+    result = {"date": time.strftime("%Y-%m-%d"), "job": job, "state": state(job), "steps": steps,
+              "profile": "local" if LOCAL else "testcluster", "local_ckpt_every": tier, "faults": injected,
               "goodput": total, "advice": report.get("advice"),
               "buckets_sum_minus_wall_s": round(sum(total["buckets_s"].values()) - total["wall_s"], 3),
               "recoveries": [r for r in map(json.loads, (run / "restarts.jsonl").read_text().splitlines())
                              if r.get("stopped") == "fault"]}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    out = RESULTS.with_name(f"fault_goodput{'_local' if LOCAL else ''}{'' if tier == '0' else '_tier'}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("job", "state", "buckets_sum_minus_wall_s")}), total["ettr"],
           json.dumps(total["buckets_s"]))
     return 0 if result["state"] == "COMPLETED" else 1
