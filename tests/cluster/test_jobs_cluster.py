@@ -59,8 +59,9 @@ def jobs(accounting: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["job_id"]
 
-    # ~60 steps/s here: the requeue lands a few hundred steps in, and the restart's ~30 s are all the fixture waits.
-    requeued = 2000
+    # 60-130 steps/s here: the requeue lands a few hundred steps in (step 249 in a CI run), and the restart's
+    # ~15 s are all the fixture waits (2000 steps: ~7 s more in each of the two fixtures).
+    requeued = 1000
     long = ("trainers.tasks.classifier", "--steps", "1000000", "--log-every", "20", "--ckpt-every", "0")
     ids = {
         "completed": submit("trainers.tasks.classifier", "--steps", "30", "--log-every", "10"),
