@@ -47,26 +47,33 @@ ARMS = {"tier": ("--ckpt-every", "200", "--local-ckpt-every", "5"), "no tier": (
 HPCJOBS = [sys.executable, "-m", "hpcjobs"]
 
 
+def faulted_job(run: Path, env: dict[str, str], entry: list[str]) -> tuple[dict[str, Any], float]:
+    """`hpcjobs submit` of 2 local ranks running `entry` into `run`, then its one fault's line from `hpcjobs goodput
+    --json` (or {"error": ...}), and the job's wall time. bench/rejoin.py runs its arms through this too."""
+    began = time.monotonic()
+    out = subprocess.run([*HPCJOBS, "submit", "--profile", str(REPO / "cluster_profiles" / "local.yaml"), "--gpus",
+                          "2", "--run-dir", str(run), "--no-snapshot", *entry], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900, check=False)
+    wall = time.monotonic() - began
+    if out.returncode != 0:
+        return {"error": out.stderr[-800:], "rc": out.returncode}, wall
+    good = subprocess.run([*HPCJOBS, "goodput", str(run), "--json"], cwd=REPO, env=env, capture_output=True,
+                          text=True, check=False)
+    faults = json.loads(good.stdout).get("faults", []) if good.returncode == 0 else []
+    if len(faults) != 1:
+        return {"error": f"{len(faults)} faults in goodput: {good.stdout[-400:]}{good.stderr[-400:]}"}, wall
+    return faults[0], wall
+
+
 def one_run(arm: str, tmp: Path) -> dict[str, Any]:
     """One local job of `arm`, rank 1 killed after FAULT_STEP; the goodput figures of its fault."""
     run = tmp / "run"
     env = {**os.environ, "HPCJOBS_HOME": str(tmp / "home"), "HPCJOBS_LOCAL_CKPT_DIR": str(tmp / "shm"),
            "HPCJOBS_FAULT_INJECT": f"step@{FAULT_STEP}:1", "HPCJOBS_FAULT_ACTION": "kill",
            "HPCJOBS_FAULT_RESTART": "0", "USER": os.environ.get("USER", "bench")}
-    began = time.monotonic()
-    out = subprocess.run([*HPCJOBS, "submit", "--profile", str(REPO / "cluster_profiles" / "local.yaml"), "--gpus",
-                          "2", "--run-dir", str(run), "--no-snapshot", "trainers.tasks.lm", "--size", "tiny",
-                          "--steps", str(STEPS), *ARMS[arm]], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=900, check=False)
-    wall = time.monotonic() - began
-    if out.returncode != 0:
-        return {"arm": arm, "error": out.stderr[-800:], "rc": out.returncode}
-    good = subprocess.run([*HPCJOBS, "goodput", str(run), "--json"], cwd=REPO, env=env, capture_output=True,
-                          text=True, check=False)
-    faults = json.loads(good.stdout).get("faults", []) if good.returncode == 0 else []
-    if len(faults) != 1:
-        return {"arm": arm, "error": f"{len(faults)} faults in goodput: {good.stdout[-400:]}{good.stderr[-400:]}"}
-    f = faults[0]
+    f, wall = faulted_job(run, env, ["trainers.tasks.lm", "--size", "tiny", "--steps", str(STEPS), *ARMS[arm]])
+    if "error" in f:
+        return {"arm": arm, **f}
     step_s = step_time(run / "metrics.jsonl")
     redone = None if f["resumed_step"] is None else FAULT_STEP - f["resumed_step"]
     return {"arm": arm, "fault_to_first_resumed_step_s": f["to_first_step_s"], "resumed_step": f["resumed_step"],

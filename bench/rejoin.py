@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from local_tier import faulted_job, median_of, rows_of  # bench/ is the script's folder: sys.path[0]
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "rejoin.json"
@@ -35,29 +35,15 @@ HPCJOBS = [sys.executable, "-m", "hpcjobs"]
 KEYS = ("fault_to_first_resumed_step_s", "steps_redone", "job_wall_s", "survivor_start_to_first_step_s")
 
 
-def rows_of(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def one_run(arm: str, tmp: Path) -> dict[str, Any]:
     run = tmp / "run"
     env = {**os.environ, "HPCJOBS_HOME": str(tmp / "home"), "HPCJOBS_LOCAL_CKPT_DIR": str(tmp / "shm"),
            "HPCJOBS_FAULT_INJECT": f"step@{FAULT_STEP}:1", "HPCJOBS_FAULT_ACTION": "kill",
            "HPCJOBS_FAULT_RESTART": "0", "USER": os.environ.get("USER", "bench"), **ARMS[arm]}
-    began = time.monotonic()
-    out = subprocess.run([*HPCJOBS, "submit", "--profile", str(REPO / "cluster_profiles" / "local.yaml"), "--gpus",
-                          "2", "--run-dir", str(run), "--no-snapshot", "trainers.tasks.lm", "--size", "tiny",
-                          "--steps", str(STEPS), "--ckpt-every", "200", "--local-ckpt-every", "5"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=900, check=False)
-    wall = time.monotonic() - began
-    if out.returncode != 0:
-        return {"arm": arm, "error": out.stderr[-800:], "rc": out.returncode}
-    good = subprocess.run([*HPCJOBS, "goodput", str(run), "--json"], cwd=REPO, env=env, capture_output=True,
-                          text=True, check=False)
-    faults = json.loads(good.stdout).get("faults", []) if good.returncode == 0 else []
-    if len(faults) != 1:
-        return {"arm": arm, "error": f"{len(faults)} faults in goodput: {good.stdout[-400:]}{good.stderr[-400:]}"}
-    f = faults[0]
+    f, wall = faulted_job(run, env, ["trainers.tasks.lm", "--size", "tiny", "--steps", str(STEPS), "--ckpt-every",
+                                     "200", "--local-ckpt-every", "5"])
+    if "error" in f:
+        return {"arm": arm, **f}
     survivor = next((r for r in rows_of(run / "startup.jsonl") if r.get("restart") == 1 and r.get("rank") == 0), {})
     kept = [r for r in rows_of(run / "restarts.jsonl") if "replaced" in r]
     return {"arm": arm, "fault_to_first_resumed_step_s": f["to_first_step_s"], "resumed_step": f["resumed_step"],
@@ -65,11 +51,6 @@ def one_run(arm: str, tmp: Path) -> dict[str, Any]:
             "job_wall_s": round(wall, 1), "survivor_kept": bool(kept),
             "survivor_start_to_first_step_s": round(survivor["first_step"] - survivor["launched"], 3)
             if survivor.get("first_step") and survivor.get("launched") else None, "survivor_startup": survivor}
-
-
-def median_of(runs: list[dict[str, Any]], arm: str, key: str) -> float | None:
-    values = [r[key] for r in runs if r["arm"] == arm and r.get(key) is not None]
-    return statistics.median(values) if values else None
 
 
 def main() -> int:
