@@ -7,13 +7,18 @@ and ranks, runs interleaved (this machine drifts ±10% between runs).
 (b) The fixed per-step overhead in ms on a tiny model whose bare step takes ~2 ms, one process, both loops in the
     same process alternately (target ≤ 0.05 ms).
 
-    .venv/bin/python bench/trainer_overhead.py [--rounds 8] [--steps 200]
+(tier) The node-local tier at its default interval (`--local-ckpt-every auto`, trainers/localtier_auto.py) against
+    the trainer with it off, part (a)'s LM and ranks, interleaved: ratio of mean step times (target ≤ 1.02, issue 40).
+    Parts (a) run the trainer at its defaults, so the tier (auto) is in their figure too.
+
+    .venv/bin/python bench/trainer_overhead.py [--rounds 8] [--steps 200] [--parts a a-fsdp b tier]
 Writes bench/results/trainer_overhead.json and prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -115,6 +120,8 @@ def worker(mode: str, steps: int, log_every: int, out: Path, strategy: str) -> N
         else:
             cfg = TrainConfig(steps=steps, lr=LR, seed=SEED, batch_size=BATCH, log_every=log_every, ckpt_every=0,
                               weight_decay=0.1, strategy=strategy)
+            if mode == "trainer-tier-off":  # else the tier at its default (auto)
+                cfg = dataclasses.replace(cfg, local_ckpt_every=0)
             train(task, cfg, RunFolder(out / "run"), ctx)
 
 
@@ -159,6 +166,27 @@ def part_a(rounds: int, steps: int, log_every: int, strategy: str) -> dict[str, 
     return {"task": f"trainers.tasks.lm {' '.join(LM_ARGS)}", "strategy": strategy, "ranks": 2, "steps": steps,
             "trainer_ms": statistics.median(trainer_all) * 1e3, "bare_ms": statistics.median(bare_all) * 1e3,
             "ratio_median": statistics.median(ratios), "ratios": ratios, "weights_identical": all(identical)}
+
+
+def part_tier(rounds: int, steps: int, log_every: int) -> dict[str, Any]:
+    """The node-local tier at its default (`--local-ckpt-every auto`) against the trainer with it off, the example
+    LM on 2 CPU ranks, interleaved (the order alternating): the ratio of mean step times (a mean, not a median: the
+    steps a save slows are few and must count)."""
+    means: dict[str, list[float]] = {"trainer": [], "trainer-tier-off": []}
+    for r in range(rounds):
+        for mode in (["trainer", "trainer-tier-off"] if r % 2 == 0 else ["trainer-tier-off", "trainer"]):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp)
+                run_two_ranks(mode, steps, log_every, out, "ddp")
+                recs = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+                means[mode].append(statistics.mean(1 / rec["samples_per_s"] * BATCH * 2 for rec in recs[1:]))
+        print(f"  (tier) round {r}: auto {means['trainer'][-1] * 1e3:.2f} ms/step, off "
+              f"{means['trainer-tier-off'][-1] * 1e3:.2f} ms/step", flush=True)
+    ratios = [a / o for a, o in zip(means["trainer"], means["trainer-tier-off"], strict=True)]
+    return {"task": f"trainers.tasks.lm {' '.join(LM_ARGS)}", "ranks": 2, "steps": steps,
+            "auto_ms": [m * 1e3 for m in means["trainer"]], "off_ms": [m * 1e3 for m in means["trainer-tier-off"]],
+            "ratio_median": statistics.median(ratios), "ratios": ratios,
+            "ratio_of_means": statistics.mean(means["trainer"]) / statistics.mean(means["trainer-tier-off"])}
 
 
 def tiny_task() -> Any:
@@ -207,7 +235,7 @@ def part_b(rounds: int, steps: int, log_every: int) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--worker", choices=["trainer", "bare"])
+    p.add_argument("--worker", choices=["trainer", "trainer-tier-off", "bare"])
     p.add_argument("--out", type=Path)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=200)
@@ -224,6 +252,10 @@ def main() -> None:
         if part in ns.parts:
             print(f"({part}) example LM, 2 CPU ranks, trainer vs bare {strategy} loop (interleaved)", flush=True)
             results[part] = part_a(ns.rounds, ns.steps, ns.log_every, strategy)
+    if "tier" in ns.parts:
+        print("(tier) example LM, 2 CPU ranks, the node-local tier at its default (auto) vs off (interleaved)",
+              flush=True)
+        results["tier"] = part_tier(ns.rounds, ns.steps, ns.log_every)
     if "b" in ns.parts:
         print("(b) fixed per-step overhead, tiny model, one process (interleaved)", flush=True)
         results["b"] = part_b(ns.rounds, ns.tiny_steps, 100)
@@ -234,6 +266,10 @@ def main() -> None:
             a = results[part]
             print(f"({part}) median ratio {a['ratio_median']:.3f} (target <= 1.02), weights identical: "
                   f"{a['weights_identical']}")
+    if "tier" in results:
+        t = results["tier"]
+        print(f"(tier) auto / off: median of round ratios {t['ratio_median']:.3f}, ratio of means "
+              f"{t['ratio_of_means']:.3f} (target <= 1.02)")
     if "b" in results:
         b = results["b"]
         print(f"(b) overhead {b['overhead_ms_median']:+.4f} ms/step on a {b['bare_ms']:.2f} ms step (target <= 0.05)")
