@@ -10,7 +10,12 @@ negative control: the survivor's pid changes)"""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +111,26 @@ def test_under_fsdp_the_survivor_rejoins_and_the_result_is_exact(tmp_path: Path)
     assert [r["replaced"] for r in rows(run / "restarts.jsonl") if "replaced" in r] == [[1]]
     got = weights(run)
     assert all(torch.equal(got[k], twin[k]) for k in got)
+
+
+def test_a_waiting_spare_ends_on_sigterm_and_with_its_launcher(tmp_path: Path) -> None:
+    """A warm spare is nobody's rank until assigned: SIGTERM ends it at once, and so does its launcher's death. (In
+    CI a spare whose SIGTERM was ignored outlived a SIGKILLed `hpcjobs submit` and held its output pipe open:
+    tests/test_first_hour.py's killed-launcher test waited for ever.)"""
+    spare = [sys.executable, "-m", "trainers.launch", "--run-dir", str(tmp_path / "run"), "--",
+             "trainers.tasks.classifier"]
+    env = {**os.environ, "HPCJOBS_SPARE": str(tmp_path / "never.json")}
+    p = subprocess.Popen(spare, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(6)  # past its imports, waiting
+    assert p.poll() is None
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == -signal.SIGTERM
+    # Its launcher gone (a parent that exits at once: the spare is orphaned): it leaves by itself.
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen(sys.argv[1:], "
+                               "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); "
+                               "time.sleep(8)", *spare], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    pid = int(parent.communicate(timeout=60)[0])  # the parent lived 8 s: the spare knew it, then it died
+    deadline = time.time() + 60
+    while Path(f"/proc/{pid}").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

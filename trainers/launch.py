@@ -172,10 +172,17 @@ def wait_as_spare(ns: argparse.Namespace, spare: str) -> None:
     if ns.kind == "task":
         with contextlib.suppress(Exception):  # loaded again (and judged) by the rank as usual
             importlib.import_module(ns.entry)
-    try:
-        os.environ.update(rejoin.await_assignment(Path(spare)))
-    except KeyboardInterrupt:
-        raise SystemExit(0) from None
+    # Waiting, a spare is nobody's rank: any stop signal ends it at once, whatever the imports left installed (seen
+    # on the local backend: SIGTERM and the profile's USR2 ignored, so the launcher's death, PDEATHSIG's SIGTERM, left
+    # it waiting forever, holding the job's output pipe open); and it leaves when its launcher is gone.
+    for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    launcher = os.getppid()
+    assigned = rejoin.await_assignment(Path(spare), gone=lambda: os.getppid() != launcher)
+    if assigned is None:
+        raise SystemExit(0)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.update(assigned)
     startup.again(time.time())
 
 

@@ -148,10 +148,11 @@ def assign(path: Path, env: Mapping[str, str]) -> None:
     _write(path, json.dumps(dict(env)))
 
 
-def await_assignment(path: Path, poll_s: float = 0.02) -> dict[str, str]:
-    """The spare: block until the launcher has assigned it (it is killed with the job otherwise)."""
-    while True:
+def await_assignment(path: Path, gone: Callable[[], bool], poll_s: float = 0.02) -> dict[str, str] | None:
+    """The spare: block until the launcher has assigned it; None once `gone()` (its launcher died)."""
+    while not gone():
         try:
             return {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
         except (OSError, ValueError):
             time.sleep(poll_s)
+    return None
