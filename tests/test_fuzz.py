@@ -160,7 +160,7 @@ def run_cli(sandbox: Sandbox, work: Path, argv: list[str]) -> Outcome:
     submitted: list[str] = []
 
     def ranks_started(spec: Any, sub: Any, slot: int | None, stdout_to_stderr: bool,
-                      restart: int = 0) -> list[subprocess.Popen[bytes]]:
+                      restart: int = 0, port: int = 0) -> list[subprocess.Popen[bytes]]:
         """Instead of training: rank 0's command line, environment and folder go to Popen as the real start gives
         them, with /bin/true run in their place (Popen refuses what it would refuse for a real rank, e.g. a NUL)."""
         submitted.append(f"local {sub.job_id}")

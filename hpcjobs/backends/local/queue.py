@@ -81,6 +81,7 @@ class LocalQueue:
         self.running: dict[int, tuple[int, Ranks]] = {}  # task -> (slot, ranks)
         self.ports: dict[int, int] = {}  # task -> its running start's rendezvous port
         self.spares: dict[int, tuple[subprocess.Popen[bytes], Path]] = {}  # task -> its warm spare and its file
+        self.spare_due: dict[int, float] = {}  # task -> since when it wants a spare (hpcjobs.protocol.rejoin)
         self.began: dict[int, float] = {}  # monotonic, for the time limit
         self.warned: set[int] = set()
         self.limit = time_limit(spec)
@@ -119,7 +120,7 @@ class LocalQueue:
         self._end_spare(i)
         self.running[i] = slot, start_ranks(self.spec, self.subs[i], slot if self.width > 1 else None,
                                             self.stdout_to_stderr, self.restarts[i], self.ports[i])
-        self._spare(i)
+        self.spare_due[i] = time.time()
         self.stopper.procs += self.running[i][1]
         self.began.setdefault(i, time.monotonic())
 
@@ -136,15 +137,19 @@ class LocalQueue:
         else:
             p = spawn(self.spec, env, self.stdout_to_stderr)
         self.stopper.procs.append(p)
-        self._spare(i)
+        self.spare_due[i] = time.time()
         return p
 
     def _spare(self, i: int) -> None:
         """A warm spare for job i's next lost rank (hpcjobs.protocol.rejoin.SPARE_ENV): torch and the task imported,
-        waiting; the one before it (if any) ended."""
-        self._end_spare(i)
-        if not self.replaces:
+        waiting. Started once the start's ranks have trained a step (startup.jsonl written since `spare_due`): its
+        imports would otherwise compete with theirs for the node's cores."""
+        due = self.spare_due.get(i)
+        run = RunFolder(self.subs[i].run_dir)
+        if not self.replaces or due is None or i in self.spares or not run.startup.is_file() or \
+                run.startup.stat().st_mtime < due:
             return
+        del self.spare_due[i]
         slot = self.running[i][0] if self.width > 1 else None
         path = rejoin.folder(RunFolder(self.subs[i].run_dir)) / f"spare-{time.monotonic_ns()}.json"
         env = rank_env(self.spec, self.subs[i], slot, self.restarts[i], 0, self.ports[i])
@@ -177,12 +182,14 @@ class LocalQueue:
             self.restarts[i] = new
             return
         if (code := group_code(procs)) is None:
+            self._spare(i)
             return
         if code and not asked and recovered(self.spec, self.subs[i], self.restarts[i], code, procs):
             self._start(i, self.running[i][0])
             return
         self.codes[i] = self.stopper.exit_code(code)
         self._end_spare(i)
+        self.spare_due.pop(i, None)
         del self.running[i]
         record_allocation(self.subs[i], self.started[i], code)
         remove_tier(self.spec, self.subs[i])
