@@ -119,18 +119,22 @@ def test_a_waiting_spare_ends_on_sigterm_and_with_its_launcher(tmp_path: Path) -
     tests/test_first_hour.py's killed-launcher test waited for ever.)"""
     spare = [sys.executable, "-m", "trainers.launch", "--run-dir", str(tmp_path / "run"), "--",
              "trainers.tasks.classifier"]
-    env = {**os.environ, "HPCJOBS_SPARE": str(tmp_path / "never.json")}
+    env = {**os.environ, "HPCJOBS_SPARE": str(tmp_path / "never.json"), "HPCJOBS_SPARE_LAUNCHER": str(os.getpid())}
     p = subprocess.Popen(spare, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(6)  # past its imports, waiting
     assert p.poll() is None
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == -signal.SIGTERM
     # Its launcher gone (a parent that exits at once: the spare is orphaned): it leaves by itself.
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen(sys.argv[1:], "
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys, time; os.environ["
+                               "'HPCJOBS_SPARE_LAUNCHER'] = str(os.getpid()); p = subprocess.Popen(sys.argv[1:], "
                                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); "
-                               "time.sleep(8)", *spare], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
-    pid = int(parent.communicate(timeout=60)[0])  # the parent lived 8 s: the spare knew it, then it died
+                               "time.sleep(2)", *spare], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    pid = int(parent.communicate(timeout=60)[0])  # the parent died during the spare's imports
     deadline = time.time() + 60
     while Path(f"/proc/{pid}").exists() and time.time() < deadline:
         time.sleep(0.5)
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    # A launcher that is not its parent (it died before the spare started): it leaves at once.
+    orphan = subprocess.run(spare, cwd=REPO, env={**env, "HPCJOBS_SPARE_LAUNCHER": "1"}, timeout=60, check=False)
+    assert orphan.returncode == 0

@@ -160,11 +160,21 @@ def end_process_group() -> None:
             dist.destroy_process_group()
 
 
-def wait_as_spare(ns: argparse.Namespace, spare: str) -> None:
+def wait_as_spare(ns: argparse.Namespace, spare: str, launcher: int) -> None:
     """A warm spare (hpcjobs.protocol.rejoin.SPARE_ENV): import what a rank of this entry imports, then wait until
-    the launcher makes this process a lost rank's replacement; its start begins then (startup.again). Ended by the
-    launcher with the job when it was never needed."""
+    the launcher (pid `launcher`) makes this process a lost rank's replacement; its start begins then
+    (startup.again). Ended by the launcher with the job when it was never needed, and gone with it.
+
+    Until assigned it is nobody's rank: every stop signal takes its default action, set before the imports (on the
+    local backend a spare was seen with SIGTERM and USR2 ignored, so the SIGTERM of its launcher's death, PDEATHSIG,
+    was lost and it waited for ever, holding the job's output pipe); and it leaves once its parent is not the launcher
+    that started it (a launcher that died before the spare could hear of it)."""
     import importlib
+
+    for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    if os.getppid() != launcher:
+        raise SystemExit(0)
 
     import torch  # noqa: F401 - the import a replacement would otherwise wait for
 
@@ -172,12 +182,6 @@ def wait_as_spare(ns: argparse.Namespace, spare: str) -> None:
     if ns.kind == "task":
         with contextlib.suppress(Exception):  # loaded again (and judged) by the rank as usual
             importlib.import_module(ns.entry)
-    # Waiting, a spare is nobody's rank: any stop signal ends it at once, whatever the imports left installed (seen
-    # on the local backend: SIGTERM and the profile's USR2 ignored, so the launcher's death, PDEATHSIG's SIGTERM, left
-    # it waiting forever, holding the job's output pipe open); and it leaves when its launcher is gone.
-    for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT"):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    launcher = os.getppid()
     assigned = rejoin.await_assignment(Path(spare), gone=lambda: os.getppid() != launcher)
     if assigned is None:
         raise SystemExit(0)
@@ -189,7 +193,7 @@ def wait_as_spare(ns: argparse.Namespace, spare: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     if spare := os.environ.pop(rejoin.SPARE_ENV, ""):
-        wait_as_spare(ns, spare)
+        wait_as_spare(ns, spare, int(os.environ.pop(rejoin.LAUNCHER_ENV, "0")))
     try:
         require_torch()
         for setting in (INIT_TIMEOUT, COLLECTIVE_TIMEOUT):  # a typo refused now, not after the first step

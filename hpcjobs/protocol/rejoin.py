@@ -143,6 +143,10 @@ the new group waits for no import (hpcjobs.backends.local.replace). The launcher
 variables that make the spare that rank."""
 
 
+LAUNCHER_ENV = "HPCJOBS_SPARE_LAUNCHER"
+"""The pid of the launcher that started a spare: a spare whose parent is another has lost its launcher."""
+
+
 def assign(path: Path, env: Mapping[str, str]) -> None:
     """The launcher: the spare waiting on `path` becomes the rank `env` describes."""
     _write(path, json.dumps(dict(env)))

@@ -153,7 +153,8 @@ class LocalQueue:
         slot = self.running[i][0] if self.width > 1 else None
         path = rejoin.folder(RunFolder(self.subs[i].run_dir)) / f"spare-{time.monotonic_ns()}.json"
         env = rank_env(self.spec, self.subs[i], slot, self.restarts[i], 0, self.ports[i])
-        self.spares[i] = spawn(self.spec, {**env, rejoin.SPARE_ENV: str(path)}, self.stdout_to_stderr), path
+        self.spares[i] = spawn(self.spec, {**env, rejoin.SPARE_ENV: str(path),
+                                               rejoin.LAUNCHER_ENV: str(os.getpid())}, self.stdout_to_stderr), path
 
     def _end_spare(self, i: int) -> None:
         spare = self.spares.pop(i, None)
