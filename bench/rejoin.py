@@ -30,7 +30,7 @@ from local_tier import faulted_job, median_of, rows_of  # bench/ is the script's
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "rejoin.json"
 FAULT_STEP, STEPS = 150, 180
-ARMS = {"kept": {}, "restarted": {"HPCJOBS_REJOIN": "0"}}
+ARMS = {"kept": {"HPCJOBS_REJOIN_SPARE": "1"}, "restarted": {"HPCJOBS_REJOIN": "0"}}
 HPCJOBS = [sys.executable, "-m", "hpcjobs"]
 KEYS = ("fault_to_first_resumed_step_s", "steps_redone", "job_wall_s", "survivor_start_to_first_step_s")
 

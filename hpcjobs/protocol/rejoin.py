@@ -143,6 +143,9 @@ the new group waits for no import (hpcjobs.backends.local.replace). The launcher
 variables that make the spare that rank."""
 
 
+SPARE_ON_ENV = "HPCJOBS_REJOIN_SPARE"
+"""1: the local backend keeps a warm spare (opt-in: a spare outlived a killed launcher in the tests, so it is off by
+default until that is understood; without it a lost rank's replacement is a new process, which imports torch)."""
 LAUNCHER_ENV = "HPCJOBS_SPARE_LAUNCHER"
 """The pid of the launcher that started a spare: a spare whose parent is another has lost its launcher."""
 

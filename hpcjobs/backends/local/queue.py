@@ -146,7 +146,8 @@ class LocalQueue:
         imports would otherwise compete with theirs for the node's cores."""
         due = self.spare_due.get(i)
         run = RunFolder(self.subs[i].run_dir)
-        if not self.replaces or due is None or i in self.spares or not run.startup.is_file() or \
+        wanted = self.replaces and os.environ.get(rejoin.SPARE_ON_ENV) == "1"
+        if not wanted or due is None or i in self.spares or not run.startup.is_file() or \
                 run.startup.stat().st_mtime < due:
             return
         del self.spare_due[i]
