@@ -171,8 +171,9 @@ def wait_as_spare(ns: argparse.Namespace, spare: str, launcher: int) -> None:
     that started it (a launcher that died before the spare could hear of it)."""
     import importlib
 
-    for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT"):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    for num in signal.Signals:  # the stop signals: TERM, HUP, INT and the user signals a profile may choose
+        if num.name in ("SIGTERM", "SIGHUP", "SIGINT") or num.name.startswith("SIGUSR"):
+            signal.signal(num, signal.SIG_DFL)
     if os.getppid() != launcher:
         raise SystemExit(0)
 
