@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from conftest import REPO, hpcjobs
+
+pytestmark = pytest.mark.train  # real jobs of 2 ranks: not the fast tier
 from trainers import checkpoint
 from trainers.checkpoint.dcp_files import model_weights
 
