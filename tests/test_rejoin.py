@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from conftest import REPO, hpcjobs
-
-pytestmark = pytest.mark.train  # real jobs of 2 ranks: not the fast tier
 from trainers import checkpoint
 from trainers.checkpoint.dcp_files import model_weights
+
+pytestmark = pytest.mark.train  # real jobs of 2 ranks: not the fast tier
 
 STEPS = 40
 ARGS = ["trainers.tasks.classifier", "--samples", "512", "--hidden", "32", "--steps", str(STEPS), "--log-every", "5",
