@@ -152,7 +152,7 @@ class LocalQueue:
             return
         del self.spare_due[i]
         slot = self.running[i][0] if self.width > 1 else None
-        path = rejoin.folder(RunFolder(self.subs[i].run_dir)) / f"spare-{time.monotonic_ns()}.json"
+        path = rejoin.folder(run) / f"spare-{time.monotonic_ns()}.json"
         env = rank_env(self.spec, self.subs[i], slot, self.restarts[i], 0, self.ports[i])
         self.spares[i] = spawn(self.spec, {**env, rejoin.SPARE_ENV: str(path),
                                                rejoin.LAUNCHER_ENV: str(os.getpid())}, self.stdout_to_stderr), path
@@ -209,14 +209,19 @@ def start_ranks(spec: JobSpec, sub: Submitted, slot: int | None, stdout_to_stder
     print(f"hpcjobs: job {sub.job_id}: running {spec.world()} locally; run folder {sub.run_dir}",
           file=sys.stderr, flush=True)
     rejoin.clear(RunFolder(sub.run_dir))  # every rank starts anew: no earlier generation's call is left
-    return [spawn(spec, rank_env(spec, sub, slot, restart, r, port), stdout_to_stderr) for r in range(spec.ranks)]
+    return [spawn(spec, env, stdout_to_stderr) for env in slot_envs(spec, sub, slot, restart, port)]
 
 
-def rank_env(spec: JobSpec, sub: Submitted, slot: int | None, restart: int, rank: int, port: int) -> dict[str, str]:
+def slot_envs(spec: JobSpec, sub: Submitted, slot: int | None, restart: int, port: int) -> list[dict[str, str]]:
+    """Every rank's environment in this sweep slot (its GPUs): rank_envs over this shell's environment."""
     base = dict(os.environ)
     if slot is not None:
         base.update(device_slice(slot, spec.ranks, base))
-    return rank_envs(spec, sub.job_id, port, base, restart)[rank]
+    return rank_envs(spec, sub.job_id, port, base, restart)
+
+
+def rank_env(spec: JobSpec, sub: Submitted, slot: int | None, restart: int, rank: int, port: int) -> dict[str, str]:
+    return slot_envs(spec, sub, slot, restart, port)[rank]
 
 
 def spawn(spec: JobSpec, env: dict[str, str], stdout_to_stderr: bool) -> subprocess.Popen[bytes]:
